@@ -1,0 +1,149 @@
+"""Static buffer records: every buffer the engine allocates, with the formula that sized it.
+
+Allocation code takes shape and dtype from these records (`BufferRecord.empty`), never from
+a forward that ran.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moeserve.models.spec import ModelSpec
+from moeserve.parallel.layout import ParallelLayout
+from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
+from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer
+
+ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1}
+A2A_INDEX_BYTES = 4  # top-k ids travel as int32
+A2A_WEIGHT_BYTES = 4  # top-k weights travel as float32
+
+
+@dataclass(frozen=True)
+class BufferRecord:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    formula: str
+    knobs: tuple[str, ...]
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * ELEM_BYTES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "bytes": self.bytes, "formula": self.formula, "knobs": list(self.knobs)}
+
+    def empty(self, device: Any = "cpu") -> Any:
+        """Allocate this buffer: the only way plan-owned buffers are made."""
+        import torch
+
+        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device=device)
+
+
+def a2a_dispatch_payload_bytes(spec: ModelSpec, dtype: str) -> int:
+    """One token slot of the dispatch: hidden states, top-k ids (int32), top-k weights (fp32)."""
+    return (spec.hidden_size * DTYPE_BYTES[dtype]
+            + spec.top_k * (A2A_INDEX_BYTES + A2A_WEIGHT_BYTES))
+
+
+def a2a_combine_payload_bytes(spec: ModelSpec, dtype: str) -> int:
+    return spec.hidden_size * DTYPE_BYTES[dtype]
+
+
+BUDGET_KNOBS = ("--chunked-prefill-size", "--max-prefill-tokens", "--max-running-requests",
+                "--speculative-num-draft-tokens")
+GRAPH_KNOBS = ("--cuda-graph-max-bs", "--cuda-graph-bs", "--max-running-requests")
+
+
+def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int) -> list[BufferRecord]:
+    """The all-to-all workspace: per peer `cap` token slots (cap is per rank, never times ep).
+    Send and receive halves; the combine reuses them (its payload is smaller)."""
+    payload = a2a_dispatch_payload_bytes(spec, dtype)
+    knobs = ("--moe-a2a-max-tokens-per-rank", *BUDGET_KNOBS)
+    formula = "ep x cap x (H*{b} + K*8)".format(b=DTYPE_BYTES[dtype])
+    return [BufferRecord(f"a2a.{half}", (layout.ep, cap, payload), "uint8",
+                         f"{formula} [{half} half; combine reuses it]", knobs)
+            for half in ("send", "recv")]
+
+
+def moe_runner_rows(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
+                    cap: int) -> tuple[int, str]:
+    """Rows that reach one rank's expert runner in the worst forward, with the formula."""
+    if layout.a2a:
+        return layout.ep * cap, "ep x cap"
+    if layout.dp > 1:
+        return layout.dp * budget.max_tokens, "dp x T_max (gathered DP rows)"
+    return budget.max_tokens, "T_max"
+
+
+def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dtype: str,
+                cap: int) -> list[BufferRecord]:
+    h, k = spec.hidden_size, spec.top_k
+    i_local = spec.moe_intermediate_size // layout.moe_tp
+    k_local = min(k, spec.num_experts // layout.ep)
+    m_max = moe_tokens_per_rank(budget.max_tokens, layout)
+    rows, rows_formula = moe_runner_rows(spec, layout, budget, cap)
+    pairs = rows * k_local
+    pf = f"{rows_formula} x min(K, E/ep)"
+    knobs = BUDGET_KNOBS
+    recs = [
+        BufferRecord("moe.router.topk_ids", (m_max, k), "int32", "M_max x K", knobs),
+        BufferRecord("moe.router.topk_weights", (m_max, k), "float32", "M_max x K", knobs),
+        BufferRecord("moe.runner.pair_token", (pairs,), "int32", pf, knobs),
+        BufferRecord("moe.runner.gate_up", (pairs, 2 * i_local), dtype, f"{pf} x 2I/moe_tp", knobs),
+        BufferRecord("moe.runner.act", (pairs, i_local), dtype, f"{pf} x I/moe_tp", knobs),
+        BufferRecord("moe.runner.down", (pairs, h), dtype, f"{pf} x H", knobs),
+    ]
+    if layout.dp_gather:
+        recs.append(BufferRecord("dp_gather.hidden", (layout.dp * budget.max_tokens, h), dtype,
+                                 "dp x T_max x H", ("--dp-size", *knobs)))
+    if layout.sp or layout.dense_scattered:
+        recs.append(BufferRecord("attn_tp_gather.hidden",
+                                 (layout.attn_tp * math.ceil(budget.max_tokens / layout.attn_tp),
+                                  h), dtype, "attn_tp x ceil(T_max/attn_tp) x H",
+                                 ("--tp-size", "--dp-size", *knobs)))
+    return recs
+
+
+def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
+                         budget: TokenBudget) -> list[BufferRecord]:
+    if not budget.decode_batch_sizes:
+        return []
+    bs = max(budget.decode_batch_sizes)
+    t = budget.decode_graph
+    recs = [
+        BufferRecord("graph.decode.input_ids", (t,), "int64", "max bucket x tokens/request",
+                     GRAPH_KNOBS),
+        BufferRecord("graph.decode.positions", (t,), "int64", "max bucket x tokens/request",
+                     GRAPH_KNOBS),
+        BufferRecord("graph.decode.out_cache_loc", (t,), "int64", "max bucket x tokens/request",
+                     GRAPH_KNOBS),
+        BufferRecord("graph.decode.req_pool_indices", (bs,), "int64", "max bucket", GRAPH_KNOBS),
+        BufferRecord("graph.decode.seq_lens", (bs,), "int32", "max bucket", GRAPH_KNOBS),
+        BufferRecord("graph.decode.logits", (t, spec.vocab_size), "float32",
+                     "max bucket x tokens/request x vocab", GRAPH_KNOBS),
+    ]
+    if layout.dp > 1:
+        recs.append(BufferRecord("graph.decode.dp_token_counts", (layout.dp,), "int32", "dp",
+                                 ("--dp-size",)))
+    return recs
+
+
+def kv_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dtype: str,
+               kv_tokens: int) -> list[BufferRecord]:
+    width = kv_elems_per_token_per_layer(spec, layout)
+    kv = BufferRecord("kv_cache", (spec.num_layers, kv_tokens, width), dtype,
+                      "layers x kv_capacity_tokens x " + ("(kv_lora + rope)" if spec.mla else
+                                                          "2 x kv_heads/attn_tp x head_dim"),
+                      ("--mem-fraction-static", "--max-total-tokens", "--gpu-memory-gb"))
+    return [kv]
+
+
+def req_to_token_record(budget: TokenBudget) -> BufferRecord:
+    # one spare row for the dummy request that padded graph rows point at
+    return BufferRecord("req_to_token", (budget.max_running_requests + 1, budget.context_length),
+                        "int32", "(max running per DP rank + 1) x context length",
+                        ("--max-running-requests", "--context-length"))
