@@ -104,6 +104,16 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """rope theta and scaling, from transformers 4's rope_theta/rope_scaling or 5's
+    rope_parameters; scaling is None for plain rope."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)
+    kind = params.get("rope_type", params.get("type", "default"))
+    return theta, (params if kind not in ("default", None) else None)
+
+
 def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """Read an HF config.json dict of one of SUPPORTED_ARCHITECTURES into a ModelSpec."""
     archs = cfg.get("architectures") or []
@@ -113,6 +123,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
             f"unsupported architecture {archs or '(none given)'} in {name or 'config.json'}; "
             f"moeserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
     g = cfg.get
+    rope_theta, rope_scaling = _rope(cfg)
     hidden, heads, layers = g("hidden_size"), g("num_attention_heads"), g("num_hidden_layers")
     common = dict(
         name=name or g("_name_or_path") or arch, architecture=arch, hidden_size=hidden,
@@ -120,8 +131,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         head_dim=g("head_dim") or hidden // heads, vocab_size=g("vocab_size"),
         max_position_embeddings=g("max_position_embeddings", 2048),
         tie_word_embeddings=bool(g("tie_word_embeddings", False)),
-        rope_theta=float(g("rope_theta", 10000.0)),
-        rope_scaling=_freeze(g("rope_scaling")) if g("rope_scaling") else None,
+        rope_theta=rope_theta, rope_scaling=_freeze(rope_scaling) if rope_scaling else None,
         rms_norm_eps=float(g("rms_norm_eps", 1e-6)), hidden_act=g("hidden_act", "silu"),
         torch_dtype=str(g("torch_dtype") or g("dtype") or "bfloat16"),
         num_shared_experts=0, shared_expert_intermediate_size=0, shared_expert_gate=False,
@@ -131,13 +141,14 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = g("decoder_sparse_step", 1) or 1
         only = set(g("mlp_only_layers") or [])
-        num_experts = g("num_experts")
+        num_experts = g("num_experts") or g("num_local_experts")
         dense = tuple(i for i in range(layers)
                       if i in only or not num_experts or (i + 1) % step != 0)
         shared = g("shared_expert_intermediate_size") or 0
         return ModelSpec(
             **{**common, "qk_norm": "per_head" if arch == "Qwen3MoeForCausalLM" else "none",
-               "attention_bias": bool(g("attention_bias", arch == "Qwen2MoeForCausalLM")),
+               "attention_bias": bool(g("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM"
+               else bool(g("attention_bias", False)),
                "num_shared_experts": 1 if shared else 0,
                "shared_expert_intermediate_size": shared, "shared_expert_gate": bool(shared)},
             num_experts=num_experts, top_k=g("num_experts_per_tok"),

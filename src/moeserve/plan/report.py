@@ -1,0 +1,68 @@
+"""`moeserve plan` output: a readable report of the capacity plan (rich tables)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from moeserve.plan.capacity import CapacityPlan
+from moeserve.plan.memory import GB
+
+MIB = 1024 ** 2
+
+
+def _graphs_line(sizes: tuple[int, ...]) -> str:
+    if not sizes:
+        return "(none)"
+    if len(sizes) <= 12:
+        return ", ".join(map(str, sizes))
+    head = ", ".join(map(str, sizes[:8]))
+    return f"{head}, ..., {sizes[-1]}  ({len(sizes)} sizes)"
+
+
+def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
+    console = console or Console(width=160)
+    spec, cfg = plan.spec, plan.config
+    console.print(f"[bold]moeserve plan[/bold]: {spec.name} ({spec.architecture}), {plan.dtype}, "
+                  f"{spec.num_experts} experts, top-{spec.top_k}")
+    if plan.layout is not None:
+        console.print(f"layout: {plan.layout.describe()}")
+    if plan.budget is not None:
+        b = plan.budget
+        t = Table(title="token budget per forward, per DP rank")
+        for col in ("mode", "max tokens (T)", "MoE tokens per rank (M)"):
+            t.add_column(col, justify="right" if col != "mode" else "left")
+        for mode, tokens in b.by_mode().items():
+            t.add_row(mode, "-" if tokens is None else str(tokens),
+                      "-" if tokens is None else str(plan.moe_tokens[mode]))
+        console.print(t)
+        console.print(f"limits: {b.max_running_requests} running requests per DP rank x "
+                      f"{b.tokens_per_decode_request} tokens each; prefill chunk "
+                      f"{b.chunk_tokens or 'off'}; context length {b.context_length}")
+        if plan.a2a_cap is not None:
+            console.print(f"all-to-all: cap {plan.a2a_cap} tokens per rank, workspace "
+                          f"{plan.a2a_workspace_bytes_per_rank / MIB:.1f} MiB per rank")
+        console.print(f"decode graph batch sizes: {_graphs_line(b.decode_batch_sizes)}")
+        console.print(f"prefill graph token sizes: {_graphs_line(b.prefill_token_sizes)}")
+    if plan.buffers:
+        t = Table(title="static buffers per rank")
+        for col in ("buffer", "shape", "dtype", "MiB", "formula", "knobs"):
+            t.add_column(col, justify="right" if col == "MiB" else "left")
+        for r in plan.buffers:
+            t.add_row(r.name, "x".join(map(str, r.shape)), r.dtype, f"{r.bytes / MIB:.1f}",
+                      r.formula, " ".join(r.knobs[:2]) + (" ..." if len(r.knobs) > 2 else ""))
+        console.print(t)
+    if plan.memory is not None:
+        m = plan.memory
+        console.print(
+            f"memory per rank: GPU {m.gpu_memory_bytes / GB:.1f} GB, static budget "
+            f"{m.static_budget_bytes / GB:.1f} GB (--mem-fraction-static "
+            f"{cfg.mem_fraction_static}); weights {m.weights_bytes_per_rank / GB:.2f} GB, "
+            f"static buffers {m.static_buffer_bytes_per_rank / GB:.2f} GB, KV "
+            f"{m.kv_bytes_per_token_per_rank} B/token -> {m.kv_capacity_tokens} tokens")
+    if plan.errors:
+        console.print(f"[bold red]{len(plan.errors)} error(s):[/bold red]")
+        for e in plan.errors:
+            console.print(f"  [red]x[/red] {e.message}\n    fix: {e.fix}")
+    else:
+        console.print("[green]plan ok[/green]")

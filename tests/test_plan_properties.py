@@ -1,0 +1,177 @@
+"""Property tests of the capacity plan over random layouts and knobs (hypothesis)."""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moeserve.config import EngineConfig
+from moeserve.models.spec import load_model_spec
+from moeserve.plan.buffers import a2a_dispatch_payload_bytes
+from moeserve.plan.budget import moe_tokens_per_rank
+from moeserve.plan.capacity import build_plan
+from moeserve.plan.capture import capture_multiple
+
+SPECS = {name: load_model_spec(f"preset:{name}")
+         for name in ("tiny", "qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b", "olmoe-1b-7b")}
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def valid_configs(draw):
+    name = draw(st.sampled_from(sorted(SPECS)))
+    spec = SPECS[name]
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    dp_attn = draw(st.booleans())
+    dp = draw(st.sampled_from([d for d in (1, 2, 4, 8) if tp % d == 0])) if dp_attn else 1
+    a2a = draw(st.booleans())
+    eps = [e for e in (1, 2, 4, 8) if tp % e == 0 and spec.num_experts % e == 0
+           and spec.moe_intermediate_size % (tp // e) == 0]
+    ep = tp if a2a else draw(st.sampled_from(eps))
+    attn_tp = tp // dp
+    if spec.num_experts % ep or spec.num_heads % attn_tp or (
+            spec.mla is None and spec.num_kv_heads % attn_tp and attn_tp % spec.num_kv_heads):
+        tp, dp, ep, dp_attn, a2a = 1, 1, 1, False, False
+    dense_tp = draw(st.sampled_from([None, 1]))
+    graph_bs = draw(st.one_of(st.none(), st.lists(st.integers(1, 600), min_size=1,
+                                                          max_size=8).map(tuple)))
+    return EngineConfig(
+        model=f"preset:{name}", tp_size=tp, dp_size=dp, enable_dp_attention=dp_attn,
+        ep_size=ep, moe_a2a_backend="all_to_all" if a2a else "none", moe_dense_tp_size=dense_tp,
+        max_running_requests=draw(st.integers(dp, 5000)),
+        max_prefill_tokens=draw(st.integers(1, 40000)),
+        chunked_prefill_size=draw(st.one_of(st.none(), st.just(-1), st.integers(1, 40000))),
+        enable_mixed_chunk=draw(st.booleans()),
+        speculative_num_draft_tokens=draw(st.one_of(st.none(), st.integers(1, 8))),
+        cuda_graph_max_bs=draw(st.one_of(st.none(), st.integers(1, 1024))),
+        cuda_graph_bs=graph_bs, disable_cuda_graph=draw(st.booleans()),
+        piecewise_cuda_graph_max_tokens=draw(st.one_of(st.none(), st.integers(1, 20000))),
+        disable_piecewise_cuda_graph=draw(st.booleans()),
+        context_length=draw(st.one_of(st.none(), st.integers(16, 2048))),
+        gpu_memory_gb=draw(st.sampled_from([24.0, 80.0, 141.0, 1000.0])),
+        page_size=draw(st.sampled_from([1, 16, 64])),
+    )
+
+
+@SETTINGS
+@given(valid_configs())
+def test_every_mode_fits_its_buffers_without_slack(cfg):
+    plan = build_plan(cfg, SPECS[cfg.model.split(":")[1]])
+    if plan.budget is None:  # a layout problem: errors, never a traceback
+        assert plan.errors
+        return
+    b, lay = plan.budget, plan.layout
+    modes = {m: t for m, t in b.by_mode().items() if t is not None}
+    worst = max(moe_tokens_per_rank(t, lay) for t in modes.values())
+    # no double counting: the cap is the per-rank worst case itself, not a multiple of it
+    if lay.a2a:
+        assert plan.a2a_cap == worst
+        payload = a2a_dispatch_payload_bytes(plan.spec, plan.dtype)
+        assert plan.a2a_workspace_bytes_per_rank == 2 * lay.ep * plan.a2a_cap * payload
+    else:
+        assert plan.a2a_cap is None and plan.a2a_workspace_bytes_per_rank is None
+    rows = plan.buffer("moe.router.topk_ids").shape[0]
+    assert rows == worst  # the router sees every mode's M, and no more
+    runner_pairs = plan.buffer("moe.runner.gate_up").shape[0]
+    k_local = min(plan.spec.top_k, plan.spec.num_experts // lay.ep)
+    reach = lay.ep * worst if lay.a2a else lay.dp * b.max_tokens
+    assert runner_pairs == reach * k_local
+    if b.decode_batch_sizes:
+        assert plan.buffer("graph.decode.input_ids").shape == (b.decode_graph,)
+    assert plan.buffer("req_to_token").shape == (b.max_running_requests + 1, b.context_length)
+
+
+@SETTINGS
+@given(valid_configs())
+def test_each_bound_is_reached_by_an_admissible_forward(cfg):
+    plan = build_plan(cfg, SPECS[cfg.model.split(":")[1]])
+    if plan.budget is None:
+        return
+    b = plan.budget
+    # extend: one prompt as long as the context, cut by the scheduler's rule
+    prompt = b.context_length
+    first_chunk = min(prompt, b.chunk_tokens) if b.chunk_tokens else prompt
+    prompts_in_one_prefill = [first_chunk]
+    while b.chunk_tokens and sum(prompts_in_one_prefill) < b.extend:
+        prompts_in_one_prefill.append(min(b.extend - sum(prompts_in_one_prefill), prompt))
+    assert sum(prompts_in_one_prefill) <= b.extend
+    assert sum(prompts_in_one_prefill) == b.extend or not b.chunk_tokens
+    # decode: every running slot full
+    assert b.decode == b.max_running_requests * b.tokens_per_decode_request
+    # graphs: the largest bucket is itself a forward the runner replays
+    assert b.decode_graph == max(b.decode_batch_sizes, default=0) * b.tokens_per_decode_request
+    assert b.decode_graph <= b.decode
+    assert b.prefill_graph == max(b.prefill_token_sizes, default=0) <= b.extend
+    if b.mixed is not None:
+        assert b.mixed == b.extend
+    assert b.idle == 0 and b.warmup == b.extend
+
+
+@SETTINGS
+@given(valid_configs())
+def test_capture_lists_sorted_unique_divisible_and_within_max(cfg):
+    plan = build_plan(cfg, SPECS[cfg.model.split(":")[1]])
+    if plan.budget is None:
+        return
+    b, lay = plan.budget, plan.layout
+    mult = capture_multiple(lay)
+    for sizes in (b.decode_batch_sizes, b.prefill_token_sizes):
+        assert list(sizes) == sorted(set(sizes))
+        assert all(s >= 1 and s % mult == 0 for s in sizes)
+    if cfg.disable_cuda_graph:
+        assert b.decode_batch_sizes == ()
+    else:
+        limit = b.max_running_requests
+        if cfg.cuda_graph_max_bs:
+            limit = min(limit, cfg.cuda_graph_max_bs)
+        assert all(s <= limit for s in b.decode_batch_sizes)
+        if cfg.cuda_graph_bs:
+            assert set(b.decode_batch_sizes) <= set(cfg.cuda_graph_bs)
+        if not b.decode_batch_sizes:
+            assert any("decode CUDA-graph" in e.message for e in plan.errors)
+    if cfg.disable_piecewise_cuda_graph:
+        assert b.prefill_token_sizes == ()
+    elif cfg.piecewise_cuda_graph_max_tokens:
+        assert all(s <= cfg.piecewise_cuda_graph_max_tokens for s in b.prefill_token_sizes)
+    if lay.scatter_across_attn_tp:
+        assert mult == lay.attn_tp
+
+
+@st.composite
+def any_configs(draw):
+    small = st.integers(-3, 12)
+    return EngineConfig(
+        model=f"preset:{draw(st.sampled_from(sorted(SPECS)))}",
+        tp_size=draw(small), dp_size=draw(small), enable_dp_attention=draw(st.booleans()),
+        ep_size=draw(small), moe_dense_tp_size=draw(st.one_of(st.none(), small)),
+        moe_a2a_backend=draw(st.sampled_from(["none", "all_to_all"])),
+        moe_a2a_max_tokens_per_rank=draw(st.one_of(st.none(), st.integers(-5, 100000))),
+        max_running_requests=draw(st.one_of(st.none(), st.integers(-5, 5000))),
+        max_prefill_tokens=draw(st.integers(-5, 50000)),
+        chunked_prefill_size=draw(st.one_of(st.none(), st.integers(-5, 50000))),
+        page_size=draw(st.integers(-1, 64)),
+        mem_fraction_static=draw(st.floats(-1, 2, allow_nan=False)),
+        cuda_graph_bs=draw(st.one_of(st.none(), st.lists(st.integers(-2, 300), max_size=5)
+                                     .map(tuple))),
+        cuda_graph_max_bs=draw(st.one_of(st.none(), st.integers(-2, 600))),
+        speculative_num_draft_tokens=draw(st.one_of(st.none(), st.integers(-2, 8))),
+        context_length=draw(st.one_of(st.none(), st.integers(-2, 10 ** 6))),
+        max_total_tokens=draw(st.one_of(st.none(), st.integers(-2, 10 ** 7))),
+        gpu_memory_gb=draw(st.one_of(st.none(), st.floats(-1, 200, allow_nan=False))),
+    )
+
+
+@SETTINGS
+@given(st.one_of(any_configs(), valid_configs()))
+def test_any_config_gives_a_plan_or_errors_never_a_traceback(cfg):
+    plan = build_plan(cfg, SPECS[cfg.model.split(":")[1]])
+    for e in plan.errors:
+        assert e.message and e.fix
+    if plan.ok:
+        assert plan.budget is not None and plan.memory is not None
+        assert plan.memory.kv_capacity_tokens >= plan.budget.context_length
+        m = plan.memory
+        assert m.weights_bytes_per_rank + m.static_buffer_bytes_per_rank + \
+            m.kv_capacity_tokens * m.kv_bytes_per_token_per_rank <= m.static_budget_bytes
+        assert math.prod(plan.buffer("kv_cache").shape) > 0
