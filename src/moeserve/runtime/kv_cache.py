@@ -1,0 +1,150 @@
+"""The paged KV cache of one rank, and the request-to-token table.
+
+KVCachePool keeps, per layer, K and V as [slots, kv_heads_local, head_dim]. Slots are handed out
+in pages of `page_size` consecutive slots; page 0 is reserved, so slot 0 is the dummy slot that
+padded rows (CUDA-graph padding, idle ranks) write to without touching any request's cache.
+
+ReqToTokenPool is the [rows, context_length] table mapping a request's token position to its KV
+slot; row 0 is reserved for the dummy request of padded graph rows.
+
+Both are sized from the capacity plan ("kv_cache" and "req_to_token" records), never from traffic.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from moeserve.plan.capacity import CapacityPlan
+
+DUMMY_SLOT = 0
+DUMMY_REQ_ROW = 0
+
+
+class KVCachePool:
+    """Per-layer K/V storage plus a page allocator.
+
+    Storage is one buffer [layers, 2, slots, kv_heads, head_dim]; k_cache(l) / v_cache(l) are
+    contiguous [slots, kv_heads, head_dim] views of it.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", page_size: int = 1):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_slots < 2 * page_size:
+            raise ValueError(f"a KV cache of {num_slots} slots holds no page besides the "
+                             f"reserved dummy page (page_size {page_size}); give it at least "
+                             f"{2 * page_size} slots (--max-total-tokens / "
+                             "--mem-fraction-static)")
+        self.num_layers, self.page_size = num_layers, page_size
+        self.num_pages = num_slots // page_size
+        self.num_slots = self.num_pages * page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        self.kv_LSKD = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim,
+                                   dtype=dtype, device=self.device)
+        # free pages, lowest first; page 0 (with the dummy slot) is never handed out
+        self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+
+    @classmethod
+    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu") -> "KVCachePool":
+        """The pool that the plan's "kv_cache" record [layers, tokens, 2 * kv_heads * head_dim]
+        sized, in the plan's dtype."""
+        from moeserve.plan.memory import kv_heads_per_rank
+
+        rec = plan.buffer("kv_cache")
+        layers, tokens, width = rec.shape
+        kv_heads = kv_heads_per_rank(plan.spec, plan.layout)
+        assert width == 2 * kv_heads * plan.spec.head_dim, (rec, kv_heads)
+        return cls(layers, tokens, kv_heads, plan.spec.head_dim, getattr(torch, rec.dtype),
+                   device, plan.config.page_size)
+
+    # --- storage ------------------------------------------------------------------------------
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.kv_LSKD[layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.kv_LSKD[layer, 1]
+
+    def set_kv(self, layer: int, loc_T: torch.Tensor, k_TKD: torch.Tensor,
+               v_TKD: torch.Tensor) -> None:
+        self.kv_LSKD[layer, 0].index_copy_(0, loc_T, k_TKD.to(self.dtype))
+        self.kv_LSKD[layer, 1].index_copy_(0, loc_T, v_TKD.to(self.dtype))
+
+    # --- allocation ---------------------------------------------------------------------------
+    @property
+    def available_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def _take_pages(self, n: int) -> Optional[list[int]]:
+        if n > len(self._free_pages):
+            return None
+        return [self._free_pages.pop() for _ in range(n)]
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """n slots for a new request: whole fresh pages, filled from their start. None when
+        the cache cannot hold them."""
+        return self.alloc_after(None, n)
+
+    def alloc_after(self, last_slot: Optional[int], n: int) -> Optional[torch.Tensor]:
+        """n slots continuing a request whose last cached token sits in `last_slot` (None for
+        a new request): first the rest of that slot's page, then fresh pages."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        slots: list[int] = []
+        if last_slot is not None and self.page_size > 1:
+            page_end = (last_slot // self.page_size + 1) * self.page_size
+            slots = list(range(last_slot + 1, min(page_end, last_slot + 1 + n)))
+        rest = n - len(slots)
+        pages = self._take_pages(-(-rest // self.page_size))
+        if pages is None:
+            return None
+        for p in pages:
+            slots.extend(range(p * self.page_size, (p + 1) * self.page_size))
+        return torch.tensor(slots[:n], dtype=torch.int64, device=self.device)
+
+    def free(self, slots: torch.Tensor | Sequence[int]) -> None:
+        """Give back every page that holds one of `slots` (a request frees all its slots at
+        once). The dummy page is never freed."""
+        slots_t = torch.as_tensor(slots, dtype=torch.int64).cpu()
+        pages = set((slots_t // self.page_size).tolist()) - {DUMMY_SLOT // self.page_size}
+        free = set(self._free_pages)
+        double = pages & free
+        assert not double, f"pages {sorted(double)} freed twice"
+        self._free_pages.extend(pages)
+        self._free_pages.sort(reverse=True)
+
+
+class ReqToTokenPool:
+    """[rows, context_length] int32 table: req_to_token[row, position] = KV slot."""
+
+    def __init__(self, rows: int, context_length: int, device: torch.device | str = "cpu"):
+        if rows < 2:
+            raise ValueError(f"the request table needs at least 2 rows (one is the dummy), "
+                             f"got {rows}")
+        self.table = torch.zeros(rows, context_length, dtype=torch.int32, device=device)
+        self._free_rows = list(range(rows - 1, DUMMY_REQ_ROW, -1))
+
+    @classmethod
+    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu"
+                  ) -> "ReqToTokenPool":
+        rows, ctx = plan.buffer("req_to_token").shape
+        return cls(rows, ctx, device)
+
+    @property
+    def available_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> Optional[int]:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row != DUMMY_REQ_ROW and row not in self._free_rows, f"bad free of row {row}"
+        self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + len(slots)] = slots.to(self.table.dtype)
