@@ -1,0 +1,89 @@
+"""Who owns which KV slot: requests, the prefix cache, or the free list.
+
+Every slot is in exactly one place. A request's row in the request table maps its positions
+[0, kv_len) to slots; [0, cached_len) are the prefix cache's (the path is locked for the
+request), [cached_len, kv_len) are the request's own until it finishes or is retracted, when the
+page-aligned part goes to the prefix cache and the tail back to the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.runtime.radix_cache import RadixCache
+from moeserve.runtime.request import Req
+
+
+class KVManager:
+    def __init__(self, kv_pool: KVCachePool, req_pool: ReqToTokenPool,
+                 prefix_cache: bool = True) -> None:
+        self.kv_pool, self.req_pool = kv_pool, req_pool
+        self.page_size = kv_pool.page_size
+        self.radix: Optional[RadixCache] = (
+            RadixCache(kv_pool.free, kv_pool.page_size) if prefix_cache else None)
+
+    @property
+    def available_slots(self) -> int:
+        """Slots a new allocation could get: free ones and the evictable part of the cache."""
+        evictable = self.radix.evictable_tokens if self.radix else 0
+        return self.kv_pool.available_slots + evictable
+
+    @property
+    def used_slots(self) -> int:
+        """Slots held by requests or the prefix cache (the pool's dummy page excluded)."""
+        return self.kv_pool.num_slots - self.page_size - self.kv_pool.available_slots
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a request-table row and its cached prefix; False when no row is free."""
+        if req.row is not None:
+            return True
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.row = row
+        req.kv_len = req.cached_len = 0
+        if self.radix is not None:
+            # at least the last token is computed again: its logits pick the next token
+            match = self.radix.match_prefix(req.all_ids[:req.seq_len - 1])
+            if match.slots.numel():
+                self.radix.lock(match.last_node)
+                req.prefix_node = match.last_node
+                self.req_pool.write(row, 0, match.slots)
+                req.kv_len = req.cached_len = int(match.slots.numel())
+        return True
+
+    def reserve(self, req: Req, n: int) -> Optional[torch.Tensor]:
+        """Slots for the next `n` tokens of `req` (positions kv_len.. kv_len+n), recorded in its
+        row; the prefix cache gives up LRU entries if the pool is short. None if they don't fit."""
+        assert req.row is not None and n >= 1
+        last = int(self.req_pool.table[req.row, req.kv_len - 1]) if req.kv_len else None
+        slots = self.kv_pool.alloc_after(last, n)
+        if slots is None and self.radix is not None:
+            self.radix.evict(n + self.page_size)
+            slots = self.kv_pool.alloc_after(last, n)
+        if slots is None:
+            return None
+        self.req_pool.write(req.row, req.kv_len, slots)
+        req.kv_len += n
+        return slots
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Return everything `req` holds: its computed K/V to the prefix cache (page-aligned
+        part; or the pool without one), its tail to the pool, its row to the table."""
+        if req.row is None:
+            return
+        slots = self.req_pool.table[req.row, :req.kv_len].to(torch.int64)
+        own_from = req.cached_len
+        if self.radix is not None and cache and req.kv_len:
+            aligned = req.kv_len // self.page_size * self.page_size
+            self.radix.insert(req.all_ids[:aligned], slots[:aligned])
+            own_from = aligned
+        if own_from < req.kv_len:
+            self.kv_pool.free(slots[own_from:])
+        if self.radix is not None and req.prefix_node is not None:
+            self.radix.unlock(req.prefix_node)
+        self.req_pool.free(req.row)
+        req.row, req.prefix_node, req.kv_len, req.cached_len = None, None, 0, 0

@@ -1,0 +1,96 @@
+"""One request's state inside a scheduler, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from moeserve.runtime.sampling import Finish, SamplingParams, StopChecker
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued; no KV (or only a cached prefix after a retract)
+    PREFILLING = "prefilling"  # part of the prompt is in the KV cache (chunked prefill)
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """What a client submits; `rid` is unique per engine, `dp_rank` is where it runs."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    dp_rank: int = 0
+    stream: bool = False
+
+
+@dataclass
+class TokenOutput:
+    """One step's news about one request, sent from the workers to the engine."""
+
+    rid: str
+    token_ids: list[int]  # new tokens this step
+    text: str  # new text this step (held back while it might begin a stop string)
+    finish: Optional[Finish] = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+class Req:
+    """A request as a scheduler tracks it.
+
+    KV bookkeeping: positions [0, kv_len) of `all_ids` have their K/V in the cache, recorded in
+    row `row` of the request table. Of those, [0, cached_len) belong to the prefix cache (the
+    path ending at `prefix_node` is locked for us); [cached_len, kv_len) are ours to free.
+    """
+
+    def __init__(self, inp: RequestInput, eos_token_ids: frozenset[int], arrival: int) -> None:
+        self.rid = inp.rid
+        self.prompt_ids = list(inp.input_ids)
+        self.params = inp.params
+        self.stream = inp.stream
+        self.arrival = arrival  # order of arrival at this scheduler
+        self.output_ids: list[int] = []
+        self.stop = StopChecker(inp.params, eos_token_ids)
+        self.state = ReqState.WAITING
+        self.row: Optional[int] = None
+        self.kv_len = 0
+        self.cached_len = 0
+        self.prefix_node: Any = None
+        self.finish: Optional[Finish] = None
+        self.prompt_cached_tokens = 0  # prompt tokens served from the prefix cache, first run
+        self.first_run = True
+        self.created = time.monotonic()
+        # detokenisation state (filled by the scheduler's detokenizer)
+        self.decoder: Any = None
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.logprobs: list[dict[str, Any]] = []
+        self.sent_logprobs = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt and output so far. A step computes K/V for all_ids[kv_len:kv_len + n] and
+        samples when that reaches the end: a decode step is the case n = 1, a (re)prefill or a
+        chunk of it the case n > 1."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens without K/V yet."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def __repr__(self) -> str:
+        return (f"Req({self.rid}, {self.state.value}, prompt={len(self.prompt_ids)}, "
+                f"out={len(self.output_ids)}, kv={self.kv_len}, cached={self.cached_len})")

@@ -1,0 +1,259 @@
+"""The scheduler of one DP rank: waiting queue, running batch, continuous batching, chunked
+prefill, admission under the plan's token budget and free KV, and preemption.
+
+It decides; the model runner executes. Its decisions depend only on its inputs, so the attn_tp
+ranks of a DP group, fed the same requests, take the same decisions without talking.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from moeserve.plan.budget import TokenBudget
+from moeserve.runtime.forward_batch import ForwardMode
+from moeserve.runtime.kv_manager import KVManager
+from moeserve.runtime.request import Req, ReqState, RequestInput, TokenOutput
+from moeserve.runtime.sampling import Finish
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward of this DP rank: requests, and for each the tokens it computes now."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    new_tokens: list[list[int]]
+    prefix_lens: list[int]  # kv_len of each request before this forward
+    out_cache_loc: torch.Tensor  # [T] slots of the new tokens
+    samples: list[bool]  # whether each request samples a token after this forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.new_tokens)
+
+
+class Scheduler:
+    def __init__(self, budget: TokenBudget, kv: KVManager, eos_token_ids: Sequence[int] = (),
+                 detokenizer_factory: Optional[Callable[[Req], Any]] = None) -> None:
+        self.budget = budget
+        self.kv = kv
+        self.eos = frozenset(eos_token_ids)
+        self.detokenizer_factory = detokenizer_factory
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.chunked: Optional[Req] = None
+        self._arrivals = 0
+        self.num_retracted = 0
+        self.rejected: list[TokenOutput] = []
+
+    # --- input ----------------------------------------------------------------------------
+    def add(self, inp: RequestInput) -> None:
+        n, ctx = len(inp.input_ids), self.budget.context_length
+        if n == 0 or n >= ctx:
+            why = ("the prompt is empty" if n == 0 else
+                   f"the prompt has {n} tokens, and the context length is {ctx}: it leaves no "
+                   "room for output; shorten the prompt or raise --context-length")
+            self.rejected.append(TokenOutput(inp.rid, [], "", Finish("error"), error=why))
+            return
+        req = Req(inp, self.eos, self._arrivals)
+        self._arrivals += 1
+        if self.detokenizer_factory is not None:
+            req.decoder = self.detokenizer_factory(req)
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Optional[TokenOutput]:
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.rid == rid:
+                    queue.remove(req)
+                    return self._finish(req, Finish("abort"))
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            return self._finish(req, Finish("abort"))
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + (self.chunked is not None)
+
+    # --- decisions ------------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """The next forward: a prefill when requests wait and fit, else a decode of the
+        running batch; None when there is nothing to run."""
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        if batch is not None:
+            limit = self.budget.extend if batch.mode is ForwardMode.EXTEND else self.budget.decode
+            assert batch.num_tokens <= limit, (batch.mode, batch.num_tokens, self.budget)
+        return batch
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        b = self.budget
+        left = b.extend
+        room = b.max_running_requests - len(self.running)
+        reqs: list[Req] = []
+        takes: list[int] = []
+        chunked, self.chunked = self.chunked, None
+        for req in ([chunked] if chunked else []) + list(self.waiting):
+            if left <= 0 or room <= 0 or not self.kv.admit(req):
+                break
+            if req.first_run:
+                req.prompt_cached_tokens, req.first_run = req.cached_len, False
+            take = req.pending
+            if b.chunk_tokens is not None:
+                take = min(take, left)
+            elif take > left and reqs:
+                break
+            # leave room for the next decode step of everything already running
+            reserve = len(self.running) + len(reqs) + 1 + self._page_slack()
+            if self.kv.available_slots < take + reserve or self.kv.reserve(req, take) is None:
+                if reqs or self.running:
+                    if req is not chunked:
+                        self.kv.release(req)  # holds no computed K/V: drop row and lock
+                    break  # wait for running requests to free their KV
+                self._drop_unfittable(req)  # nothing else holds KV: it can never fit
+                continue
+            if req is not chunked:
+                self.waiting.remove(req)
+            reqs.append(req)
+            takes.append(take)
+            left -= take
+            room -= 1
+            if req.pending > 0:
+                self.chunked = req
+                req.state = ReqState.PREFILLING
+                break
+        if chunked is not None and chunked not in reqs and chunked.state is not ReqState.FINISHED:
+            self.chunked = chunked  # its next chunk did not fit this step
+        if not reqs:
+            return None
+        return self._batch(ForwardMode.EXTEND, reqs, takes)
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        while self.kv.available_slots < len(self.running) + self._page_slack():
+            if self.chunked is not None:  # a half-prefilled request yields first
+                req, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                req = max(self.running, key=lambda r: r.arrival)
+                self.running.remove(req)
+            else:
+                break  # one request left: reserve() below decides
+            self._retract(req)
+        reqs = []
+        for req in list(self.running):
+            if self.kv.reserve(req, 1) is None:
+                self.running.remove(req)
+                self.rejected.append(self._finish(req, Finish("error"), error=(
+                    "the KV cache is full even after preempting every other request; raise "
+                    "--max-total-tokens / --mem-fraction-static or lower max_new_tokens")))
+                continue
+            reqs.append(req)
+        if not reqs:
+            return None
+        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+
+    def _page_slack(self) -> int:
+        # with pages, each request may need a fresh page for its next token
+        return 0 if self.kv.page_size == 1 else len(self.running) * (self.kv.page_size - 1)
+
+    def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int]) -> ScheduledBatch:
+        """Requests have reserved their slots already (kv_len moved by `take`)."""
+        prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
+        new = [r.all_ids[p:p + t] for r, p, t in zip(reqs, prefix, takes)]
+        table = self.kv.req_pool.table
+        loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
+        samples = [r.kv_len == r.seq_len for r in reqs]
+        return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples)
+
+    def _retract(self, req: Req) -> None:
+        """Preempt a request: its K/V goes to the prefix cache (or is freed), and it waits at
+        the front of the queue to be computed again from prompt + output so far."""
+        self.kv.release(req)
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+
+    def _drop_unfittable(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req, cache=False)
+        self.rejected.append(self._finish(req, Finish("error"), error=(
+            f"the request needs {req.seq_len} KV slots and the cache can hold "
+            f"{self.kv.available_slots}; raise --max-total-tokens / --mem-fraction-static")))
+
+    def drain_rejected(self) -> list[TokenOutput]:
+        """Requests that ended without a forward (bad input, no room): report them once."""
+        out, self.rejected = self.rejected, []
+        return out
+
+    # --- results --------------------------------------------------------------------------
+    def process(self, batch: ScheduledBatch, token_ids: Sequence[int],
+                logprobs: Optional[Sequence[dict[str, Any]]] = None) -> list[TokenOutput]:
+        """Apply one forward's sampled tokens (one per request of the batch; ignored where the
+        request did not sample) and return the news for the engine."""
+        outputs: list[TokenOutput] = []
+        for i, req in enumerate(batch.reqs):
+            if req.state is ReqState.FINISHED:
+                continue  # aborted while its forward ran
+            if not batch.samples[i]:
+                continue
+            if req.state is not ReqState.RUNNING:
+                req.state = ReqState.RUNNING
+                self.running.append(req)
+            token = int(token_ids[i])
+            req.output_ids.append(token)
+            if logprobs is not None and req.params.logprobs:
+                req.logprobs.append(logprobs[i])
+            finish = req.stop.check_token(token, len(req.output_ids))
+            if finish is None and req.seq_len >= self.budget.context_length:
+                finish = Finish("length")
+            text_finish = self._detokenize(req)
+            finish = finish or text_finish
+            if finish is not None:
+                self.running.remove(req)
+                outputs.append(self._finish(req, finish))
+            elif req.stream:
+                outputs.append(self._delta(req))
+        return outputs
+
+    def _detokenize(self, req: Req) -> Optional[Finish]:
+        if req.decoder is None:
+            return None
+        new = req.decoder.add(req.output_ids[-1])
+        req.text += new
+        hit = req.stop.check_text(req.text, len(new))
+        if hit is None:
+            return None
+        finish, req.text = hit
+        return finish
+
+    def _delta(self, req: Req, final: bool = False) -> TokenOutput:
+        upto = len(req.text) if final or req.decoder is None else req.stop.streamable_len(req.text)
+        upto = max(upto, req.sent_chars)
+        out = TokenOutput(req.rid, req.output_ids[req.sent_tokens:], req.text[req.sent_chars:upto],
+                          logprobs=req.logprobs[req.sent_logprobs:],
+                          prompt_tokens=len(req.prompt_ids),
+                          cached_tokens=req.prompt_cached_tokens)
+        req.sent_tokens, req.sent_chars = len(req.output_ids), upto
+        req.sent_logprobs = len(req.logprobs)
+        return out
+
+    def _finish(self, req: Req, finish: Finish, error: Optional[str] = None) -> TokenOutput:
+        if req.decoder is not None and finish.reason not in ("abort", "error") and \
+                not isinstance(finish.matched, str):
+            req.text += req.decoder.flush()
+        self.kv.release(req)
+        req.state = ReqState.FINISHED
+        req.finish = finish
+        out = self._delta(req, final=True)
+        out.finish, out.error = finish, error
+        return out
