@@ -26,6 +26,7 @@ def knob(default: Any, help: str, *flags: str, choices: tuple | None = None) -> 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 A2A_BACKENDS = ("none", "all_to_all")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,16 @@ class EngineConfig:
         "--piecewise-cuda-graph-max-tokens")
     disable_piecewise_cuda_graph: bool = knob(False, "Run prefill eagerly.",
                                               "--disable-piecewise-cuda-graph")
+    # --- runtime -----------------------------------------------------------------------------
+    device: str = knob("auto", "Where the engine runs: cuda when a GPU is present (auto), or "
+                       "cpu.", "--device", choices=DEVICES)
+    random_seed: int = knob(0, "Seed of sampling for requests that give no seed.",
+                            "--random-seed")
+    disable_radix_cache: bool = knob(False, "Turn off the prefix cache.", "--disable-radix-cache")
+    nnodes: int = knob(1, "Nodes that together run the --tp-size ranks.", "--nnodes")
+    node_rank: int = knob(0, "This node's index in [0, --nnodes).", "--node-rank")
+    dist_init_addr: Optional[str] = knob(None, "HOST:PORT of node 0 for the rendezvous "
+                                         "(needed with --nnodes > 1).", "--dist-init-addr")
     # --- memory for planning -----------------------------------------------------------------
     gpu_memory_gb: Optional[float] = knob(None, "GPU memory per rank in GB for the plan "
                                           "(default: the local GPU's, else 80).",
@@ -202,6 +213,15 @@ def config_errors(cfg: EngineConfig) -> list[tuple[str, str]]:
     if cfg.gpu_memory_gb is not None and cfg.gpu_memory_gb <= 0:
         errors.append((f"--gpu-memory-gb must be positive, got {cfg.gpu_memory_gb}.",
                        "set --gpu-memory-gb 80"))
+    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+        errors.append((f"--node-rank {cfg.node_rank} is not in [0, --nnodes {cfg.nnodes}).",
+                       "give --nnodes >= 1 and --node-rank between 0 and nnodes - 1"))
+    elif cfg.tp_size % cfg.nnodes:
+        errors.append((f"--tp-size {cfg.tp_size} ranks do not split evenly over --nnodes "
+                       f"{cfg.nnodes}.", f"set --nnodes to a divisor of {cfg.tp_size}"))
+    elif cfg.nnodes > 1 and not cfg.dist_init_addr:
+        errors.append(("--nnodes > 1 needs the rendezvous address of node 0.",
+                       "set --dist-init-addr HOST:PORT (the same on every node)"))
     if cfg.max_running_requests is not None and cfg.max_running_requests < cfg.attn_dp_size:
         errors.append((f"--max-running-requests {cfg.max_running_requests} is below the "
                        f"{cfg.attn_dp_size} DP ranks: some rank could run no request.",

@@ -195,6 +195,19 @@ class Scheduler:
         out, self.rejected = self.rejected, []
         return out
 
+    def fail(self, batch: ScheduledBatch, error: str) -> list[TokenOutput]:
+        """End every request of a batch that could not run (the runtime guard refused it)."""
+        outs = []
+        for req in batch.reqs:
+            if req.state is ReqState.FINISHED:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            outs.append(self._finish(req, Finish("error"), error=error))
+        return outs
+
     # --- results --------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, token_ids: Sequence[int],
                 logprobs: Optional[Sequence[dict[str, Any]]] = None) -> list[TokenOutput]:
