@@ -1,0 +1,97 @@
+"""GQA attention over the paged KV cache.
+
+Legend: T new tokens of the forward, N query heads (local), K KV heads (local), D head dim,
+S a request's cached tokens (prefix + new).
+
+PagedAttention writes the new tokens' K/V into the pool at `out_cache_loc`, then asks an
+attention backend for the output. Backends share one small contract (AttentionBackend) and are
+chosen by name from a registry; "torch" is the reference that runs anywhere: per request it
+gathers the request's K/V through req_to_token and computes causal softmax attention in fp32.
+It serves extend (new tokens after an already cached prefix) and decode alike. Fast GPU
+backends register themselves under their own names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
+                fb: ForwardBatch) -> torch.Tensor:
+        """Attention output [T, N, D] of the new tokens, whose K/V are already in the pool."""
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]],
+                                                     type[AttentionBackend]]:
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        ATTENTION_BACKENDS[name] = cls
+        return cls
+    return deco
+
+
+def create_attention_backend(name: str = "torch") -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: "
+                         f"{', '.join(sorted(ATTENTION_BACKENDS))}")
+    return ATTENTION_BACKENDS[name]()
+
+
+@register_attention_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
+                fb: ForwardBatch) -> torch.Tensor:
+        out_TND = torch.empty_like(q_TND)
+        if fb.mode is ForwardMode.IDLE or q_TND.shape[0] == 0:
+            return out_TND
+        k_cache = fb.kv_pool.k_cache(layer.layer_id)
+        v_cache = fb.kv_pool.v_cache(layer.layer_id)
+        groups = layer.num_heads // layer.num_kv_heads
+        start = 0
+        for i, (prefix, new) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            seq = prefix + new
+            row = fb.req_pool_indices[i]
+            slots_S = fb.req_to_token[row, :seq].long()
+            k_SND = k_cache[slots_S].float().repeat_interleave(groups, dim=1)
+            v_SND = v_cache[slots_S].float().repeat_interleave(groups, dim=1)
+            q_tND = q_TND[start:start + new].float()
+            scores_NtS = torch.einsum("tnd,snd->nts", q_tND, k_SND) * layer.scaling
+            q_pos = torch.arange(prefix, seq, device=q_TND.device)[:, None]
+            k_pos = torch.arange(seq, device=q_TND.device)[None, :]
+            visible_tS = k_pos <= q_pos
+            if layer.sliding_window is not None:
+                visible_tS &= k_pos > q_pos - layer.sliding_window
+            scores_NtS = scores_NtS.masked_fill(~visible_tS, float("-inf"))
+            probs_NtS = torch.softmax(scores_NtS, dim=-1)
+            out_TND[start:start + new] = torch.einsum("nts,snd->tnd", probs_NtS,
+                                                      v_SND).to(q_TND.dtype)
+            start += new
+        return out_TND
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention core: cache write + backend. No weights."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float, backend: AttentionBackend,
+                 sliding_window: Optional[int] = None):
+        super().__init__()
+        self.layer_id, self.num_heads, self.num_kv_heads = layer_id, num_heads, num_kv_heads
+        self.head_dim, self.scaling, self.sliding_window = head_dim, scaling, sliding_window
+        self.backend = backend
+
+    def forward(self, q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        if q_TND.shape[0]:
+            fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
+        return self.backend.forward(q_TND, self, fb)

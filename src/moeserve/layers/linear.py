@@ -1,0 +1,199 @@
+"""Tensor-parallel linear layers over one axis of the ParallelState (attn_tp, moe_tp, ...).
+
+  ColumnParallelLinear      W [out/tp, in]: each rank computes a slice of the outputs
+  MergedColumnParallelLinear several column-parallel outputs in one GEMM (gate_up)
+  QKVParallelLinear         q heads split; KV heads split, or replicated when tp > kv heads
+  RowParallelLinear         W [out, in/tp]: each rank returns a partial sum; the reduction
+                            (all-reduce or reduce-scatter) belongs to the layer communicator
+
+Weights load from a full checkpoint tensor or a safetensors slice: each rank reads only its
+rows/columns (`read_rows`), so a rank never materialises another rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeserve.parallel.groups import Axis
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor has a shape the model did not expect."""
+
+
+# ------------------------------------------------------------------------------------------
+# Reading (a slice of) a checkpoint tensor: `src` is a torch.Tensor or a safetensors slice.
+
+def src_shape(src: Any) -> tuple[int, ...]:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
+
+
+def check_shape(src: Any, want: Sequence[int]) -> None:
+    if src_shape(src) != tuple(want):
+        raise WeightShapeError(f"shape {list(src_shape(src))}, expected {list(want)}")
+
+
+def read_rows(src: Any, start: int, length: int, dim: int = 0) -> torch.Tensor:
+    """src[start:start+length] along `dim` (0 or 1), reading only those elements."""
+    if dim == 0:
+        return src[start:start + length]
+    assert dim == 1, dim
+    return src[:, start:start + length]
+
+
+def read_all(src: Any) -> torch.Tensor:
+    return src[:] if not isinstance(src, torch.Tensor) else src
+
+
+def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
+    assert param.shape == value.shape, (param.shape, value.shape)
+    with torch.no_grad():
+        param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# The LM head's gather along the vocab dim (row collectives live in parallel/collectives).
+
+def axis_all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """Concatenate equal-shaped tensors of every rank of `axis` along `dim`."""
+    if axis.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(axis.size)]
+    dist.all_gather(parts, x.contiguous(), group=axis.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(total: int, axis: Axis, what: str) -> int:
+    if total % axis.size:
+        raise ValueError(f"{what} {total} does not split across {axis.size} ranks")
+    return total // axis.size
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+# ------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y_TO = x_TI @ W_OI.T + b_O with O = out_features / tp on each rank."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, axis: Axis,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.axis = in_features, out_features, axis
+        self.out_local = _split(out_features, axis, "output features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.bias = _param(self.out_local, dtype=dtype) if bias else None
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x_TI, self.weight, self.bias)
+
+    def load_weight(self, param_name: str, src: Any) -> None:
+        """param_name: "weight" [out, in] or "bias" [out], the full checkpoint tensor."""
+        param = getattr(self, param_name)
+        full = (self.out_features, self.in_features) if param_name == "weight" \
+            else (self.out_features,)
+        check_shape(src, full)
+        copy_into(param, read_rows(src, self.axis.rank * self.out_local, self.out_local))
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one weight, e.g. gate_up:
+    W = [gate_local; up_local], each output split across the axis."""
+
+    def __init__(self, in_features: int, out_features: Sequence[int], *, bias: bool,
+                 axis: Axis, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.axis = in_features, axis
+        self.out_features = tuple(out_features)
+        self.out_locals = tuple(_split(o, axis, "output features") for o in out_features)
+        self.offsets = tuple(sum(self.out_locals[:i]) for i in range(len(out_features)))
+        self.weight = _param(sum(self.out_locals), in_features, dtype=dtype)
+        self.bias = _param(sum(self.out_locals), dtype=dtype) if bias else None
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x_TI, self.weight, self.bias)
+
+    def load_weight(self, param_name: str, src: Any, shard: int) -> None:
+        """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
+        param = getattr(self, param_name)
+        out, local = self.out_features[shard], self.out_locals[shard]
+        check_shape(src, (out, self.in_features) if param_name == "weight" else (out,))
+        dst = param[self.offsets[shard]:self.offsets[shard] + local]
+        copy_into(dst, read_rows(src, self.axis.rank * local, local))
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k, v projections in one GEMM. Each rank holds heads/tp query heads and
+    max(1, kv_heads/tp) KV heads: split when kv_heads >= tp, else rank r holds KV head
+    r // (tp / kv_heads), so every rank's query heads see the KV head they share."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 bias: bool, axis: Axis, dtype: torch.dtype):
+        super().__init__()
+        tp = axis.size
+        if num_heads % tp:
+            raise ValueError(f"{num_heads} attention heads do not split across {tp} ranks")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads can be neither split nor replicated "
+                             f"across {tp} ranks")
+        self.hidden, self.head_dim, self.axis = hidden, head_dim, axis
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.heads_local = num_heads // tp
+        self.kv_heads_local = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks holding the same KV head
+        self.kv_head_start = (axis.rank // self.kv_replicas) * self.kv_heads_local
+        self.q_size = self.heads_local * head_dim
+        self.kv_size = self.kv_heads_local * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param(out, hidden, dtype=dtype)
+        self.bias = _param(out, dtype=dtype) if bias else None
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = nn.functional.linear(x_TH, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def load_weight(self, param_name: str, src: Any, shard: str) -> None:
+        """shard "q", "k" or "v": the full q_proj / k_proj / v_proj tensor."""
+        param = getattr(self, param_name)
+        d = self.head_dim
+        if shard == "q":
+            full, start, local, offset = self.num_heads * d, self.axis.rank * self.q_size, \
+                self.q_size, 0
+        else:
+            full, start, local = self.num_kv_heads * d, self.kv_head_start * d, self.kv_size
+            offset = self.q_size + (0 if shard == "k" else self.kv_size)
+        check_shape(src, (full, self.hidden) if param_name == "weight" else (full,))
+        copy_into(param[offset:offset + local], read_rows(src, start, local))
+
+
+class RowParallelLinear(nn.Module):
+    """Partial y_TO = x_TI_local @ W_O,I_local.T on each rank (I = in_features / tp); the sum
+    over ranks is left to the caller's communicator. The bias is added on rank 0 only, so the
+    reduced sum carries it once."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, axis: Axis,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.axis = in_features, out_features, axis
+        self.in_local = _split(in_features, axis, "input features")
+        self.weight = _param(out_features, self.in_local, dtype=dtype)
+        self.bias: Optional[nn.Parameter] = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.axis.rank == 0 else None
+        return nn.functional.linear(x_TI, self.weight, bias)
+
+    def load_weight(self, param_name: str, src: Any) -> None:
+        if param_name == "bias":
+            check_shape(src, (self.out_features,))
+            copy_into(self.bias, read_all(src))
+            return
+        check_shape(src, (self.out_features, self.in_features))
+        copy_into(self.weight, read_rows(src, self.axis.rank * self.in_local, self.in_local,
+                                         dim=1))
