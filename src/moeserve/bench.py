@@ -1,0 +1,130 @@
+"""`moeserve bench`: offline throughput of an Engine, with TTFT and ITL percentiles."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from tqdm.auto import tqdm
+
+from moeserve.runtime.sampling import SamplingParams
+
+
+@dataclass
+class RequestTiming:
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: Optional[float] = None
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: Optional[str] = None
+
+
+def random_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
+
+
+def _one(engine: Any, ids: Sequence[int], params: SamplingParams) -> RequestTiming:
+    t = RequestTiming(len(ids))
+    start = last = time.perf_counter()
+    for chunk in engine.stream(input_ids=list(ids), sampling_params=params):
+        now = time.perf_counter()
+        n = len(chunk["token_ids"])
+        if chunk["error"]:
+            t.error = chunk["error"]
+            break
+        if n:
+            if t.ttft is None:
+                t.ttft = now - start
+            else:
+                # a chunk of n tokens after `now - last`: n gaps of equal share
+                t.itl += [(now - last) / n] * n
+            t.output_tokens += n
+            last = now
+    t.latency = time.perf_counter() - start
+    return t
+
+
+def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
+              max_concurrency: int, progress: bool = True) -> dict[str, Any]:
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    timings: list[Optional[RequestTiming]] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+    bar = tqdm(total=len(prompts), desc="bench", unit="req", disable=not progress)
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            timings[i] = _one(engine, prompts[i], params)
+            with lock:
+                bar.update(1)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True)
+               for _ in range(max(1, min(max_concurrency, len(prompts))))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    duration = time.perf_counter() - start
+    bar.close()
+    return summarize([t for t in timings if t is not None], duration, max_concurrency)
+
+
+def _pct(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k] * 1000.0
+
+
+def summarize(timings: list[RequestTiming], duration: float, concurrency: int) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None]
+    ttft = [t.ttft for t in ok if t.ttft is not None]
+    itl = [x for t in ok for x in t.itl]
+    lat = [t.latency for t in ok]
+    n_in = sum(t.prompt_tokens for t in ok)
+    n_out = sum(t.output_tokens for t in ok)
+    return {
+        "num_prompts": len(timings), "completed": len(ok),
+        "errors": [t.error for t in timings if t.error is not None][:5],
+        "max_concurrency": concurrency, "duration_s": duration,
+        "input_tokens": n_in, "output_tokens": n_out,
+        "input_tokens_per_s": n_in / duration if duration else 0.0,
+        "output_tokens_per_s": n_out / duration if duration else 0.0,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        **{f"ttft_ms_p{q}": _pct(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_ms_p{q}": _pct(itl, q) for q in (50, 90, 99)},
+        "mean_ttft_ms": statistics.fmean(ttft) * 1000 if ttft else None,
+        "mean_itl_ms": statistics.fmean(itl) * 1000 if itl else None,
+        "mean_e2e_ms": statistics.fmean(lat) * 1000 if lat else None,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def ms(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        f"requests: {s['completed']}/{s['num_prompts']} completed at max concurrency "
+        f"{s['max_concurrency']} in {s['duration_s']:.2f} s",
+        f"input tokens: {s['input_tokens']} ({s['input_tokens_per_s']:.1f} tok/s)",
+        f"output tokens: {s['output_tokens']} ({s['output_tokens_per_s']:.1f} tok/s)",
+        f"TTFT ms: p50 {ms(s['ttft_ms_p50'])}  p90 {ms(s['ttft_ms_p90'])}  "
+        f"p99 {ms(s['ttft_ms_p99'])}",
+        f"ITL ms:  p50 {ms(s['itl_ms_p50'])}  p90 {ms(s['itl_ms_p90'])}  "
+        f"p99 {ms(s['itl_ms_p99'])}",
+    ]
+    if s["errors"]:
+        lines.append(f"errors: {s['errors']}")
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Which device a rank runs on, and the memory it plans for."""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.config import EngineConfig
+
+# On a CPU the "device memory" the plan divides is host memory the engine may take for weights,
+# buffers and the KV cache; --gpu-memory-gb overrides it.
+CPU_DEFAULT_MEMORY_GB = 1.0
+
+
+def engine_device_type(cfg: EngineConfig) -> str:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA device; use --device cpu")
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
+    kind = engine_device_type(cfg)
+    if kind == "cpu":
+        return torch.device("cpu")
+    local = rank % (cfg.tp_size // cfg.nnodes)
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def runtime_config(cfg: EngineConfig) -> EngineConfig:
+    """The config the engine plans with: on a CPU, plan for CPU_DEFAULT_MEMORY_GB of host
+    memory unless --gpu-memory-gb says otherwise."""
+    if engine_device_type(cfg) == "cpu" and cfg.gpu_memory_gb is None:
+        return cfg.replace(gpu_memory_gb=CPU_DEFAULT_MEMORY_GB)
+    return cfg

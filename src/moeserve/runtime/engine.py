@@ -1,0 +1,342 @@
+"""`moeserve.Engine`: requests in, tokens out, on one rank or many.
+
+The engine process tokenizes, hands requests to rank 0 of the workers (one process per rank; a
+single rank runs in a thread of the engine's own process), and routes their outputs back to the
+callers. A rank that dies ends every request with an error naming the rank, within seconds.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch.multiprocessing as mp
+
+from moeserve.config import EngineConfig
+from moeserve.models.spec import load_model_spec
+from moeserve.plan.capacity import CapacityPlan, build_plan
+from moeserve.runtime.devices import runtime_config
+from moeserve.runtime.request import RequestInput, TokenOutput
+from moeserve.runtime.sampling import SamplingParams
+from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
+from moeserve.testing.multiproc import free_port
+
+ParamsLike = Union[SamplingParams, dict, None]
+START_TIMEOUT_S = 600.0
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or cannot go on; the message says why and what to change."""
+
+
+def refusals(cfg: EngineConfig) -> list[str]:
+    """Flags the plan understands but the runtime does not run (yet): refused, not ignored."""
+    out = []
+    if cfg.speculative_num_draft_tokens is not None:
+        out.append("--speculative-num-draft-tokens: the runtime has no speculative decoding; "
+                   "the flag only shapes `moeserve plan`. Drop it to start an engine.")
+    if cfg.enable_mixed_chunk:
+        out.append("--enable-mixed-chunk: the scheduler does not mix decode into prefill "
+                   "chunks; drop the flag.")
+    return out
+
+
+def make_plan(cfg: EngineConfig) -> CapacityPlan:
+    problems = refusals(cfg)
+    plan = build_plan(cfg, load_model_spec(cfg.model))
+    problems += [f"{e.message} Fix: {e.fix}." for e in plan.errors]
+    if problems:
+        raise EngineError("the engine cannot start:\n" + "\n".join(f"- {p}" for p in problems))
+    return plan
+
+
+@dataclass
+class _Pending:
+    outputs: "queue.Queue[TokenOutput]" = field(default_factory=queue.Queue)
+    dp_rank: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    """`Engine(model="preset:tiny", load_format="dummy", tp_size=2, ...)`: every EngineConfig
+    field is a keyword. Use as a context manager, or call shutdown()."""
+
+    def __init__(self, model: str = "preset:tiny", **flags: Any) -> None:
+        try:
+            cfg = EngineConfig(model=model, **flags)
+        except TypeError as exc:
+            raise EngineError(f"{exc}; the engine takes the fields of EngineConfig "
+                              "(`moeserve generate --help` lists them as flags)") from None
+        if cfg.nnodes > 1 and cfg.node_rank != 0:
+            raise EngineError("an Engine runs on node 0; other nodes run "
+                              "`moeserve worker --node-rank K` (or any command with it)")
+        self.cfg = runtime_config(cfg)
+        self.plan = make_plan(self.cfg)
+        self.spec = self.plan.spec
+        from moeserve.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.cfg.model, self.spec)
+        self._pending: dict[str, _Pending] = {}
+        self._stats: dict[str, int] = {}
+        self._load = [0] * self.cfg.attn_dp_size
+        self._lock = threading.Lock()
+        self._dead: Optional[str] = None
+        self._closing = False
+        self._procs: list[Any] = []
+        self._thread: Optional[threading.Thread] = None
+        self._start()
+        self._router = threading.Thread(target=self._route, name="moeserve-router", daemon=True)
+        self._router.start()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.cfg.tp_size == 1:
+            self._inbox: Any = queue.Queue()
+            self._outbox: Any = queue.Queue()
+            from moeserve.parallel.groups import single_process_state
+            from moeserve.runtime.devices import rank_device
+
+            state = single_process_state(self.plan.layout, rank_device(self.cfg, 0))
+            worker = RankWorker(self.cfg, self.spec, self.plan, state, self.tokenizer)
+            self._thread = threading.Thread(target=self._run_in_thread, args=(worker,),
+                                            name="moeserve-rank0", daemon=True)
+            self._thread.start()
+            return
+        ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        addr = self.cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        local = self.cfg.tp_size // self.cfg.nnodes
+        for rank in range(local):
+            p = ctx.Process(target=rank_main, name=f"moeserve-rank{rank}", daemon=True,
+                            args=(rank, self.cfg, self.plan, f"tcp://{addr}",
+                                  self._inbox if rank == 0 else None, self._outbox))
+            p.start()
+            self._procs.append(p)
+        ready: set[int] = set()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(ready) < local:
+            try:
+                msg = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                msg = None
+            if msg and msg[0] == "ready":
+                ready.add(msg[1])
+            elif msg and msg[0] == "error":
+                self._kill()
+                raise EngineError(f"rank {msg[1]} failed to start: {msg[2]}")
+            dead = [p for p in self._procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                self._kill()
+                raise EngineError(f"ranks did not start: {dead or 'timeout'}")
+
+    def _run_in_thread(self, worker: RankWorker) -> None:
+        try:
+            serve_loop(worker, self._inbox, self._outbox)
+        except BaseException as exc:  # the one rank died: say why to every caller
+            import traceback
+
+            self._outbox.put(("error", 0, f"{type(exc).__name__}: {exc}\n"
+                              f"{traceback.format_exc()}"))
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._dead is None:
+            self._inbox.put(Message("shutdown"))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for p in self._procs:
+            p.join(timeout=30)
+        self._kill()
+        self._fail_all("the engine was shut down")
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to tell
+            pass
+
+    # --- routing of outputs ---------------------------------------------------------------
+    def _route(self) -> None:
+        while True:
+            try:
+                msg = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                msg = None
+            except (EOFError, OSError):
+                msg = ("error", -1, "the workers' output queue closed")
+            if msg is not None and msg[0] == "stats":
+                self._stats = msg[1]
+            elif msg is not None and msg[0] == "out":
+                for out in msg[1]:
+                    with self._lock:
+                        pend = self._pending.get(out.rid)
+                        if out.finish is not None and pend is not None:
+                            self._pending.pop(out.rid)
+                            self._load[pend.dp_rank] -= 1
+                    if pend is not None:
+                        pend.outputs.put(out)
+            elif msg is not None and msg[0] == "error" and not self._closing:
+                self._dead = f"rank {msg[1]} failed: {msg[2]}"
+                self._fail_all(self._dead)
+                self._kill()
+                return
+            dead = [(i, p.exitcode) for i, p in enumerate(self._procs)
+                    if p.exitcode not in (None, 0)]
+            if dead and not self._closing:
+                rank, code = dead[0]
+                self._dead = f"rank {rank} died (exit code {code})"
+                self._fail_all(self._dead)
+                self._kill()
+                return
+            if self._closing and (msg is None or msg[0] == "exit"):
+                return
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for rid, pend in pending.items():
+            pend.outputs.put(TokenOutput(rid, [], "", None, error=why))
+
+    def kv_stats(self) -> dict[str, int]:
+        """The workers' latest KV and queue figures, summed over DP ranks: used_slots,
+        prefix_cached_slots, total_slots, running, waiting."""
+        return dict(self._stats)
+
+    # --- requests -------------------------------------------------------------------------
+    def _params(self, params: ParamsLike) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, dict):
+            try:
+                return SamplingParams(**params)
+            except TypeError as exc:
+                raise ValueError(f"unknown sampling parameter: {exc}") from None
+        raise TypeError(f"sampling params must be SamplingParams or dict, got {type(params)}")
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def submit(self, input_ids: Sequence[int], params: ParamsLike = None,
+               stream: bool = False) -> tuple[str, "queue.Queue[TokenOutput]"]:
+        """Queue one request; returns its id and the queue its outputs arrive on."""
+        if self._dead is not None:
+            raise EngineError(f"the engine has stopped: {self._dead}")
+        if self._closing:
+            raise EngineError("the engine is shut down")
+        ids = [int(i) for i in input_ids]
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.spec.vocab_size})")
+        sp = self._params(params)
+        rid = uuid.uuid4().hex
+        with self._lock:
+            dp = min(range(len(self._load)), key=lambda d: self._load[d])
+            self._load[dp] += 1
+            pend = self._pending[rid] = _Pending(dp_rank=dp)
+        self._inbox.put(Message("add", RequestInput(rid, tuple(ids), sp, dp, stream)))
+        return rid, pend.outputs
+
+    def abort(self, rid: str) -> None:
+        if self._dead is None and not self._closing:
+            self._inbox.put(Message("abort", rid))
+
+    def _inputs(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            return [self.encode(p) for p in prompts], single
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        return ([list(input_ids)] if single else [list(x) for x in input_ids]), single
+
+    def generate(self, prompt: Union[str, Sequence[str], None] = None,
+                 sampling_params: Union[ParamsLike, Sequence[ParamsLike]] = None,
+                 input_ids: Union[Sequence[int], Sequence[Sequence[int]], None] = None,
+                 ) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        """Generate for one prompt (returns a dict) or several (a list, in order, run
+        concurrently). A result: text, token_ids, finish_reason, matched_stop, usage,
+        logprobs (when asked), error (None unless the request failed)."""
+        batch, single = self._inputs(prompt, input_ids)
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(batch))
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        parsed = [self._params(p) for p in params]  # validate all before submitting any
+        handles = [self.submit(ids, p) for ids, p in zip(batch, parsed)]
+        results = [self._collect(rid, q) for rid, q in handles]
+        return results[0] if single else results
+
+    def stream(self, prompt: Optional[str] = None, sampling_params: ParamsLike = None,
+               input_ids: Optional[Sequence[int]] = None) -> Iterator[dict[str, Any]]:
+        """Yield one dict per step with the new text and token ids; the last one has the
+        finish reason and usage."""
+        (ids,), _ = self._inputs(prompt, input_ids)
+        rid, q = self.submit(ids, sampling_params, stream=True)
+        done, generated = False, 0
+        try:
+            while not done:
+                out = self._next(q)
+                done = out.finish is not None or out.error is not None
+                generated += len(out.token_ids)
+                yield _chunk(out, len(ids), generated)
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def _next(self, q: "queue.Queue[TokenOutput]") -> TokenOutput:
+        while True:
+            try:
+                return q.get(timeout=1.0)
+            except queue.Empty:
+                if self._dead is not None:
+                    return TokenOutput("", [], "", None, error=self._dead)
+
+    def _collect(self, rid: str, q: "queue.Queue[TokenOutput]") -> dict[str, Any]:
+        tokens: list[int] = []
+        text, logprobs = [], []
+        n_prompt = cached = 0
+        while True:
+            out = self._next(q)
+            tokens += out.token_ids
+            text.append(out.text)
+            logprobs += out.logprobs
+            n_prompt, cached = out.prompt_tokens or n_prompt, out.cached_tokens or cached
+            if out.finish is not None or out.error is not None:
+                break
+        finish = out.finish
+        return {"text": "".join(text), "token_ids": tokens,
+                "finish_reason": None if finish is None else finish.reason,
+                "matched_stop": None if finish is None else finish.matched,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
+                          "cached_tokens": cached},
+                "logprobs": logprobs or None, "error": out.error}
+
+
+def _chunk(out: TokenOutput, n_prompt: int, generated: int) -> dict[str, Any]:
+    return {"text": out.text, "token_ids": out.token_ids, "logprobs": out.logprobs or None,
+            "finish_reason": None if out.finish is None else out.finish.reason,
+            "matched_stop": None if out.finish is None else out.finish.matched,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": generated,
+                      "cached_tokens": out.cached_tokens}, "error": out.error}
+

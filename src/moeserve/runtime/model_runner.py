@@ -1,0 +1,83 @@
+"""The model runner of one rank: builds the forward batch, runs the model, samples.
+
+It executes what the scheduler decided; it decides nothing. The KV pool and the request table
+come from the capacity plan's records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.models.spec import ModelSpec
+from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.step import StepContext
+from moeserve.plan.capacity import CapacityPlan
+from moeserve.runtime.forward_batch import ForwardBatch
+from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.runtime.sampler import Sampler, SamplingBatch
+from moeserve.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # one per request of the batch (-1 where it did not sample)
+    logprobs: Optional[list[Optional[dict[str, Any]]]]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
+                 state: ParallelState, *, progress: Optional[bool] = None) -> None:
+        from moeserve.models.registry import load_model
+
+        self.cfg, self.spec, self.plan, self.state = cfg, spec, plan, state
+        self.device = state.device
+        self.model = load_model(cfg, spec, state, plan, progress=progress)
+        self.kv_pool = KVCachePool.from_plan(plan, self.device)
+        self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
+        self.sampler = Sampler(self.device, seed=cfg.random_seed)
+
+    def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
+        if batch is None:
+            return ForwardBatch.idle(self.req_pool.table, self.kv_pool)
+        return ForwardBatch.from_requests(
+            batch.mode, batch.new_tokens, batch.prefix_lens, [r.row for r in batch.reqs],
+            batch.out_cache_loc, self.req_pool.table, self.kv_pool)
+
+    @torch.inference_mode()
+    def run(self, batch: Optional[ScheduledBatch], step: StepContext) -> Optional[StepResult]:
+        """One forward of this rank (an idle one when `batch` is None: the rank still joins
+        every collective of the step), then sampling for the requests that finished their
+        prefill or decode."""
+        fb = self.forward_batch(batch)
+        logits_BV = self.model(fb.input_ids, fb.positions, fb, step)
+        if batch is None:
+            return None
+        rows = [i for i, s in enumerate(batch.samples) if s]
+        tokens = [-1] * len(batch.reqs)
+        logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+        if not rows:
+            return StepResult(tokens, None)
+        reqs = [batch.reqs[i] for i in rows]
+        params = [r.params for r in reqs]
+        sb = SamplingBatch.build(
+            params, [r.output_ids for r in reqs],
+            [r.prompt_ids for r in reqs] if any(p.repetition_penalty != 1.0 for p in params)
+            else None, logits_BV.shape[-1], self.device)
+        out = self.sampler(logits_BV[torch.tensor(rows, device=logits_BV.device)], sb)
+        sampled = out.token_ids_B.tolist()
+        if out.logprobs_B is not None:
+            logprobs = [None] * len(batch.reqs)
+            chosen = out.logprobs_B.tolist()
+            top_lp = out.top_logprobs_BN.tolist() if out.top_logprobs_BN is not None else None
+            top_id = out.top_token_ids_BN.tolist() if out.top_token_ids_BN is not None else None
+        for j, i in enumerate(rows):
+            tokens[i] = sampled[j]
+            if logprobs is not None and reqs[j].params.logprobs:
+                n = reqs[j].params.top_logprobs
+                logprobs[i] = {"token_id": sampled[j], "logprob": chosen[j],
+                               "top": list(zip(top_id[j][:n], top_lp[j][:n])) if n else []}
+        return StepResult(tokens, logprobs)

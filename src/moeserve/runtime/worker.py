@@ -1,0 +1,174 @@
+"""The loop every rank runs in lockstep with the others.
+
+One iteration:
+  1. rank 0 takes the engine's messages (new requests, aborts, shutdown) and broadcasts them;
+  2. each rank's scheduler (one per DP rank, replicated on its attn_tp ranks, which therefore
+     take the same decisions) picks the next forward;
+  3. the ranks all-gather [tokens of this forward, has work]: when nobody has tokens there is no
+     forward; otherwise every rank runs one, an idle one if it has no tokens (invariant 7);
+  4. the outputs of each DP group's first rank are gathered to rank 0, which hands them to the
+     engine.
+All host-side communication of a step happens here, on the CPU (gloo) group.
+"""
+
+from __future__ import annotations
+
+import queue
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from moeserve.config import EngineConfig
+from moeserve.models.spec import ModelSpec
+from moeserve.parallel.groups import ParallelState, init_parallel_state
+from moeserve.parallel.step import StepTooLarge, step_from_counts
+from moeserve.plan.capacity import CapacityPlan
+from moeserve.runtime.kv_manager import KVManager
+from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.request import TokenOutput
+from moeserve.runtime.scheduler import Scheduler
+
+IDLE_TICK_S = 0.02  # how long rank 0 waits for new requests when no rank has work
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "add" (payload RequestInput), "abort" (payload rid), "shutdown"
+    payload: Any = None
+
+
+class RankWorker:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
+                 state: ParallelState, tokenizer: Any = None) -> None:
+        from moeserve.tokenizer import load_tokenizer
+
+        self.cfg, self.plan, self.state = cfg, plan, state
+        self.runner = ModelRunner(cfg, spec, plan, state)
+        kv = KVManager(self.runner.kv_pool, self.runner.req_pool,
+                       prefix_cache=not cfg.disable_radix_cache)
+        assert plan.budget is not None
+        tok = tokenizer or load_tokenizer(cfg.model, spec)
+        self.scheduler = Scheduler(plan.budget, kv, tok.eos_token_ids,
+                                   lambda req: tok.detokenizer())
+        self.is_dp_leader = state.attn_tp.rank == 0
+
+    def iteration(self, msgs: list[Message]) -> tuple[list[TokenOutput], bool, bool]:
+        """Returns (outputs of this rank's scheduler, shutdown, whether any rank has work)."""
+        outs: list[TokenOutput] = []
+        for m in msgs:
+            if m.kind == "shutdown":
+                return outs, True, False
+            if m.kind == "add" and m.payload.dp_rank == self.state.dp_rank:
+                self.scheduler.add(m.payload)
+            elif m.kind == "abort":
+                out = self.scheduler.abort(m.payload)
+                if out is not None:
+                    outs.append(out)
+        batch = self.scheduler.schedule()
+        outs += self.scheduler.drain_rejected()
+        counts, anyone_has_work = self._exchange(batch.num_tokens if batch else 0)
+        if any(counts):
+            try:
+                step = step_from_counts(counts, self.state.layout, self.state.rank, self.plan)
+            except StepTooLarge as exc:  # every rank raises together; the groups stay usable
+                if batch is not None:
+                    outs += self.scheduler.fail(batch, str(exc))
+                return outs, False, anyone_has_work
+            result = self.runner.run(batch, step)
+            if batch is not None:
+                outs += self.scheduler.process(batch, result.token_ids, result.logprobs)
+        return outs, False, anyone_has_work
+
+    def stats(self) -> dict[str, int]:
+        """KV and queue figures of this DP rank (for /metrics and tests)."""
+        kv, sched = self.scheduler.kv, self.scheduler
+        return {"used_slots": kv.used_slots,
+                "prefix_cached_slots": kv.radix.cached_tokens if kv.radix else 0,
+                "total_slots": kv.kv_pool.num_slots - kv.page_size,
+                "running": len(sched.running) + (sched.chunked is not None),
+                "waiting": len(sched.waiting)}
+
+    def _exchange(self, num_tokens: int) -> tuple[list[int], bool]:
+        mine = [num_tokens, int(self.scheduler.has_work)]
+        if self.state.world.size == 1:
+            return [num_tokens], bool(mine[1])
+        t = torch.tensor(mine, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.state.world.size)]
+        dist.all_gather(out, t, group=self.state.cpu)
+        return [int(o[0]) for o in out], any(int(o[1]) for o in out)
+
+
+def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any]) -> None:
+    """Run iterations until a shutdown message. Rank 0 holds the engine's inbox and outbox."""
+    state = worker.state
+    multi = state.world.size > 1
+    has_work = False
+    last_stats: Optional[dict[str, int]] = None
+    while True:
+        msgs: list[Message] = []
+        if inbox is not None:
+            msgs = _drain(inbox, block=not has_work)
+        if multi:
+            box = [msgs]
+            dist.broadcast_object_list(box, src=0, group=state.cpu)
+            msgs = box[0]
+        outs, stop, has_work = worker.iteration(msgs)
+        stats = [worker.stats()] if worker.is_dp_leader else []
+        if multi:
+            mine = (outs if worker.is_dp_leader else [], stats)
+            gathered: Optional[list] = [None] * state.world.size if state.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=state.cpu)
+            outs = [o for part in (gathered or []) for o in part[0]]
+            stats = [s for part in (gathered or []) for s in part[1]]
+        if outbox is not None:
+            total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
+            if total is not None and total != last_stats:
+                outbox.put(("stats", total))  # before the outputs it explains
+                last_stats = total
+            if outs:
+                outbox.put(("out", outs))
+        if stop:
+            return
+
+
+def _drain(inbox: Any, block: bool) -> list[Message]:
+    msgs: list[Message] = []
+    try:
+        msgs.append(inbox.get(timeout=IDLE_TICK_S) if block else inbox.get_nowait())
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return msgs
+
+
+def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str,
+              inbox: Optional[Any], outbox: Any) -> None:
+    """Entry point of a worker process: join the process group, build the rank, serve."""
+    try:
+        from moeserve.runtime.devices import rank_device
+
+        device = rank_device(cfg, rank)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.tp_size // cfg.nnodes)))
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=cfg.tp_size, timeout=timedelta(seconds=600))
+        state = init_parallel_state(plan.layout, device)
+        worker = RankWorker(cfg, plan.spec, plan, state)
+        outbox.put(("ready", rank))
+        serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None)
+        outbox.put(("exit", rank))
+    except BaseException as exc:  # report why this rank stops, then stop
+        try:
+            outbox.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        finally:
+            raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
