@@ -65,6 +65,13 @@ class ParallelLayout:
         return not self.a2a and self.dp > 1
 
     @property
+    def shared_expert_tp(self) -> int:
+        """Ranks a MoE layer's shared experts are split over: the tp world on the gather path
+        with split dense MLPs (their partial sums ride the gather's reduce-scatter), else 1
+        (replicated: the all-to-all backend has no reduction over the world to ride)."""
+        return self.tp if not self.a2a and self.dense_tp == self.tp else 1
+
+    @property
     def scatter_across_attn_tp(self) -> bool:
         """Tokens are split evenly across attn_tp ranks somewhere in a step (SP, replicated
         dense MLPs, or the DP-attention gather, which contributes attn_tp slices per group)."""
@@ -149,12 +156,14 @@ def layout_problems(cfg: EngineConfig, spec: ModelSpec) -> list[Problem]:
         p.append(Problem(f"--moe-dense-tp-size {lay.dense_tp} must be 1 (replicated) or "
                          f"--tp-size ({tp}).", "set --moe-dense-tp-size 1, or leave it unset"))
     else:
-        for what, width in [("dense MLP intermediate", spec.dense_intermediate_size
-                             if spec.dense_layers else 0),
-                            ("shared expert intermediate", spec.shared_expert_intermediate_size)]:
-            if width and width % lay.dense_tp:
-                p.append(Problem(f"{what} {width} does not split across dense_tp = "
-                                 f"{lay.dense_tp}.", "set --moe-dense-tp-size 1"))
+        for what, width, split in [
+                ("dense MLP intermediate", spec.dense_intermediate_size
+                 if spec.dense_layers else 0, lay.dense_tp),
+                ("shared expert intermediate", spec.shared_expert_intermediate_size,
+                 lay.shared_expert_tp)]:
+            if width and width % split:
+                p.append(Problem(f"{what} {width} does not split across {split} ranks "
+                                 f"(dense_tp = {lay.dense_tp}).", "set --moe-dense-tp-size 1"))
     if cfg.a2a_enabled and ep != tp:
         p.append(Problem(f"--moe-a2a-backend all_to_all needs whole experts per rank: ep "
                          f"({ep}) must equal tp ({tp}).",

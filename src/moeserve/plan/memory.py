@@ -65,7 +65,7 @@ def weight_params_per_rank(spec: ModelSpec, layout: ParallelLayout) -> int:
     per_layer_common = _attention_params(spec, layout) + 2 * h
     experts = (spec.num_experts // layout.ep) * 3 * h * spec.moe_intermediate_size // layout.moe_tp
     router = spec.num_experts * h + (spec.num_experts if spec.scoring == "sigmoid" else 0)
-    shared = 3 * h * spec.shared_expert_intermediate_size // layout.dense_tp
+    shared = 3 * h * spec.shared_expert_intermediate_size // layout.shared_expert_tp
     shared += h if spec.shared_expert_gate else 0
     dense = 3 * h * spec.dense_intermediate_size // layout.dense_tp
     n_dense = len(spec.dense_layers)
