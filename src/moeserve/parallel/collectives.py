@@ -1,0 +1,115 @@
+"""Collectives with explicit sizes, on one Axis of the ParallelState.
+
+Every function takes the sizes of every rank (the same list on every rank, from the step's
+gathered counts), so all ranks issue the same collective with the same shapes: a rank with
+zero rows still takes part. When every rank has zero rows, all ranks skip the collective
+together (they decide from the same list).
+
+Uneven all-gather / reduce-scatter pad each rank's block to the largest block and use the
+equal-size collective: one call, shapes that depend only on max(sizes).
+
+Shape legend: R rows of this rank, N rows of all ranks, P ranks of the axis, C per-peer slots.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from moeserve.parallel.groups import Axis
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
+
+def _check_sizes(sizes: Sequence[int], axis: Axis) -> None:
+    if len(sizes) != axis.size or min(sizes, default=0) < 0:
+        raise ValueError(f"need one non-negative size per rank of a {axis.size}-rank axis, "
+                         f"got {list(sizes)}")
+
+
+def block_offsets(sizes: Sequence[int]) -> list[int]:
+    """Start row of each rank's block in the concatenation of all blocks."""
+    offsets, total = [], 0
+    for s in sizes:
+        offsets.append(total)
+        total += s
+    return offsets
+
+
+def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order: [sum(sizes), ...]. x_R has sizes[rank]
+    rows; trailing dims must agree across ranks."""
+    _check_sizes(sizes, axis)
+    if x_R.shape[0] != sizes[axis.rank]:
+        raise ValueError(f"rank {axis.rank} holds {x_R.shape[0]} rows but the step says "
+                         f"{sizes[axis.rank]}")
+    if axis.size == 1:
+        return x_R
+    pad = max(sizes)
+    if pad == 0:
+        return x_R.new_empty((0, *x_R.shape[1:]))
+    send = x_R.contiguous()
+    if x_R.shape[0] < pad:
+        send = x_R.new_zeros((pad, *x_R.shape[1:]))
+        send[: x_R.shape[0]] = x_R
+    out = x_R.new_empty((axis.size * pad, *x_R.shape[1:]))
+    _all_gather_single(out, send, group=axis.group)
+    if all(s == pad for s in sizes):
+        return out
+    return torch.cat([out[r * pad: r * pad + s] for r, s in enumerate(sizes)])
+
+
+def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis) -> torch.Tensor:
+    """Sum y_N over the ranks and keep this rank's block. y_N holds every rank's block in rank
+    order ([sum(sizes), ...], the layout all_gather_uneven returns); out: [sizes[rank], ...]."""
+    _check_sizes(sizes, axis)
+    if y_N.shape[0] != sum(sizes):
+        raise ValueError(f"reduce-scatter input has {y_N.shape[0]} rows, the blocks "
+                         f"{list(sizes)} sum to {sum(sizes)}")
+    if axis.size == 1:
+        return y_N
+    pad = max(sizes)
+    if pad == 0:
+        return y_N.new_empty((0, *y_N.shape[1:]))
+    if all(s == pad for s in sizes):
+        send = y_N.contiguous()
+    else:
+        send = y_N.new_zeros((axis.size * pad, *y_N.shape[1:]))
+        for r, (off, s) in enumerate(zip(block_offsets(sizes), sizes)):
+            send[r * pad: r * pad + s] = y_N[off: off + s]
+    out = y_N.new_empty((pad, *y_N.shape[1:]))
+    _reduce_scatter_single(out, send, group=axis.group)
+    return out[: sizes[axis.rank]]
+
+
+def all_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum over the axis; in place when x is contiguous. Returns the sum."""
+    if axis.size == 1 or x.numel() == 0:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=axis.group)
+    return x
+
+
+def all_to_all_fixed(recv_PC: torch.Tensor, send_PC: torch.Tensor, axis: Axis) -> None:
+    """Exchange fixed-capacity blocks: send_PC[p] goes to rank p, recv_PC[p] comes from rank p.
+
+    Both are contiguous [P, C, ...] with the same shape on every rank; C depends only on the
+    plan and the step's runtime max, never on this rank's own count, so the call can be
+    captured in a CUDA graph and no rank disagrees about the geometry.
+    """
+    if send_PC.shape != recv_PC.shape or send_PC.shape[0] != axis.size:
+        raise ValueError(f"all-to-all blocks must be [{axis.size}, C, ...] on both sides, got "
+                         f"send {tuple(send_PC.shape)} recv {tuple(recv_PC.shape)}")
+    assert send_PC.is_contiguous() and recv_PC.is_contiguous()
+    if axis.size == 1:
+        recv_PC.copy_(send_PC)
+        return
+    if send_PC.numel() == 0:
+        return
+    dist.all_to_all_single(recv_PC, send_PC, group=axis.group)
