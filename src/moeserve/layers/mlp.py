@@ -1,0 +1,111 @@
+"""The dense gated MLP block: dense (non-MoE) layers and the shared experts of MoE layers.
+
+    y = down(act(gate(x)) * up(x))        weights: gate_up [2 I/tp, H] (gate rows, then up),
+                                                    down [H, I/tp]
+
+Sharding (`tp_size`): 1 (replicated, every rank holds the whole MLP) or the tp world size
+(the intermediate dim split across all tp ranks, each rank returning partial sums).
+A dense layer uses --moe-dense-tp-size (dense_tp): replicated, it runs on this rank's rows
+with no communication (rows are scattered across attn_tp by the layer communicator when
+attn_tp > 1); sharded over the world, it gathers the rows of every rank, computes its partial
+sums and reduce-scatters them back (with one DP rank and replicated rows: an all-reduce).
+Shared experts inside a MoE layer call `partial()` and leave the reduction to the MoE layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.models.spec import ModelSpec
+from moeserve.moe.weights import WeightError, copy_into, empty_param, expect_shape, read
+from moeserve.parallel.communicator import gather_world_rows, layer_scatters, reduce_world_rows
+from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.step import StepContext
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported; moeserve supports "
+                         f"{', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class _Proj(nn.Module):
+    """A bias-free weight [out, in], so that parameter names read `<proj>.weight`."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(out_features, in_features, dtype=dtype)
+
+
+class DenseMLP(nn.Module):
+    CHECKPOINT_NAMES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype = torch.float32,
+                 *, intermediate_size: Optional[int] = None, tp_size: Optional[int] = None,
+                 ) -> None:
+        super().__init__()
+        lay = state.layout
+        self.state = state
+        self.hidden = spec.hidden_size
+        self.intermediate = intermediate_size or spec.dense_intermediate_size
+        self.tp_size = lay.dense_tp if tp_size is None else tp_size
+        if self.tp_size not in (1, state.world.size):
+            raise ValueError(f"a dense MLP is replicated (1) or split over all {lay.tp} ranks, "
+                             f"not over {self.tp_size}: set --moe-dense-tp-size 1 or leave it "
+                             "unset")
+        if self.intermediate % self.tp_size:
+            raise ValueError(f"MLP intermediate size {self.intermediate} does not split across "
+                             f"{self.tp_size} ranks: set --moe-dense-tp-size 1")
+        self.tp_rank = state.world.rank if self.tp_size > 1 else 0
+        self.i_local = self.intermediate // self.tp_size
+        self.act = activation(spec.hidden_act)
+        self.scattered = layer_scatters(lay, moe=False)
+        self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
+        self.down = _Proj(self.hidden, self.i_local, dtype)
+
+    def partial(self, x_NH: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the MLP output (the whole output when replicated)."""
+        gate_up = F.linear(x_NH, self.gate_up.weight)
+        return F.linear(self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:],
+                        self.down.weight)
+
+    def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """A dense layer's block on this rank's rows (see the module doc for the layouts)."""
+        if self.tp_size == 1:
+            return self.partial(x_MH)
+        x_NH = gather_world_rows(x_MH, step, self.state, self.scattered)
+        return reduce_world_rows(self.partial(x_NH), step, self.state, self.scattered)
+
+    # --- weights (names relative to the module, e.g. "mlp.") ------------------------------
+    def checkpoint_names(self) -> list[str]:
+        return list(self.CHECKPOINT_NAMES)
+
+    def needs(self, name: str) -> bool:
+        return name in self.CHECKPOINT_NAMES
+
+    def load_weight(self, name: str, src: Any) -> None:
+        i, h = self.intermediate, self.hidden
+        shard = (self.tp_rank * self.i_local, (self.tp_rank + 1) * self.i_local)
+        if name in ("gate_proj.weight", "up_proj.weight"):
+            expect_shape(name, src, (i, h))
+            half = slice(0, self.i_local) if name.startswith("gate") else slice(self.i_local, None)
+            copy_into(self.gate_up.weight[half], read(src, rows=shard), name)
+        elif name == "down_proj.weight":
+            expect_shape(name, src, (h, i))
+            copy_into(self.down.weight, read(src, cols=shard), name)
+        else:
+            raise WeightError(f"a dense MLP has no checkpoint tensor {name!r}; it reads "
+                              f"{', '.join(self.CHECKPOINT_NAMES)}")

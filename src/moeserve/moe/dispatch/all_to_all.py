@@ -1,0 +1,116 @@
+"""The all-to-all dispatcher: each token travels once to each rank that owns one of its experts.
+
+Needs whole experts per rank (ep == tp, moe_tp == 1). The workspace is the plan's `a2a.send` and
+`a2a.recv` records, [ep, cap, payload] bytes each, allocated once when the dispatcher is built
+and shared by every MoE layer that uses this dispatcher. A step uses the first ep x R x payload
+bytes of each as a contiguous [ep, R, payload] block, where R is the step's runtime max per
+rank: the same value on every rank (from the gathered counts, after the SP scatter) and at most
+cap (the runtime guard raised before the step otherwise). So the exchange's shapes depend only
+on the plan and R, never on one rank's own count.
+
+Dispatch: slot s of block p on rank r carries the s-th of r's tokens that has an expert on rank
+p: its hidden state, all K ids and all K weights (the payload the plan sizes). Unused slots get
+ids -1. The receiving experts compute the weighted sum over the ids they own, so a token with
+two experts (or a duplicate id) on one rank is sent once and computed for both. Combine sends
+each slot's [H] result back through the same workspace and sums a token's results over the
+ranks it visited, in the caller's row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.moe.dispatch.base import (DispatchedTokens, Dispatcher, pack_tokens, payload_bytes,
+                                        register_dispatcher, unpack_tokens)
+from moeserve.parallel.collectives import all_to_all_fixed
+from moeserve.parallel.step import StepContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAllHandle:
+    num_tokens: int  # M: this rank's rows
+    capacity: int  # R: slots per peer in this step
+    token_idx_S: torch.Tensor  # for each slot this rank filled: its row,
+    peer_idx_S: torch.Tensor  # the peer it went to,
+    slot_idx_S: torch.Tensor  # and the slot within that peer's block
+
+
+@register_dispatcher("all_to_all")
+class AllToAllDispatcher(Dispatcher):
+    reduces_partial_sums = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        lay, spec, plan = self.state.layout, self.spec, self.plan
+        if not lay.a2a or plan.a2a_cap is None:
+            raise ValueError("the all_to_all dispatcher needs a plan made with "
+                             "--moe-a2a-backend all_to_all")
+        if lay.moe_tp != 1:
+            raise ValueError(f"the all-to-all moves tokens to whole experts: set --ep-size "
+                             f"{lay.tp} (= --tp-size)")
+        self.axis = self.state.ep
+        self.cap = plan.a2a_cap
+        self.hidden, self.top_k = spec.hidden_size, spec.top_k
+        self.experts_per_rank = spec.num_experts // lay.ep
+        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
+        self.send_record, self.recv_record = plan.buffer("a2a.send"), plan.buffer("a2a.recv")
+        want = (lay.ep, self.cap, self.payload)
+        for rec in (self.send_record, self.recv_record):
+            if rec.shape != want or rec.dtype != "uint8":
+                raise ValueError(f"the plan's {rec.name} record is {rec.shape} {rec.dtype}, but "
+                                 f"{self.dtype} tokens need {want} uint8: build the plan with "
+                                 f"--dtype {str(self.dtype).removeprefix('torch.')}")
+        self.send_buf = self.send_record.empty(self.state.device)
+        self.recv_buf = self.recv_record.empty(self.state.device)
+
+    def _block(self, buf: torch.Tensor, capacity: int, width: int) -> torch.Tensor:
+        """The step's contiguous [ep, R, width] block at the start of a workspace half."""
+        p = self.axis.size
+        return buf.view(-1)[: p * capacity * width].view(p, capacity, width)
+
+    def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                 topk_weights_MK: torch.Tensor, step: StepContext
+                 ) -> tuple[DispatchedTokens, AllToAllHandle]:
+        p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
+        if x_MH.dtype != self.dtype:
+            raise ValueError(f"the all-to-all workspace was planned for {self.dtype} tokens, "
+                             f"got {x_MH.dtype}")
+        if not m <= r <= self.cap:
+            raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
+                             f"{r} (cap {self.cap}): pass the rows the step describes")
+        valid = topk_ids_MK >= 0
+        dest_MK = torch.where(valid, topk_ids_MK.long() // self.experts_per_rank, p)
+        goes_MP = torch.zeros(m, p + 1, dtype=torch.bool, device=x_MH.device)
+        goes_MP = goes_MP.scatter_(1, dest_MK, True)[:, :p]  # column p collects the -1 ids
+        slot_MP = goes_MP.long().cumsum(dim=0) - 1
+        token_idx, peer_idx = goes_MP.nonzero(as_tuple=True)
+        slot_idx = slot_MP[token_idx, peer_idx]
+
+        hb = self.hidden * self.dtype.itemsize
+        send = self._block(self.send_buf, r, self.payload)
+        send[:, :, hb: hb + 4 * self.top_k].fill_(0xFF)  # ids of every slot = -1 (empty)
+        if token_idx.numel():
+            send[peer_idx, slot_idx] = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)[token_idx]
+        recv = self._block(self.recv_buf, r, self.payload)
+        all_to_all_fixed(recv, send, self.axis)
+        tokens = unpack_tokens(recv.view(p * r, self.payload), self.hidden, self.top_k,
+                               self.dtype)
+        return tokens, AllToAllHandle(num_tokens=m, capacity=r, token_idx_S=token_idx,
+                                      peer_idx_S=peer_idx, slot_idx_S=slot_idx)
+
+    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        p, r = self.axis.size, handle.capacity
+        assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
+        hb = self.hidden * self.dtype.itemsize
+        send = self._block(self.send_buf, r, hb)
+        send.copy_(y_NH.contiguous().view(torch.uint8).view(p, r, hb))
+        recv = self._block(self.recv_buf, r, hb)
+        all_to_all_fixed(recv, send, self.axis)
+        back_PRH = recv.view(self.dtype)
+        out_MH = torch.zeros(handle.num_tokens, self.hidden, dtype=torch.float32,
+                             device=y_NH.device)
+        out_MH.index_add_(0, handle.token_idx_S,
+                          back_PRH[handle.peer_idx_S, handle.slot_idx_S].float())
+        return out_MH.to(self.dtype)

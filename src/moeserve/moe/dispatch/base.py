@@ -1,0 +1,120 @@
+"""The dispatcher contract, and the registry of its implementations.
+
+    tokens, handle = dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
+    y_NH = experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)   # weighted
+    y_MH = dispatcher.combine(y_NH, handle)
+
+M: this rank's rows; N: the rows this rank's experts must see (all ranks' rows on the gather
+path, the received slots on the all-to-all path). The experts apply the top-k weights of the
+ids they own and sum over them; ids they do not own, and ids of -1, contribute nothing. combine
+sums the contributions of every rank and returns [M, H] in the caller's row order. The handle
+is a frozen, keyword-only dataclass: all a combine needs, fixed at dispatch time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+import torch
+
+from moeserve.models.spec import ModelSpec
+from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.layout import ParallelLayout
+from moeserve.parallel.step import StepContext
+from moeserve.plan.capacity import CapacityPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchedTokens:
+    x_NH: torch.Tensor
+    topk_ids_NK: torch.Tensor  # int32, global expert ids; -1: none
+    topk_weights_NK: torch.Tensor  # float32
+
+
+class Dispatcher(ABC):
+    name: ClassVar[str]
+    # True when combine sums partial outputs over the tp world for rows that include every row
+    # the caller gave: a block sharded over the world (a shared expert) may then add its partial
+    # sums to the expert output before combine and ride the same reduction.
+    reduces_partial_sums: ClassVar[bool]
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
+                 dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.state = state
+        self.plan = plan
+        self.dtype = dtype
+
+    @abstractmethod
+    def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                 topk_weights_MK: torch.Tensor, step: StepContext
+                 ) -> tuple[DispatchedTokens, Any]:
+        """The tokens this rank's experts must see, and the handle for combine."""
+
+    @abstractmethod
+    def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The experts' weighted outputs back in the caller's layout: [M, H]."""
+
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {}
+D = TypeVar("D", bound=type[Dispatcher])
+
+
+def register_dispatcher(name: str) -> Callable[[D], D]:
+    def register(cls: D) -> D:
+        if name in DISPATCHERS:
+            raise ValueError(f"dispatcher {name!r} is registered twice")
+        cls.name = name
+        DISPATCHERS[name] = cls
+        return cls
+    return register
+
+
+def default_dispatcher(layout: ParallelLayout) -> str:
+    if layout.tp == 1:
+        return "local"
+    return "all_to_all" if layout.a2a else "gather"
+
+
+def create_dispatcher(spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
+                      dtype: torch.dtype = torch.float32, name: Optional[str] = None
+                      ) -> Dispatcher:
+    """The dispatcher for the layout (local on one rank; all_to_all with
+    --moe-a2a-backend all_to_all; gather otherwise). One dispatcher can serve every MoE layer
+    of a model: layers run one after another, and the all-to-all workspace is per rank."""
+    import moeserve.moe.dispatch  # noqa: F401  (registers the implementations)
+
+    name = name or default_dispatcher(state.layout)
+    if name not in DISPATCHERS:
+        raise ValueError(f"unknown MoE dispatcher {name!r}; known: {', '.join(DISPATCHERS)}")
+    return DISPATCHERS[name](spec, state, plan, dtype)
+
+
+# --- the token payload: one byte row per token, as the plan's a2a records size it ----------
+
+def payload_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    """Hidden states in `dtype`, then K int32 ids, then K float32 weights."""
+    return hidden * dtype.itemsize + top_k * 4 + top_k * 4
+
+
+def pack_tokens(x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                topk_weights_MK: torch.Tensor) -> torch.Tensor:
+    """[M, payload] uint8 rows."""
+    parts = [x_MH.contiguous().view(torch.uint8),
+             topk_ids_MK.to(torch.int32).contiguous().view(torch.uint8),
+             topk_weights_MK.to(torch.float32).contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_tokens(rows_NP: torch.Tensor, hidden: int, top_k: int,
+                  dtype: torch.dtype) -> DispatchedTokens:
+    """Inverse of pack_tokens, on [N, payload] uint8 rows (copies: the rows may be a shared
+    workspace that the next exchange overwrites)."""
+    hb = hidden * dtype.itemsize
+    return DispatchedTokens(
+        x_NH=rows_NP[:, :hb].contiguous().view(dtype),
+        topk_ids_NK=rows_NP[:, hb: hb + 4 * top_k].contiguous().view(torch.int32),
+        topk_weights_NK=rows_NP[:, hb + 4 * top_k: hb + 8 * top_k].contiguous()
+        .view(torch.float32))

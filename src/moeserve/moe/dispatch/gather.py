@@ -1,0 +1,55 @@
+"""The gather dispatcher: every rank sees every rank's tokens, computes the part of the output
+its experts (or expert shards) own, and a reduce-scatter sums the parts back to the owners.
+
+Experts are sharded over the whole tp world (EP ranks x moe_tp ranks), so the exchange runs on
+the world axis. Ranks hold distinct rows under DP attention (scattered across attn_tp when
+attn_tp > 1): the dispatch all-gathers them with the step's uneven per-rank sizes (zero-token
+ranks included) and combine reduce-scatters. With one DP rank every rank already holds the same
+rows: no gather, and combine is an all-reduce. Partial sums of the moe_tp shards ride the same
+reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.moe.dispatch.base import (DispatchedTokens, Dispatcher, pack_tokens,
+                                        register_dispatcher, unpack_tokens)
+from moeserve.parallel.communicator import (gather_world_rows, layer_scatters,
+                                            reduce_world_rows, rows_distinct)
+from moeserve.parallel.step import StepContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherHandle:
+    step: StepContext
+    num_tokens: int  # M: this rank's rows
+
+
+@register_dispatcher("gather")
+class GatherDispatcher(Dispatcher):
+    reduces_partial_sums = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scattered = layer_scatters(self.state.layout, moe=True)
+        self.exchanges_rows = self.state.world.size > 1 and rows_distinct(self.state,
+                                                                          self.scattered)
+
+    def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                 topk_weights_MK: torch.Tensor, step: StepContext
+                 ) -> tuple[DispatchedTokens, GatherHandle]:
+        handle = GatherHandle(step=step, num_tokens=x_MH.shape[0])
+        if not self.exchanges_rows:
+            return DispatchedTokens(x_NH=x_MH, topk_ids_NK=topk_ids_MK,
+                                    topk_weights_NK=topk_weights_MK), handle
+        rows = gather_world_rows(pack_tokens(x_MH, topk_ids_MK, topk_weights_MK), step,
+                                 self.state, self.scattered)
+        return unpack_tokens(rows, x_MH.shape[1], topk_ids_MK.shape[1], x_MH.dtype), handle
+
+    def combine(self, y_NH: torch.Tensor, handle: GatherHandle) -> torch.Tensor:
+        y_MH = reduce_world_rows(y_NH, handle.step, self.state, self.scattered)
+        assert y_MH.shape[0] == handle.num_tokens
+        return y_MH

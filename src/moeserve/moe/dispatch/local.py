@@ -1,0 +1,37 @@
+"""The single-rank dispatcher: every expert is here, so tokens stay where they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.moe.dispatch.base import DispatchedTokens, Dispatcher, register_dispatcher
+from moeserve.parallel.step import StepContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalHandle:
+    num_tokens: int
+
+
+@register_dispatcher("local")
+class LocalDispatcher(Dispatcher):
+    reduces_partial_sums = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.state.world.size != 1:
+            raise ValueError(f"the local dispatcher serves one rank, the layout has "
+                             f"{self.state.world.size}; use gather or all_to_all")
+
+    def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                 topk_weights_MK: torch.Tensor, step: StepContext
+                 ) -> tuple[DispatchedTokens, LocalHandle]:
+        tokens = DispatchedTokens(x_NH=x_MH, topk_ids_NK=topk_ids_MK,
+                                  topk_weights_NK=topk_weights_MK)
+        return tokens, LocalHandle(num_tokens=x_MH.shape[0])
+
+    def combine(self, y_NH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
+        assert y_NH.shape[0] == handle.num_tokens
+        return y_NH

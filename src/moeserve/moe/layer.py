@@ -1,0 +1,131 @@
+"""The MoE layer: router -> dispatch -> experts -> combine, plus shared experts.
+
+    y_MH = MoELayer(spec, state, plan, dtype, layer_id)(x_MH, step)
+
+x_MH are this rank's MoE rows (after the layer communicator's scatter, see
+parallel/communicator.py); the output has the same rows.
+
+Parameters: gate.weight [E, H] (replicated), gate.e_score_correction_bias [E] (sigmoid scoring),
+experts.w13 / experts.w2 (experts/base.py), and with shared experts shared_expert.gate_up.weight,
+shared_expert.down.weight (a DenseMLP) and Qwen2-MoE's shared_expert_gate.weight [1, H].
+
+Shared experts: split over the tp world (layout.shared_expert_tp == tp: the gather path with
+dense MLPs split, --moe-dense-tp-size unset) they run on the dispatched rows (every rank's rows)
+and their partial sums ride the combine's reduction; otherwise (all-to-all backend, or
+--moe-dense-tp-size 1) they are replicated and run on this rank's rows after the combine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.mlp import DenseMLP, _Proj
+from moeserve.models.spec import ModelSpec
+from moeserve.moe.dispatch.base import Dispatcher, create_dispatcher
+from moeserve.moe.experts.base import PROJECTIONS, create_experts
+from moeserve.moe.router import Router
+from moeserve.moe.weights import WeightError, copy_into, expect_shape, read
+from moeserve.parallel.communicator import layer_scatters
+from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.step import StepContext
+from moeserve.plan.capacity import CapacityPlan
+
+_EXPERT_NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def shared_expert_prefix(spec: ModelSpec) -> str:
+    """Checkpoint prefix of the shared experts: DeepSeek's is plural."""
+    return "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+
+
+class MoELayer(nn.Module):
+    def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
+                 dtype: torch.dtype = torch.float32, layer_id: int = 0, *,
+                 experts: str = "reference", dispatcher: Optional[Dispatcher] = None,
+                 shared_prefix: Optional[str] = None) -> None:
+        """`dispatcher`: pass one dispatcher to every MoE layer of a model so that they share
+        the all-to-all workspace (the plan counts it once per rank); default: a new one."""
+        super().__init__()
+        lay = state.layout
+        self.spec, self.state, self.layer_id = spec, state, layer_id
+        self.scattered = layer_scatters(lay, moe=True)
+        self.gate = Router(spec, dtype)
+        self.experts = create_experts(experts, spec, state, dtype)
+        self.dispatcher = dispatcher or create_dispatcher(spec, state, plan, dtype)
+        self.shared_prefix = shared_prefix or shared_expert_prefix(spec)
+        self.shared_expert: Optional[DenseMLP] = None
+        self.shared_expert_gate: Optional[_Proj] = None
+        self.shared_on_dispatched = False
+        if spec.num_shared_experts:
+            tp = lay.shared_expert_tp
+            self.shared_on_dispatched = tp > 1
+            if tp > 1 and not self.dispatcher.reduces_partial_sums:
+                raise ValueError(f"shared experts split over {tp} ranks need a dispatcher that "
+                                 f"reduces partial sums; {self.dispatcher.name} does not")
+            self.shared_expert = DenseMLP(spec, state, dtype, tp_size=tp,
+                                          intermediate_size=spec.shared_expert_intermediate_size)
+            if spec.shared_expert_gate:
+                self.shared_expert_gate = _Proj(1, spec.hidden_size, dtype)
+
+    def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
+        if x_MH.shape[0] != step.num_rows(self.scattered):
+            raise ValueError(f"MoE layer {self.layer_id} got {x_MH.shape[0]} rows, the step gives "
+                             f"this rank {step.num_rows(self.scattered)}")
+        topk_ids_MK, topk_weights_MK = self.gate(x_MH, step.valid_rows(self.scattered))
+        tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
+        y_NH = self.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)
+        if self.shared_on_dispatched:
+            y_NH = y_NH + self._shared(tokens.x_NH)
+        y_MH = self.dispatcher.combine(y_NH, handle)
+        if self.shared_expert is not None and not self.shared_on_dispatched:
+            y_MH = y_MH + self._shared(x_MH)
+        return y_MH
+
+    def _shared(self, x_NH: torch.Tensor) -> torch.Tensor:
+        assert self.shared_expert is not None
+        y_NH = self.shared_expert.partial(x_NH)
+        if self.shared_expert_gate is not None:  # Qwen2-MoE
+            y_NH = torch.sigmoid(F.linear(x_NH, self.shared_expert_gate.weight)) * y_NH
+        return y_NH
+
+    # --- weights (names relative to the MLP module, e.g. "mlp.") --------------------------
+    def checkpoint_names(self) -> list[str]:
+        """Every checkpoint tensor of this layer, on any rank."""
+        names = [f"gate.{n}" for n in self.gate.checkpoint_names()]
+        names += [f"experts.{e}.{p}.weight" for e in range(self.spec.num_experts)
+                  for p in PROJECTIONS]
+        if self.shared_expert is not None:
+            names += [f"{self.shared_prefix}.{n}" for n in self.shared_expert.checkpoint_names()]
+        if self.shared_expert_gate is not None:
+            names.append("shared_expert_gate.weight")
+        return names
+
+    def needs(self, name: str) -> bool:
+        """Whether this rank reads `name` (False for experts of other EP ranks)."""
+        match = _EXPERT_NAME.fullmatch(name)
+        if match:
+            return int(match.group(1)) < self.spec.num_experts and \
+                self.experts.owns(int(match.group(1)))
+        return name in self.checkpoint_names()
+
+    def load_weight(self, name: str, src: Any) -> None:
+        """Read this rank's part of checkpoint tensor `name` from a tensor or safetensors
+        slice."""
+        match = _EXPERT_NAME.fullmatch(name)
+        if match and int(match.group(1)) < self.spec.num_experts:
+            self.experts.load_expert(int(match.group(1)), match.group(2), src)
+        elif name.startswith("gate.") and name in self.checkpoint_names():
+            self.gate.load_weight(name.removeprefix("gate."), src)
+        elif self.shared_expert is not None and name.startswith(self.shared_prefix + "."):
+            self.shared_expert.load_weight(name.removeprefix(self.shared_prefix + "."), src)
+        elif name == "shared_expert_gate.weight" and self.shared_expert_gate is not None:
+            expect_shape(name, src, (1, self.spec.hidden_size))
+            copy_into(self.shared_expert_gate.weight, read(src), name)
+        else:
+            raise WeightError(f"MoE layer {self.layer_id} has no checkpoint tensor {name!r}; "
+                              "see checkpoint_names()")

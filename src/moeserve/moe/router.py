@@ -1,0 +1,152 @@
+"""The router: scores over experts, top-k choice, top-k weights (M tokens, E experts, K top-k).
+
+Matches the Hugging Face MoE blocks (transformers 5.x):
+
+  softmax + greedy           Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V2 "greedy": top-k of the
+                             softmax; renormalised when norm_topk_prob (Mixtral: always)
+  softmax + group_limited    DeepSeek-V2: a group's score is its max expert score; experts outside
+                             the topk_group best groups score 0; top-k of the masked scores
+  sigmoid + noaux_tc         DeepSeek-V3: choice by sigmoid scores + e_score_correction_bias; a
+                             group's score is the sum of its 2 best biased scores; weights are the
+                             unbiased scores of the chosen experts
+then `weights /= sum(weights) + 1e-20` when norm_topk_prob, and `weights *= routed_scaling_factor`.
+(transformers' DeepSeek-V2 never renormalises; DeepSeek-V2 checkpoints set norm_topk_prob false.)
+
+Ids are int32 and weights float32: the all-to-all payload carries them in that form. Padding
+rows (index >= num_valid) get id -1 and weight 0, and contribute nothing downstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.models.spec import ModelSpec
+from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
+
+SCORINGS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    num_experts: int
+    top_k: int
+    scoring: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> "RoutingConfig":
+        cfg = cls(spec.num_experts, spec.top_k, spec.scoring, spec.topk_method, spec.n_group,
+                  spec.topk_group, spec.norm_topk_prob, spec.routed_scaling_factor)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring_func {self.scoring!r} is not supported ({SCORINGS})")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported "
+                             f"({TOPK_METHODS})")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}]")
+        if self.topk_method != "greedy" and (self.num_experts % self.n_group
+                                             or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"n_group {self.n_group} must divide {self.num_experts} experts and "
+                             f"topk_group {self.topk_group} must be in [1, n_group]")
+
+    @property
+    def uses_correction_bias(self) -> bool:
+        return self.scoring == "sigmoid"
+
+
+def _group_mask(choice_ME: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """True for experts in the topk_group best groups of each row."""
+    m, per = choice_ME.shape[0], cfg.num_experts // cfg.n_group
+    grouped = choice_ME.view(m, cfg.n_group, per)
+    if cfg.topk_method == "noaux_tc":
+        group_score = grouped.topk(min(2, per), dim=-1)[0].sum(dim=-1)
+    else:
+        group_score = grouped.max(dim=-1).values
+    best = group_score.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    return keep.unsqueeze(-1).expand(m, cfg.n_group, per).reshape(m, cfg.num_experts)
+
+
+def select_experts(logits_ME: torch.Tensor, cfg: RoutingConfig,
+                   correction_bias_E: Optional[torch.Tensor] = None,
+                   num_valid: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids [M, K] int32 and weights [M, K] float32 (float64 in, float64 weights out)."""
+    wdtype = torch.float64 if logits_ME.dtype == torch.float64 else torch.float32
+    logits = logits_ME.to(wdtype)
+    scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)
+    if cfg.topk_method == "noaux_tc":
+        choice = scores if correction_bias_E is None else scores + correction_bias_E.to(wdtype)
+        if cfg.n_group > 1:
+            choice = choice.masked_fill(~_group_mask(choice, cfg), float("-inf"))
+        ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    else:
+        if cfg.topk_method == "group_limited_greedy":
+            scores = scores.masked_fill(~_group_mask(scores, cfg), 0.0)
+        weights, ids = scores.topk(cfg.top_k, dim=-1, sorted=False)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
+    ids = ids.to(torch.int32)
+    if num_valid is not None and num_valid < ids.shape[0]:
+        ids[num_valid:] = -1
+        weights[num_valid:] = 0.0
+    return ids, weights
+
+
+class Router(nn.Module):
+    """gate.weight [E, H], replicated on every rank; gate.e_score_correction_bias [E] (fp32)
+    with sigmoid scoring."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = RoutingConfig.from_spec(spec)
+        self.hidden = spec.hidden_size
+        # DeepSeek computes router logits in fp32; the Qwen/Mixtral/OLMoE blocks in the model dtype
+        self.fp32_logits = spec.architecture.startswith("Deepseek")
+        self.weight = empty_param(spec.num_experts, spec.hidden_size, dtype=dtype)
+        if self.cfg.uses_correction_bias:
+            self.e_score_correction_bias = empty_param(spec.num_experts, dtype=torch.float32)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        if self.fp32_logits:
+            return F.linear(x_MH.float(), self.weight.float())
+        return F.linear(x_MH, self.weight).float()
+
+    def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = select_experts(self.logits(x_MH), self.cfg,
+                                      self.e_score_correction_bias, num_valid)
+        if not self.fp32_logits:  # HF rounds these blocks' weights to the model dtype
+            weights = weights.to(x_MH.dtype).float()
+        return ids, weights
+
+    def checkpoint_names(self) -> list[str]:
+        names = ["weight"]
+        if self.e_score_correction_bias is not None:
+            names.append("e_score_correction_bias")
+        return names
+
+    def load_weight(self, name: str, src: Any) -> None:
+        if name not in self.checkpoint_names():
+            raise KeyError(f"the router has no checkpoint tensor gate.{name}")
+        e = self.cfg.num_experts
+        want = (e, self.hidden) if name == "weight" else (e,)
+        expect_shape(f"gate.{name}", src, want)
+        copy_into(getattr(self, name), read(src), f"gate.{name}")

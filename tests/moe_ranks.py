@@ -1,0 +1,290 @@
+"""What each spawned rank runs in test_moe_parallel: every layout of one world size, in one
+process group, each checked against the float64 single-process reference of moe_cases.
+
+A rank returns records (dicts); the test process asserts on them, so a failure names the
+layout, model and case. Assertions that would leave other ranks waiting are not made here.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any
+
+import torch
+
+from moe_cases import (H, IdentityExperts, SPEC_KINDS, T_MAX, dense_weights, engine_config,
+                       full_weights, load, reference_dense, reference_experts, reference_moe,
+                       rel_err, tiny_spec)
+from moeserve.layers.mlp import DenseMLP
+from moeserve.moe.layer import MoELayer
+from moeserve.parallel.communicator import LayerCommunicator
+from moeserve.parallel.groups import init_parallel_state
+from moeserve.parallel.layout import ParallelLayout
+from moeserve.parallel.step import StepTooLarge, begin_step
+from moeserve.plan.capacity import build_plan
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # world of 2
+    "ep2": dict(tp=2, ep=2),
+    "tp2_moe_tp2": dict(tp=2, ep=1),
+    "dp2_attn_tp1": dict(tp=2, dp=2, ep=2),
+    "dense_tp1_tp2": dict(tp=2, ep=2, dense_tp=1),
+    "a2a_dp2": dict(tp=2, dp=2, ep=2, a2a=True),
+    "a2a_sp2": dict(tp=2, ep=2, a2a=True),
+    # world of 4
+    "ep4": dict(tp=4, ep=4),
+    "tp4_ep2_moe_tp2": dict(tp=4, ep=2),
+    "dp2_attn_tp2": dict(tp=4, dp=2, ep=2),
+    "dense_tp1_dp2_attn_tp2": dict(tp=4, dp=2, ep=4, dense_tp=1),
+    "a2a_sp4": dict(tp=4, ep=4, a2a=True),
+    "a2a_dp2_sp2": dict(tp=4, dp=2, ep=4, a2a=True),
+}
+HOT_EXPERT = 5
+
+
+def scenarios(dp: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (tokens per DP rank, padding rows at the end of each DP rank's batch)."""
+    if dp == 1:
+        return {"uneven": ((13,), 0), "few_rows": ((2,), 0), "idle": ((0,), 0),
+                "padded": ((12,), 3), "worst": ((T_MAX,), 0), "hot_expert": ((11,), 0)}
+    return {"uneven": ((13, 6), 0), "zero_rank": ((9, 0), 0), "idle": ((0, 0), 0),
+            "padded": ((12, 7), 3), "worst": ((T_MAX, T_MAX), 0), "hot_expert": ((11, 5), 0)}
+
+
+def _inputs(seed: int, dp_rank: int, tokens: int, attn_tp: int, hot: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This DP rank's residual x [T, H] and attention partial sums [attn_tp, T, H]."""
+    g = torch.Generator().manual_seed(seed * 101 + dp_rank)
+    x = torch.randn(tokens, H, generator=g)
+    if hot:
+        x += 6.0 * _hot_direction()
+    return x, torch.randn(attn_tp, tokens, H, generator=g) * 0.5
+
+
+def _hot_direction() -> torch.Tensor:
+    u = torch.randn(H, generator=torch.Generator().manual_seed(7))
+    return u / u.norm()
+
+
+def _hot_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gate weights under which every token picks HOT_EXPERT (inputs carry +6 u)."""
+    w = dict(weights)
+    gate = w["gate.weight"].clone()
+    gate[HOT_EXPERT] = 4.0 * _hot_direction()
+    w["gate.weight"] = gate
+    if "gate.e_score_correction_bias" in w:
+        bias = w["gate.e_score_correction_bias"].clone()
+        bias[HOT_EXPERT] = 2.0
+        w["gate.e_score_correction_bias"] = bias
+    return w
+
+
+def _flow(block: Any, comm: LayerCommunicator, step, x: torch.Tensor, partials: torch.Tensor,
+          attn_tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's data flow around `block`; returns (block output gathered to [T, H],
+    next layer input [T, H])."""
+    a = comm.reduce_attn_output(partials[attn_tp_rank].clone(), step)
+    r = comm.local_rows(x, step) + a
+    y = block(r, step)
+    return comm.gather_rows(y, step), comm.gather_rows(r + y, step)
+
+
+def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> None:
+    spec = tiny_spec(kind)
+    lay = state.layout
+    weights = full_weights(spec, seed=11)
+    layer = MoELayer(spec, state, plan)
+    comm = LayerCommunicator(state, moe=True)
+    load(layer, weights)
+    for s_i, (case, (counts, pad)) in enumerate(scenarios(lay.dp).items()):
+        hot = case == "hot_expert"
+        w = _hot_weights(weights) if hot else weights
+        if hot:
+            layer.gate.load_weight("weight", w["gate.weight"])
+            if "gate.e_score_correction_bias" in w:
+                layer.gate.load_weight("e_score_correction_bias",
+                                       w["gate.e_score_correction_bias"])
+        d = lay.dp_rank(rank)
+        t = counts[d]
+        pad_d = min(pad, t)
+        x, partials = _inputs(s_i, d, t, lay.attn_tp, hot)
+        step = begin_step(t, state, plan, num_padding=pad_d)
+        y, nxt = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
+        r_ref = x.double() + partials.double().sum(0)
+        valid = t - pad_d
+        y_ref = reference_moe(spec, w, r_ref[:valid])
+        rec = dict(layout=name, kind=kind, case=case, rank=rank, local_tokens=t,
+                   rows=step.num_rows(comm.scattered), runtime_max=step.runtime_max_per_rank,
+                   err_moe=rel_err(y[:valid], y_ref),
+                   err_flow=rel_err(nxt[:valid], r_ref[:valid] + y_ref))
+        if pad_d and not spec.num_shared_experts:
+            rec["pad_rows_abs_max"] = y[valid:].abs().max().item()
+        if hot:
+            ids, _ = layer.gate(r_ref.float())
+            rec["all_rows_pick_hot"] = bool((ids == HOT_EXPERT).any(dim=1).all())
+            load(layer, weights)
+        out.append(rec)
+
+
+def _dense_cases(name: str, state, plan, rank: int, out: list) -> None:
+    spec = tiny_spec("qwen3")
+    lay = state.layout
+    weights = dense_weights(spec, seed=5)
+    mlp = DenseMLP(spec, state)
+    load(mlp, weights)
+    comm = LayerCommunicator(state, moe=False)
+    for s_i, (case, (counts, _)) in enumerate(scenarios(lay.dp).items()):
+        d = lay.dp_rank(rank)
+        x, partials = _inputs(100 + s_i, d, counts[d], lay.attn_tp)
+        step = begin_step(counts[d], state, plan)
+        y, nxt = _flow(mlp, comm, step, x, partials, lay.attn_tp_rank(rank))
+        r_ref = x.double() + partials.double().sum(0)
+        y_ref = reference_dense(spec, weights, r_ref)
+        out.append(dict(layout=name, kind="dense", case=case, rank=rank,
+                        err_moe=rel_err(y, y_ref), err_flow=rel_err(nxt, r_ref + y_ref)))
+
+
+def _routing(seed: int, tokens: int, k: int, one_expert: bool) -> tuple[torch.Tensor, ...]:
+    """Top-k ids with -1 entries and duplicate ids in some rows (or every id = HOT_EXPERT)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 8, (tokens, k), generator=g, dtype=torch.int32)
+    if one_expert:
+        ids[:] = HOT_EXPERT
+    else:
+        ids[torch.rand(tokens, k, generator=g) < 0.2] = -1
+        dup = torch.rand(tokens, generator=g) < 0.3
+        ids[dup, 1] = ids[dup, 0]
+        ids[torch.rand(tokens, generator=g) < 0.1] = -1  # some rows route nowhere
+    weights = torch.rand(tokens, k, generator=g) + 0.1
+    return ids, weights
+
+
+def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> None:
+    """Dispatch -> experts -> combine with injected ids, reference and identity experts."""
+    spec = tiny_spec(kind)
+    lay = state.layout
+    weights = full_weights(spec, seed=3)
+    layer = MoELayer(spec, state, plan)
+    load(layer, weights)
+    identity = IdentityExperts(spec, state, torch.float32)
+    disp, scattered = layer.dispatcher, layer.scattered
+    for s_i, (case, counts) in enumerate([("random_ids", (13, 6)), ("one_expert", (7, 10)),
+                                         ("zero_rank", (0, 9)), ("worst", (T_MAX, T_MAX))]):
+        counts = counts[: lay.dp]
+        d = lay.dp_rank(rank)
+        g = torch.Generator().manual_seed(1000 + s_i * 10 + d)
+        x_T = torch.randn(counts[d], H, generator=g)
+        ids_T, w_T = _routing(2000 + s_i * 10 + d, counts[d], spec.top_k, case == "one_expert")
+        step = begin_step(counts[d], state, plan)
+        start, end = step.row_range(scattered)
+        x, ids, w = x_T[start:end], ids_T[start:end], w_T[start:end]
+        tokens, handle = disp.dispatch(x, ids, w, step)
+        y = disp.combine(layer.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK),
+                         handle)
+        rec = dict(layout=name, kind=kind, case=case, rank=rank, rows=end - start,
+                   runtime_max=step.runtime_max_per_rank, dispatched_rows=tokens.x_NH.shape[0],
+                   err_moe=rel_err(y, reference_experts(spec, weights, x, ids, w)))
+        tokens, handle = disp.dispatch(x, ids, w, step)
+        y_id = disp.combine(identity(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK),
+                            handle)
+        ref_id = (x.double()[:, None, :] * (w.double() * (ids >= 0))[:, :, None]).sum(1)
+        rec["err_identity"] = rel_err(y_id, ref_id)
+        if lay.a2a:
+            rec["a2a_capacity"] = handle.capacity
+            # slots this rank filled, per peer; and non-empty slots it received
+            rec["a2a_sent"] = torch.bincount(handle.peer_idx_S, minlength=lay.ep).tolist()
+            rec["a2a_received"] = int((tokens.topk_ids_NK >= 0).any(dim=1).sum())
+            rec["a2a_ptrs"] = (disp.send_buf.data_ptr(), disp.recv_buf.data_ptr())
+        out.append(rec)
+    if lay.a2a:
+        rec_send, buf = plan.buffer("a2a.send"), disp.send_buf
+        out.append(dict(layout=name, kind=kind, case="workspace", rank=rank,
+                        record_shape=rec_send.shape, record_bytes=rec_send.bytes,
+                        record_dtype=rec_send.dtype, a2a_cap=plan.a2a_cap,
+                        moe_tokens=dict(plan.moe_tokens),
+                        send_shape=tuple(buf.shape), send_bytes=buf.numel() * buf.element_size(),
+                        send_dtype=str(buf.dtype), recv_shape=tuple(disp.recv_buf.shape),
+                        recv_bytes=disp.recv_buf.numel() * disp.recv_buf.element_size(),
+                        runner_pairs=plan.buffer("moe.runner.pair_token").shape[0]))
+    else:
+        out.append(dict(layout=name, kind=kind, case="runner_bound", rank=rank,
+                        runner_pairs=plan.buffer("moe.runner.pair_token").shape[0]))
+
+
+def _guard(rank: int, state, plan, cfg_kwargs: dict, out: list, name: str) -> None:
+    """An oversize step raises on every rank; the next step on the same groups works."""
+    lay = state.layout
+    spec = tiny_spec("qwen3")
+    weights = full_weights(spec, seed=17)
+    checks = [("tokens", plan, tuple([T_MAX + 1] + [3] * (lay.dp - 1)))]
+    if lay.a2a:  # a plan whose all-to-all cap (5 per rank) is below the worst case
+        small = build_plan(engine_config(**cfg_kwargs, a2a_cap=5), spec)
+        checks.append(("a2a_cap", small, tuple([6 * lay.attn_tp] + [2] * (lay.dp - 1))))
+    for what, p, counts in checks:
+        layer = MoELayer(spec, state, p)
+        load(layer, weights)
+        comm = LayerCommunicator(state, moe=True)
+        d = lay.dp_rank(rank)
+        rec: dict[str, Any] = dict(layout=name, kind="qwen3", case=f"guard_{what}", rank=rank)
+        try:
+            begin_step(counts[d], state, p)
+            rec["error"] = None
+        except StepTooLarge as exc:
+            rec["error"] = str(exc)
+        ok_counts = tuple(min(c, 4 * lay.attn_tp) for c in counts)
+        x, partials = _inputs(77, d, ok_counts[d], lay.attn_tp)
+        step = begin_step(ok_counts[d], state, p)
+        y, _ = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
+        r_ref = x.double() + partials.double().sum(0)
+        rec["err_after"] = rel_err(y, reference_moe(spec, weights, r_ref))
+        out.append(rec)
+
+
+def run_world(rank: int, world: int, names: list[str]) -> list[dict]:
+    torch.manual_seed(0)
+    out: list[dict] = []
+    for name in names:
+        kwargs = LAYOUTS[name]
+        cfg = engine_config(**kwargs)
+        plans = {kind: build_plan(cfg, tiny_spec(kind)) for kind in SPEC_KINDS}
+        bad = {k: [str(e) for e in p.errors] for k, p in plans.items() if not p.ok}
+        if bad:
+            return [dict(layout=name, case="plan_errors", errors=bad)]
+        state = init_parallel_state(ParallelLayout.from_config(cfg))
+        try:
+            for kind in SPEC_KINDS:
+                _layer_cases(name, kind, state, plans[kind], rank, out)
+            for kind in ("qwen3", "deepseek_v3"):
+                _dispatch_cases(name, kind, state, plans[kind], rank, out)
+            _dense_cases(name, state, plans["qwen3"], rank, out)
+            _guard(rank, state, plans["qwen3"], kwargs, out, name)
+            if kwargs.get("a2a"):
+                _mode_cases(name, state, plans["qwen3"], rank, out)
+        except Exception:  # report, and stop this world (other ranks time out or fail too)
+            out.append(dict(layout=name, case="exception", rank=rank,
+                            error=traceback.format_exc()))
+            return out
+    return out
+
+
+def _mode_cases(name: str, state, plan, rank: int, out: list) -> None:
+    """Invariant 2: a forward of every mode's token count fits the all-to-all cap."""
+    spec = tiny_spec("qwen3")
+    weights = full_weights(spec, seed=23)
+    layer = MoELayer(spec, state, plan)
+    load(layer, weights)
+    comm = LayerCommunicator(state, moe=True)
+    lay = state.layout
+    for m_i, (mode, t) in enumerate(plan.budget.by_mode().items()):
+        if t is None:
+            continue
+        d = lay.dp_rank(rank)
+        x, partials = _inputs(300 + m_i, d, t, lay.attn_tp)
+        step = begin_step(t, state, plan)
+        y, _ = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
+        r_ref = x.double() + partials.double().sum(0)
+        out.append(dict(layout=name, kind="qwen3", case=f"mode_{mode}", rank=rank, tokens=t,
+                        runtime_max=step.runtime_max_per_rank, cap=plan.a2a_cap,
+                        expect_m=math.ceil(t / lay.attn_tp),
+                        err_moe=rel_err(y, reference_moe(spec, weights, r_ref))))
