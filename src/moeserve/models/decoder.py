@@ -1,0 +1,291 @@
+"""The decoder shared by the four architectures: attention block, decoder layer, causal LM.
+
+Legend: T tokens of this DP rank, H hidden, N/K query/KV heads (local), D head dim, V vocab.
+
+Architectures differ only in a few switches (biases, q/k norm kind, OLMoE's clip_qkv, Mixtral's
+sliding window) and in the names their checkpoints use; the checkpoint-facing side of a model is
+written in one canonical naming (transformers' Qwen-MoE names) and each architecture translates
+its own names to it (`MoECausalLM.to_canonical`).
+
+Weights are addressed by canonical checkpoint name: `checkpoint_names()` lists every tensor a
+checkpoint must hold, `checkpoint_shape(name)` its full (unsharded) shape, `needs(name)` whether
+this rank reads it at all (experts of other EP ranks: no), `load_weight(name, src)` reads this
+rank's part of it from a tensor or a safetensors slice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from moeserve.layers.attention import AttentionBackend, PagedAttention
+from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.spec import ModelSpec, ModelSpecError
+from moeserve.parallel.groups import ParallelState
+from moeserve.runtime.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the architectures' attention blocks."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"  # "none", "per_head" (Qwen3-MoE), "full" (OLMoE)
+    clip_qkv: Optional[float] = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    sliding_window: Optional[int] = None
+
+
+def refuse_sliding_window(architecture: str, hf_config: dict[str, Any]) -> None:
+    """Qwen-MoE's sliding window applies to some layers only; moeserve does not run it."""
+    if hf_config.get("use_sliding_window"):
+        raise ModelSpecError(f"{architecture} with use_sliding_window=true is not supported; "
+                             "set use_sliding_window to false in config.json")
+
+
+class DecoderAttention(nn.Module):
+    """h_TH -> partial attention output [T, H] (o_proj without its reduction over attn_tp)."""
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, layer_id: int, dtype: torch.dtype,
+                 opts: AttentionOptions, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        axis = state.attn_tp
+        h, d = spec.hidden_size, spec.head_dim
+        self.spec, self.opts, self.head_dim = spec, opts, d
+        self.qkv_proj = QKVParallelLinear(h, d, spec.num_heads, spec.num_kv_heads,
+                                          bias=opts.qkv_bias, axis=axis, dtype=dtype)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, h, bias=opts.o_bias, axis=axis,
+                                        dtype=dtype)
+        qkv = self.qkv_proj
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
+        if opts.qk_norm == "per_head":
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype)
+        elif opts.qk_norm == "full":
+            self.q_norm = ShardedRMSNorm(spec.num_heads * d, qkv.q_size, axis.rank * qkv.q_size,
+                                         1, spec.rms_norm_eps, axis, dtype)
+            self.k_norm = ShardedRMSNorm(spec.num_kv_heads * d, qkv.kv_size,
+                                         qkv.kv_head_start * d, qkv.kv_replicas,
+                                         spec.rms_norm_eps, axis, dtype)
+        elif opts.qk_norm != "none":
+            raise ValueError(f"unknown q/k norm {opts.qk_norm!r}")
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_id, qkv.heads_local, qkv.kv_heads_local, d, d ** -0.5,
+                                   backend, opts.sliding_window)
+
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        t, d = h_TH.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(h_TH)
+        if self.opts.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        n, kv = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local
+        q_TND, k_TKD, v_TKD = q.view(t, n, d), k.view(t, kv, d), v.view(t, kv, d)
+        if self.opts.qk_norm == "per_head":
+            q_TND, k_TKD = self.q_norm(q_TND), self.k_norm(k_TKD)
+        if self.opts.clip_qkv is not None:
+            c = self.opts.clip_qkv
+            q_TND, k_TKD, v_TKD = q_TND.clamp(-c, c), k_TKD.clamp(-c, c), v_TKD.clamp(-c, c)
+        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD)
+        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb)
+        return self.o_proj(o_TND.reshape(t, n * d))
+
+    # --- weights (names relative to "self_attn.") ----------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        names = [f"{p}_proj.weight" for p in "qkvo"]
+        if self.opts.qkv_bias:
+            names += [f"{p}_proj.bias" for p in "qkv"]
+        if self.opts.o_bias:
+            names.append("o_proj.bias")
+        if self.q_norm is not None:
+            names += ["q_norm.weight", "k_norm.weight"]
+        return names
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...]:
+        s, d = self.spec, self.head_dim
+        width = {"q": s.num_heads * d, "k": s.num_kv_heads * d, "v": s.num_kv_heads * d,
+                 "o": s.hidden_size}
+        proj, param = name.split(".")
+        if proj.endswith("_norm"):
+            return (d,) if self.opts.qk_norm == "per_head" else (width[proj[0]],)
+        if proj == "o_proj" and param == "weight":
+            return (s.hidden_size, s.num_heads * d)
+        return (width[proj[0]], s.hidden_size) if param == "weight" else (width[proj[0]],)
+
+    def load_weight(self, name: str, src: Any) -> None:
+        module_name, param = name.split(".")
+        if module_name in ("q_proj", "k_proj", "v_proj"):
+            self.qkv_proj.load_weight(param, src, module_name[0])
+        elif module_name == "o_proj":
+            self.o_proj.load_weight(param, src)
+        else:
+            getattr(self, module_name).load_weight(param, src)
+
+
+# Shapes of the MLP tensors, by name relative to "mlp." (the MoE/dense layers own the loading).
+_MLP_SHAPES: list[tuple[str, Callable[[ModelSpec], tuple[int, int]]]] = [
+    (r"gate\.weight", lambda s: (s.num_experts, s.hidden_size)),
+    (r"experts\.\d+\.(gate|up)_proj\.weight", lambda s: (s.moe_intermediate_size, s.hidden_size)),
+    (r"experts\.\d+\.down_proj\.weight", lambda s: (s.hidden_size, s.moe_intermediate_size)),
+    (r"shared_experts?\.(gate|up)_proj\.weight",
+     lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
+    (r"shared_experts?\.down_proj\.weight",
+     lambda s: (s.hidden_size, s.shared_expert_intermediate_size)),
+    (r"shared_expert_gate\.weight", lambda s: (1, s.hidden_size)),
+    (r"(gate|up)_proj\.weight", lambda s: (s.dense_intermediate_size, s.hidden_size)),
+    (r"down_proj\.weight", lambda s: (s.hidden_size, s.dense_intermediate_size)),
+]
+
+
+def mlp_checkpoint_shape(spec: ModelSpec, name: str) -> tuple[int, int]:
+    for pattern, shape in _MLP_SHAPES:
+        if re.fullmatch(pattern, name):
+            return shape(spec)
+    raise KeyError(f"no known shape for MLP tensor {name!r}")
+
+
+class DecoderLayer(nn.Module):
+    """One layer, in the layout flow agreed with the MoE layer and the communicator:
+
+        a = attention(input_norm(x))         partial sums over attn_tp
+        a = comm.reduce_attn_output(a)       all-reduce, or reduce-scatter to this rank's rows
+        r = comm.local_rows(x) + a
+        y = mlp(post_norm(r))                MoELayer or DenseMLP, on this rank's rows
+        x = comm.gather_rows(r + y)          back to the DP rank's tokens on every attn_tp rank
+    """
+
+    def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype,
+                 self_attn: DecoderAttention, mlp: nn.Module, comm: Any):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = mlp
+        self.comm = comm
+
+    def forward(self, positions_T: torch.Tensor, x_TH: torch.Tensor, fb: ForwardBatch,
+                step: Any) -> torch.Tensor:
+        a = self.self_attn(positions_T, self.input_layernorm(x_TH), fb)
+        a = self.comm.reduce_attn_output(a, step)
+        r = self.comm.local_rows(x_TH, step) + a
+        y = self.mlp(self.post_attention_layernorm(r), step)
+        return self.comm.gather_rows(r + y, step)
+
+
+MLPFactory = Callable[[int], nn.Module]  # layer id -> MoELayer or DenseMLP
+# comm_factory: layer id -> that layer's LayerCommunicator
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(.+)")
+
+
+class MoECausalLM(nn.Module):
+    """embed -> decoder layers -> final norm -> LM head. Subclasses (one per architecture) set
+    `attention_options` and, where their checkpoints name tensors differently, the renames."""
+
+    architecture = ""
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype, *,
+                 hf_config: dict[str, Any], backend: AttentionBackend, mlp_factory: MLPFactory,
+                 comm_factory: Callable[[int], Any]):
+        super().__init__()
+        self.spec, self.state, self.dtype = spec, state, dtype
+        axis = state.attn_tp
+        opts = self.attention_options(spec, hf_config)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, axis=axis,
+                                                   dtype=dtype)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling_dict,
+                                      spec.max_position_embeddings)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, dtype,
+                         DecoderAttention(spec, state, i, dtype, opts, self.rotary, backend),
+                         mlp_factory(i), comm_factory(i))
+            for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, axis=axis, dtype=dtype,
+                                      tied_to=self.embed_tokens if spec.tie_word_embeddings
+                                      else None)
+
+    @classmethod
+    def attention_options(cls, spec: ModelSpec, hf_config: dict[str, Any]) -> AttentionOptions:
+        raise NotImplementedError
+
+    # --- checkpoint naming --------------------------------------------------------------
+    @classmethod
+    def to_canonical(cls, name: str) -> str:
+        """This architecture's checkpoint name -> the canonical (Qwen-MoE) name."""
+        return name
+
+    @classmethod
+    def from_canonical(cls, name: str) -> str:
+        """The canonical name -> this architecture's checkpoint name (for messages)."""
+        return name
+
+    # --- forward ------------------------------------------------------------------------
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, fb: ForwardBatch,
+                step: Any) -> torch.Tensor:
+        """Logits [rows, V] in fp32: every token's with fb.return_all_logits, else each
+        request's last new token's."""
+        x_TH = self.embed_tokens(input_ids_T)
+        for layer in self.layers:
+            x_TH = layer(positions_T, x_TH, fb, step)
+        rows = fb.logit_rows
+        if rows is not None:
+            x_TH = x_TH[rows]
+        return self.lm_head(self.norm(x_TH)).float()
+
+    # --- weights (canonical names) ------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.spec.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + "self_attn." + n for n in layer.self_attn.checkpoint_names()]
+            names += [p + "mlp." + n for n in layer.mlp.checkpoint_names()]
+        return names
+
+    def _route(self, name: str) -> tuple[Any, str, str]:
+        """(module, name relative to it, kind) for a canonical name."""
+        top = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm,
+               "lm_head.weight": self.lm_head}
+        if name in top:
+            return top[name], "weight", "top"
+        m = _LAYER_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            raise KeyError(name)
+        layer = self.layers[int(m.group(1))]
+        part, rest = m.group(2), m.group(3)
+        if part in ("input_layernorm", "post_attention_layernorm") and rest == "weight":
+            return getattr(layer, part), rest, "norm"
+        if part in ("self_attn", "mlp"):
+            return getattr(layer, part), rest, part
+        raise KeyError(name)
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...]:
+        module, rest, kind = self._route(name)
+        s = self.spec
+        if kind == "top":
+            return (s.hidden_size,) if name == "model.norm.weight" else (s.vocab_size,
+                                                                        s.hidden_size)
+        if kind == "norm":
+            return (s.hidden_size,)
+        if kind == "self_attn":
+            return module.checkpoint_shape(rest)
+        return mlp_checkpoint_shape(s, rest)
+
+    def needs(self, name: str) -> bool:
+        module, rest, kind = self._route(name)
+        return module.needs(rest) if kind == "mlp" else True
+
+    def load_weight(self, name: str, src: Any) -> None:
+        module, rest, _ = self._route(name)
+        module.load_weight(rest, src)
