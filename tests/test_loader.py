@@ -220,6 +220,8 @@ def test_every_tensor_of_a_real_preset_has_its_checkpoint_shape(preset):
         model.load_weight(name, torch.empty(model.checkpoint_shape(name), device="meta"))
     assert model.checkpoint_shape("model.embed_tokens.weight") == (spec.vocab_size,
                                                                    spec.hidden_size)
+    cos, _ = model.rotary.cos_sin(torch.arange(3))  # rope tables stay real under meta
+    assert torch.isfinite(cos).all()
 
 
 # --- registry -----------------------------------------------------------------------------

@@ -97,8 +97,9 @@ class RotaryEmbedding(nn.Module):
                  max_position: int):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, self.attention_factor = rope_frequencies(head_dim, base, scaling,
-                                                           max_position)
+        with torch.device("cpu"):  # also when the model is built under a meta/cuda device
+            inv_freq, self.attention_factor = rope_frequencies(head_dim, base, scaling,
+                                                               max_position)
         self._inv_freq_cpu = inv_freq
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
