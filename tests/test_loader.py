@@ -160,6 +160,22 @@ def test_fused_expert_tensors_load(case, prefix, experts, tmp_path):
     assert rel_err(got, ref) <= 1e-4
 
 
+def test_expert_view_reads_the_slices_a_sharded_expert_asks_for(tmp_path):
+    from safetensors import safe_open
+
+    from moeserve.models.loader import ExpertView
+
+    fused = torch.randn(3, 8, 5)  # [E, 2I, H]: gate rows 0-3, up rows 4-7
+    save_file({"w": fused}, str(tmp_path / "f.safetensors"))
+    with safe_open(str(tmp_path / "f.safetensors"), "pt") as f:
+        up = ExpertView(f.get_slice("w"), 2, 4, 4, 5)
+        assert up.get_shape() == [4, 5]
+        assert torch.equal(up[:], fused[2, 4:])
+        assert torch.equal(up[1:3], fused[2, 5:7])
+        assert torch.equal(up[1:3, 2:4], fused[2, 5:7, 2:4])
+        assert torch.equal(up[:, 3:], fused[2, 4:, 3:])
+
+
 def test_experts_this_rank_does_not_need_are_never_read(mixtral, monkeypatch):
     model, cfg = empty_model(mixtral[1])
     other_rank = lambda n: ".experts.1." not in n and ".experts.3." not in n  # noqa: E731
