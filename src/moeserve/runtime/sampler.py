@@ -1,0 +1,215 @@
+"""Batched sampling on the device, for a batch whose rows each have their own SamplingParams.
+
+Legend: B rows (requests) of the step, V vocabulary, N top logprobs per row, S rows that sample.
+
+One step, in order (as vLLM):
+  1. logprobs (when asked) from log_softmax of the raw logits, before anything below;
+  2. penalties on the raw logits: repetition (HF: over prompt and output tokens), then frequency
+     and presence (OpenAI: over output tokens);
+  3. greedy rows take the argmax;
+  4. sampling rows: divide by temperature, softmax, sort each row once; top-k and min-p keep a
+     prefix of the sorted row, top-p keeps a prefix of the renormalised rest; the token is found
+     by inverse CDF over that prefix with ONE uniform number per row, so it is inside the allowed
+     set by construction.
+
+The uniform of a row with a seed is a counter-based hash of (seed, output step): the token then
+depends on the request alone, not on the batch it runs in, the device, or a retract and
+recompute. Rows without a seed draw their uniform from the sampler's own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from moeserve.runtime.sampling import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (split c in halves)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection of [0, 2**32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                   step: torch.Tensor) -> torch.Tensor:
+    """A float32 uniform in [0, 1) per row, a pure function of (seed, step); int64 inputs hold the
+    low and high 32 bits of the seed and the output step."""
+    h = _fmix32(seed_lo ^ 0x9E3779B9)
+    h = _fmix32(h ^ seed_hi)
+    h = _fmix32(h ^ _fmix32(step & _M32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The per-row parameters of one step as device tensors, built once per step by `build`."""
+
+    sample_rows_S: Optional[torch.Tensor]  # int64 rows that sample; None when all are greedy
+    temperature_S: torch.Tensor  # float32
+    top_k_S: torch.Tensor  # int64, V where off
+    top_p_S: torch.Tensor  # float32
+    min_p_S: torch.Tensor  # float32
+    seeded_S: torch.Tensor  # bool
+    seed_lo_S: torch.Tensor  # int64, low 32 bits of the seed
+    seed_hi_S: torch.Tensor  # int64, high 32 bits
+    step_S: torch.Tensor  # int64, output tokens so far
+    # penalties: None when no row of the batch has any
+    repetition_B: Optional[torch.Tensor]  # float32
+    frequency_B: Optional[torch.Tensor]
+    presence_B: Optional[torch.Tensor]
+    output_counts_BV: Optional[torch.Tensor]  # float32 counts of each token in the output
+    seen_BV: Optional[torch.Tensor]  # bool: in prompt or output (repetition penalty)
+    # logprobs: whether any row asks, and the largest top_logprobs of the batch
+    want_logprobs: bool
+    max_top_logprobs: int
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+              prompt_ids: Optional[Sequence[Sequence[int]]], vocab_size: int,
+              device: torch.device | str = "cpu") -> "SamplingBatch":
+        """`output_ids[r]` are the tokens row r generated so far (its step is their count);
+        `prompt_ids` are needed only when some row has a repetition penalty."""
+        B, V = len(params), vocab_size
+        if len(output_ids) != B or (prompt_ids is not None and len(prompt_ids) != B):
+            raise ValueError(f"{B} params but {len(output_ids)} output_ids rows"
+                             + ("" if prompt_ids is None else f", {len(prompt_ids)} prompt rows"))
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        greedy = [p.greedy for p in params]
+        rows = [r for r in range(B) if not greedy[r]]
+        sp = [params[r] for r in rows]
+        seeds = [(p.seed or 0) % 2**64 for p in sp]
+
+        repetition = frequency = presence = counts = seen = None
+        if any(p.has_penalties for p in params):
+            repetition = t([p.repetition_penalty for p in params], torch.float32)
+            frequency = t([p.frequency_penalty for p in params], torch.float32)
+            presence = t([p.presence_penalty for p in params], torch.float32)
+            counts = _token_counts(output_ids, V, device)
+            if any(p.repetition_penalty != 1.0 for p in params):
+                if prompt_ids is None:
+                    raise ValueError("prompt_ids are needed for a repetition penalty")
+                seen = (_token_counts(prompt_ids, V, device) > 0) | (counts > 0)
+
+        return cls(
+            sample_rows_S=t(rows, torch.int64) if rows else None,
+            temperature_S=t([p.temperature for p in sp], torch.float32),
+            top_k_S=t([min(p.top_k, V) if p.top_k > 0 else V for p in sp], torch.int64),
+            top_p_S=t([p.top_p for p in sp], torch.float32),
+            min_p_S=t([p.min_p for p in sp], torch.float32),
+            seeded_S=t([p.seed is not None for p in sp], torch.bool),
+            seed_lo_S=t([s & _M32 for s in seeds], torch.int64),
+            seed_hi_S=t([s >> 32 for s in seeds], torch.int64),
+            step_S=t([len(output_ids[r]) for r in rows], torch.int64),
+            repetition_B=repetition, frequency_B=frequency, presence_B=presence,
+            output_counts_BV=counts, seen_BV=seen,
+            want_logprobs=any(p.logprobs for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+        )
+
+
+def _token_counts(rows: Sequence[Sequence[int]], V: int, device) -> torch.Tensor:
+    """(B, V) float32 count of each token id in each row; one scatter, no loop over V."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    if flat.size and (flat.min() < 0 or flat.max() >= V):
+        raise ValueError(f"token ids must lie in [0, {V}); got {flat.min()}..{flat.max()}")
+    # flat index row * V + token: adding ones is exact, so the atomic scatter is deterministic
+    index = torch.from_numpy(np.repeat(np.arange(len(rows)) * V, lengths) + flat).to(device)
+    counts = torch.zeros(len(rows) * V, dtype=torch.float32, device=device)
+    counts.index_add_(0, index, torch.ones(index.numel(), device=device))
+    return counts.view(len(rows), V)
+
+
+def apply_penalties(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalised float32 logits (a new tensor; the input is left as it was)."""
+    x = logits_BV.float().clone()
+    if batch.output_counts_BV is None:
+        return x
+    if batch.seen_BV is not None:
+        r = batch.repetition_B[:, None]
+        x = torch.where(batch.seen_BV, torch.where(x > 0, x / r, x * r), x)
+    counts = batch.output_counts_BV
+    return (x - batch.frequency_B[:, None] * counts
+            - batch.presence_B[:, None] * (counts > 0).float())
+
+
+def sample_from_logits(x_SV: torch.Tensor, batch: SamplingBatch,
+                       uniform_S: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, min-p, top-p, then inverse CDF with one uniform per row."""
+    S, V = x_SV.shape
+    probs = torch.softmax(x_SV / batch.temperature_S[:, None], dim=-1)
+    p_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = torch.arange(V, device=x_SV.device)[None, :] < batch.top_k_S[:, None]
+    keep &= p_sorted >= batch.min_p_S[:, None] * p_sorted[:, :1]
+    keep &= p_sorted > 0
+    # top-p over what top-k and min-p kept, renormalised: keep a token while the mass before it
+    # is below top_p; the first token always stays
+    kept = p_sorted * keep
+    cdf = kept.cumsum(dim=-1)
+    below = (cdf - kept) < batch.top_p_S[:, None] * cdf[:, -1:]
+    keep &= below | (batch.top_p_S[:, None] >= 1.0)
+    kept = p_sorted * keep
+    cdf = kept.cumsum(dim=-1)
+    n_kept = keep.sum(dim=-1, keepdim=True)  # the kept tokens are a prefix of the sorted row
+    target = uniform_S[:, None] * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, target, right=True)
+    pos = torch.minimum(pos, n_kept - 1)
+    return order.gather(1, pos).squeeze(1)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids_B: torch.Tensor  # int64
+    logprobs_B: Optional[torch.Tensor] = None  # float32: log-prob of the chosen token
+    top_logprobs_BN: Optional[torch.Tensor] = None  # float32, descending; row r uses its first
+    top_token_ids_BN: Optional[torch.Tensor] = None  # int64    params.top_logprobs columns
+
+
+class Sampler:
+    """Samples one token per row; `seed` seeds the generator of rows that have no seed."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: Optional[int] = None) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits_BV: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        x = apply_penalties(logits_BV, batch)
+        tokens = x.argmax(dim=-1)
+        rows = batch.sample_rows_S
+        if rows is not None:
+            u = seeded_uniform(batch.seed_lo_S, batch.seed_hi_S, batch.step_S)
+            drawn = torch.rand(rows.numel(), generator=self.generator, device=self.device)
+            u = torch.where(batch.seeded_S, u, drawn)
+            tokens[rows] = sample_from_logits(x[rows], batch, u)
+        if not batch.want_logprobs:
+            return SamplerOutput(tokens)
+        raw = torch.log_softmax(logits_BV.float(), dim=-1)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        if batch.max_top_logprobs == 0:
+            return SamplerOutput(tokens, chosen)
+        top = raw.topk(batch.max_top_logprobs, dim=-1)
+        return SamplerOutput(tokens, chosen, top.values, top.indices)

@@ -1,0 +1,200 @@
+"""Sampling parameters of one request, and the stop conditions that end it.
+
+`SamplingParams` is what a user asks for (Engine API, CLI, OpenAI server); it is validated once,
+here, with errors that name the field. `StopChecker` decides, token by token and then on the
+detokenised text, when a request is finished and why; the scheduler and detokenizer call it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter has a value we cannot honour; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request (one completion: `n` is the caller's loop).
+
+    max_new_tokens      tokens to generate at most (finish reason "length")
+    temperature         0 is greedy; logits are divided by it before top-k/top-p/min-p
+    top_p               keep the smallest set of most likely tokens whose mass reaches top_p
+    top_k               keep the k most likely tokens; -1 (or 0) keeps all
+    min_p               keep tokens whose probability is at least min_p x the largest one
+    seed                same seed, same tokens, whatever else runs in the batch
+    repetition_penalty  HF semantics, over prompt and output tokens (1.0: off)
+    frequency_penalty   OpenAI semantics: minus penalty x count in the output so far
+    presence_penalty    OpenAI semantics: minus penalty if the token is in the output so far
+    stop                strings that end the output; the matched string is not returned
+    stop_token_ids      token ids that end the output (the token is kept in the token ids)
+    ignore_eos          keep generating past the model's EOS tokens
+    logprobs            return the log-probability of each chosen token (raw logits)
+    top_logprobs        also return this many most likely tokens per step (needs logprobs)
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _int("max_new_tokens", self.max_new_tokens, lo=1)
+        _float("temperature", self.temperature, lo=0.0)
+        _float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _int("top_k", self.top_k, lo=-1)
+        if self.top_k == 0:  # HF and newer vLLM spell "off" as 0; keep one spelling
+            object.__setattr__(self, "top_k", -1)
+        _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        _float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        _bool("ignore_eos", self.ignore_eos)
+        _bool("logprobs", self.logprobs)
+        _int("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingParamsError(
+                f"top_logprobs={self.top_logprobs} needs logprobs=True; set logprobs=True or "
+                "top_logprobs=0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+def _fail(name: str, value: object, want: str) -> None:
+    raise SamplingParamsError(f"{name}={value!r} is invalid: {name} must be {want}")
+
+
+def _int(name: str, v: object, lo: Optional[int] = None, hi: Optional[int] = None) -> None:
+    want = "an integer" + (f" >= {lo}" if lo is not None else "") + (
+        f" and <= {hi}" if hi is not None else "")
+    if isinstance(v, bool) or not isinstance(v, int):
+        _fail(name, v, want)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        _fail(name, v, want)
+
+
+def _float(name: str, v: object, lo: float, hi: Optional[float] = None,
+           lo_open: bool = False) -> None:
+    want = (f"a number {'>' if lo_open else '>='} {lo}"
+            + (f" and <= {hi}" if hi is not None else ""))
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        _fail(name, v, want)
+    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        _fail(name, v, want)
+
+
+def _bool(name: str, v: object) -> None:
+    if not isinstance(v, bool):
+        _fail(name, v, "true or false")
+
+
+def _stop_strings(stop: Union[str, Iterable[str], None]) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    try:
+        items = (stop,) if isinstance(stop, str) else tuple(stop)
+    except TypeError:
+        items = (stop,)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            _fail("stop", stop, "a non-empty string or a list of non-empty strings")
+    return items
+
+
+def _token_ids(ids: Union[Iterable[int], None]) -> tuple[int, ...]:
+    try:
+        items = tuple(ids) if ids is not None else ()
+    except TypeError:
+        _fail("stop_token_ids", ids, "a list of non-negative integer token ids")
+    for t in items:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            _fail("stop_token_ids", ids, "a list of non-negative integer token ids")
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# stop conditions
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a request ended. reason is "stop" or "length" (OpenAI's finish_reason); matched is the
+    stop token id or stop string that ended it (None for EOS and for length), as vLLM's
+    stop_reason."""
+
+    reason: str
+    matched: Union[int, str, None] = None
+
+
+class StopChecker:
+    """The stop conditions of one request: call `check_token` after each sampled token, and
+    `check_text` after the detokenizer has appended its text."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> None:
+        self.params = params
+        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def check_token(self, token_id: int, num_output_tokens: int) -> Optional[Finish]:
+        """After `token_id` was appended, the output holds `num_output_tokens` tokens. The token
+        that ends a request stays in its token ids (as HF generate keeps EOS)."""
+        if token_id in self.eos_token_ids:
+            return Finish("stop")
+        if token_id in self.stop_token_ids:
+            return Finish("stop", token_id)
+        if num_output_tokens >= self.params.max_new_tokens:
+            return Finish("length")
+        return None
+
+    def check_text(self, text: str, num_new_chars: int) -> Optional[tuple[Finish, str]]:
+        """`text` is the output text so far, of which the last `num_new_chars` are new. If a stop
+        string now appears, return the finish and the text cut before the earliest match.
+        Only the new characters (plus the overlap a match can span) are searched."""
+        if not self.max_stop_len:
+            return None
+        start = max(0, len(text) - num_new_chars - self.max_stop_len + 1)
+        best: Optional[tuple[int, str]] = None
+        for s in self.params.stop:
+            i = text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        return Finish("stop", best[1]), text[:best[0]]
+
+    def streamable_len(self, text: str) -> int:
+        """How many characters of an unfinished output may be streamed: a tail that could be the
+        start of a stop string is held back until the next token decides."""
+        for k in range(min(self.max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.params.stop):
+                return len(text) - k
+        return len(text)
