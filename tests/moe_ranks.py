@@ -83,11 +83,12 @@ def _hot_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _flow(block: Any, comm: LayerCommunicator, step, x: torch.Tensor, partials: torch.Tensor,
           attn_tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's data flow around `block`; returns (block output gathered to [T, H],
-    next layer input [T, H])."""
-    a = comm.reduce_attn_output(partials[attn_tp_rank].clone(), step)
-    r = comm.local_rows(x, step) + a
+    next layer input [T, H]), on the CPU."""
+    dev = comm.state.device
+    a = comm.reduce_attn_output(partials[attn_tp_rank].to(dev, copy=True), step)
+    r = comm.local_rows(x.to(dev), step) + a
     y = block(r, step)
-    return comm.gather_rows(y, step), comm.gather_rows(r + y, step)
+    return comm.gather_rows(y, step).cpu(), comm.gather_rows(r + y, step).cpu()
 
 
 def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> None:
@@ -97,6 +98,7 @@ def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> Non
     layer = MoELayer(spec, state, plan)
     comm = LayerCommunicator(state, moe=True)
     load(layer, weights)
+    layer.to(state.device)
     for s_i, (case, (counts, pad)) in enumerate(scenarios(lay.dp).items()):
         hot = case == "hot_expert"
         w = _hot_weights(weights) if hot else weights
@@ -121,7 +123,7 @@ def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> Non
         if pad_d and not spec.num_shared_experts:
             rec["pad_rows_abs_max"] = y[valid:].abs().max().item()
         if hot:
-            ids, _ = layer.gate(r_ref.float())
+            ids, _ = layer.gate(r_ref.float().to(state.device))
             rec["all_rows_pick_hot"] = bool((ids == HOT_EXPERT).any(dim=1).all())
             load(layer, weights)
         out.append(rec)
@@ -133,6 +135,7 @@ def _dense_cases(name: str, state, plan, rank: int, out: list) -> None:
     weights = dense_weights(spec, seed=5)
     mlp = DenseMLP(spec, state)
     load(mlp, weights)
+    mlp.to(state.device)
     comm = LayerCommunicator(state, moe=False)
     for s_i, (case, (counts, _)) in enumerate(scenarios(lay.dp).items()):
         d = lay.dp_rank(rank)
@@ -167,7 +170,8 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
     weights = full_weights(spec, seed=3)
     layer = MoELayer(spec, state, plan)
     load(layer, weights)
-    identity = IdentityExperts(spec, state, torch.float32)
+    layer.to(state.device)
+    identity = IdentityExperts(spec, state, torch.float32).to(state.device)
     disp, scattered = layer.dispatcher, layer.scattered
     for s_i, (case, counts) in enumerate([("random_ids", (13, 6)), ("one_expert", (7, 10)),
                                          ("zero_rank", (0, 9)), ("worst", (T_MAX, T_MAX))]):
@@ -179,21 +183,22 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
         step = begin_step(counts[d], state, plan)
         start, end = step.row_range(scattered)
         x, ids, w = x_T[start:end], ids_T[start:end], w_T[start:end]
-        tokens, handle = disp.dispatch(x, ids, w, step)
+        dev = state.device
+        tokens, handle = disp.dispatch(x.to(dev), ids.to(dev), w.to(dev), step)
         y = disp.combine(layer.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK),
-                         handle)
+                         handle).cpu()
         rec = dict(layout=name, kind=kind, case=case, rank=rank, rows=end - start,
                    runtime_max=step.runtime_max_per_rank, dispatched_rows=tokens.x_NH.shape[0],
                    err_moe=rel_err(y, reference_experts(spec, weights, x, ids, w)))
-        tokens, handle = disp.dispatch(x, ids, w, step)
+        tokens, handle = disp.dispatch(x.to(dev), ids.to(dev), w.to(dev), step)
         y_id = disp.combine(identity(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK),
-                            handle)
+                            handle).cpu()
         ref_id = (x.double()[:, None, :] * (w.double() * (ids >= 0))[:, :, None]).sum(1)
         rec["err_identity"] = rel_err(y_id, ref_id)
         if lay.a2a:
             rec["a2a_capacity"] = handle.capacity
             # slots this rank filled, per peer; and non-empty slots it received
-            rec["a2a_sent"] = torch.bincount(handle.peer_idx_S, minlength=lay.ep).tolist()
+            rec["a2a_sent"] = torch.bincount(handle.peer_idx_S.cpu(), minlength=lay.ep).tolist()
             rec["a2a_received"] = int((tokens.topk_ids_NK >= 0).any(dim=1).sum())
             rec["a2a_ptrs"] = (disp.send_buf.data_ptr(), disp.recv_buf.data_ptr())
         out.append(rec)
@@ -224,6 +229,7 @@ def _guard(rank: int, state, plan, cfg_kwargs: dict, out: list, name: str) -> No
     for what, p, counts in checks:
         layer = MoELayer(spec, state, p)
         load(layer, weights)
+        layer.to(state.device)
         comm = LayerCommunicator(state, moe=True)
         d = lay.dp_rank(rank)
         rec: dict[str, Any] = dict(layout=name, kind="qwen3", case=f"guard_{what}", rank=rank)
@@ -241,8 +247,10 @@ def _guard(rank: int, state, plan, cfg_kwargs: dict, out: list, name: str) -> No
         out.append(rec)
 
 
-def run_world(rank: int, world: int, names: list[str]) -> list[dict]:
+def run_world(rank: int, world: int, names: list[str], device: str = "cpu") -> list[dict]:
+    """device "cuda": one GPU per rank (NCCL world); the reference stays on the CPU."""
     torch.manual_seed(0)
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     out: list[dict] = []
     for name in names:
         kwargs = LAYOUTS[name]
@@ -251,7 +259,7 @@ def run_world(rank: int, world: int, names: list[str]) -> list[dict]:
         bad = {k: [str(e) for e in p.errors] for k, p in plans.items() if not p.ok}
         if bad:
             return [dict(layout=name, case="plan_errors", errors=bad)]
-        state = init_parallel_state(ParallelLayout.from_config(cfg))
+        state = init_parallel_state(ParallelLayout.from_config(cfg), dev)
         try:
             for kind in SPEC_KINDS:
                 _layer_cases(name, kind, state, plans[kind], rank, out)
@@ -274,6 +282,7 @@ def _mode_cases(name: str, state, plan, rank: int, out: list) -> None:
     weights = full_weights(spec, seed=23)
     layer = MoELayer(spec, state, plan)
     load(layer, weights)
+    layer.to(state.device)
     comm = LayerCommunicator(state, moe=True)
     lay = state.layout
     for m_i, (mode, t) in enumerate(plan.budget.by_mode().items()):

@@ -55,8 +55,8 @@ class LayerCommunicator:
         self.scattered = layer_scatters(state.layout, moe=moe)
 
     def reduce_attn_output(self, a_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """Sum the attention partial sums over attn_tp: [T, H] replicated, or this rank's
-        scattered rows [M, H]."""
+        """Sum the attention partial sums over attn_tp: [T, H] replicated (reduced in place),
+        or this rank's scattered rows [M, H]."""
         axis = self.state.attn_tp
         if not self.scattered:
             return C.all_reduce(a_TH, axis)

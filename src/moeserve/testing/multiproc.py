@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks in spawned processes, with a timeout (tests and tools).
 
 `run_ranks(fn, world_size, *args)` calls `fn(rank, world_size, *args)` in every rank after
-initialising a gloo process group on a free loopback port, and returns the ranks' return values
+initialising a gloo process group on a free loopback port (backend="nccl": NCCL, rank r on GPU
+r), and returns the ranks' return values
 in rank order. A rank that raises makes run_ranks raise with that rank's traceback; a rank that
 hangs past `timeout` seconds fails the call instead of blocking the caller.
 """
@@ -27,13 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
@@ -44,11 +48,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
+              backend: str = "gloo") -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend),
                          daemon=True) for r in range(world_size)]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for p in procs:
