@@ -261,14 +261,14 @@ class MoECausalLM(nn.Module):
             return top[name], "weight", "top"
         m = _LAYER_NAME.fullmatch(name)
         if m is None or int(m.group(1)) >= len(self.layers):
-            raise KeyError(name)
+            raise KeyError(f"{self.architecture} has no checkpoint tensor {name!r}")
         layer = self.layers[int(m.group(1))]
         part, rest = m.group(2), m.group(3)
         if part in ("input_layernorm", "post_attention_layernorm") and rest == "weight":
             return getattr(layer, part), rest, "norm"
         if part in ("self_attn", "mlp"):
             return getattr(layer, part), rest, part
-        raise KeyError(name)
+        raise KeyError(f"{self.architecture} has no checkpoint tensor {name!r}")
 
     def checkpoint_shape(self, name: str) -> tuple[int, ...]:
         module, rest, kind = self._route(name)
