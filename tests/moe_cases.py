@@ -201,7 +201,7 @@ class IdentityExperts(Experts):
     rank 0 contributes, so the moe_tp partial sums add up to one identity."""
 
     def forward(self, x_NH, topk_ids_NK, topk_weights_NK):
-        out = torch.zeros(x_NH.shape, dtype=torch.float64)
+        out = torch.zeros(x_NH.shape, dtype=torch.float64, device=x_NH.device)
         if self.moe_tp_rank == 0:
             row, k, _ = self.local_pairs(topk_ids_NK)
             out.index_add_(0, row, x_NH[row].double() * topk_weights_NK[row, k, None].double())

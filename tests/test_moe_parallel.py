@@ -29,7 +29,8 @@ def records() -> list[dict]:
         for rank_records in run_ranks(run_world, world, names, timeout=240):
             out += rank_records
     failures = [r for r in out if r["case"] in ("exception", "plan_errors")]
-    assert not failures, failures[0]
+    if failures:
+        pytest.fail(f"{failures[0]}\n{failures[0].get('error', '')}")
     return out
 
 
