@@ -38,7 +38,7 @@ LAYOUTS = {
 }
 PROMPTS = [[3, 17, 42, 5, 9], [60, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
 NEW = 6
-BASE = dict(dtype="float32", max_total_tokens=2048, context_length=128,
+BASE = dict(dtype="float32", max_total_tokens=2048, context_length=128, skip_tokenizer_init=True,
             max_running_requests=8, disable_cuda_graph=True, disable_piecewise_cuda_graph=True,
             device="cpu")
 
@@ -146,7 +146,7 @@ def test_bad_input_is_refused_clearly():
     with Engine("preset:tiny", load_format="dummy", device="cpu", context_length=64,
                 max_total_tokens=512) as engine:
         r = engine.generate(input_ids=list(range(64)), sampling_params={"max_new_tokens": 2})
-        assert r["finish_reason"] is None and "--context-length" in r["error"]
+        assert r["finish_reason"] == "error" and "--context-length" in r["error"]
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.generate(input_ids=[1, 2, 100000])
         with pytest.raises(ValueError, match="unknown sampling parameter"):
@@ -174,3 +174,30 @@ def test_killed_rank_stops_the_engine_with_an_error_within_seconds():
             engine.generate(input_ids=[1])
     finally:
         engine.shutdown()
+
+
+@pytest.mark.multiproc
+def test_two_nodes_on_one_machine_give_the_single_node_tokens():
+    from moeserve.testing.multiproc import free_port
+
+    common = ["--model", "preset:tiny", "--load-format", "dummy", "--device", "cpu",
+              "--tp", "2", "--ep", "2", "--max-total-tokens", "2048"]
+    gen = ["--input-ids", "5,6,7,8", "--input-ids", "9,10", "--max-new-tokens", "5",
+           "--temperature", "0", "--ignore-eos", "--json"]
+    single = _cli("generate", *common, *gen)
+    assert single.returncode == 0, single.stderr[-3000:]
+    addr = f"127.0.0.1:{free_port()}"
+    multi = ["--nnodes", "2", "--dist-init-addr", addr]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    node1 = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "worker", *common, *multi,
+                              "--node-rank", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = _cli("generate", *common, *multi, "--node-rank", "0", *gen)
+        assert node0.returncode == 0, node0.stderr[-3000:]
+        assert node1.wait(timeout=60) == 0, node1.stderr.read()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    tokens = [json.loads(p.stdout.strip().splitlines()[-1])["results"] for p in (single, node0)]
+    assert [r["token_ids"] for r in tokens[0]] == [r["token_ids"] for r in tokens[1]]
+    assert all(len(r["token_ids"]) == 5 for r in tokens[1])

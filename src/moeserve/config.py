@@ -93,6 +93,8 @@ class EngineConfig:
     random_seed: int = knob(0, "Seed of sampling for requests that give no seed.",
                             "--random-seed")
     disable_radix_cache: bool = knob(False, "Turn off the prefix cache.", "--disable-radix-cache")
+    skip_tokenizer_init: bool = knob(False, "Run without a tokenizer: token ids in and out.",
+                                     "--skip-tokenizer-init")
     nnodes: int = knob(1, "Nodes that together run the --tp-size ranks.", "--nnodes")
     node_rank: int = knob(0, "This node's index in [0, --nnodes).", "--node-rank")
     dist_init_addr: Optional[str] = knob(None, "HOST:PORT of node 0 for the rendezvous "

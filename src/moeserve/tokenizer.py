@@ -242,6 +242,18 @@ def _byte_of(char: str) -> int:
     return others[code - 256]
 
 
+def checkpoint_eos_ids(model: str, vocab_size: int) -> frozenset[int]:
+    """EOS ids a checkpoint declares (generation_config.json, else config.json), for engines
+    that run without a tokenizer; the stand-in's for presets."""
+    if model.startswith("preset:"):
+        return frozenset({256}) if vocab_size > 256 else frozenset()
+    folder = Path(model)
+    folder = folder.parent if folder.is_file() else folder
+    eos = _ids(_read_json(folder / "generation_config.json").get("eos_token_id")) or _ids(
+        _read_json(folder / "config.json").get("eos_token_id"))
+    return frozenset(i for i in eos if 0 <= i < vocab_size)
+
+
 def load_tokenizer(model: str, spec: Any = None) -> Tokenizer:
     """The tokenizer of checkpoint folder `model` (or a byte-level stand-in for preset:NAME).
     `spec` (the ModelSpec) bounds the EOS ids to the model's vocabulary."""

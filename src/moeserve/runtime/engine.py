@@ -21,7 +21,7 @@ from moeserve.models.spec import load_model_spec
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.runtime.devices import runtime_config
 from moeserve.runtime.request import RequestInput, TokenOutput
-from moeserve.runtime.sampling import SamplingParams
+from moeserve.runtime.sampling import SamplingParams, StopChecker
 from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
 from moeserve.testing.multiproc import free_port
 
@@ -56,16 +56,54 @@ def make_plan(cfg: EngineConfig) -> CapacityPlan:
 
 @dataclass
 class _Pending:
+    """Engine-side state of a request: where its outputs go, and its detokenizer. Stop strings
+    are matched here, on the text; a match ends the request and aborts it in the workers."""
+
+    rid: str
+    params: SamplingParams
+    dp_rank: int
+    detok: Any  # IncrementalDetokenizer, or None without a tokenizer
     outputs: "queue.Queue[TokenOutput]" = field(default_factory=queue.Queue)
-    dp_rank: int = 0
+    text: str = ""
+    sent_chars: int = 0
     submitted: float = field(default_factory=time.monotonic)
+
+    def translate(self, out: TokenOutput) -> tuple[TokenOutput, bool]:
+        """Add text to the workers' output; returns it and whether a stop string ended it."""
+        if self.detok is None:
+            return out, False
+        stop = StopChecker(self.params)
+        kept: list[int] = []
+        hit = None
+        for t in out.token_ids:
+            piece = self.detok.add(t)
+            self.text += piece
+            kept.append(t)
+            hit = stop.check_text(self.text, len(piece))
+            if hit is not None:
+                break
+        finish = out.finish
+        if hit is not None:
+            finish, self.text = hit
+        elif finish is not None and finish.reason in ("stop", "length"):
+            self.text += self.detok.flush()
+        end = len(self.text) if finish is not None else stop.streamable_len(self.text)
+        end = max(end, self.sent_chars)
+        new = TokenOutput(out.rid, kept, finish, self.text[self.sent_chars:end],
+                          out.logprobs[:len(kept)], out.prompt_tokens, out.cached_tokens,
+                          out.error)
+        self.sent_chars = end
+        return new, hit is not None and out.finish is None
 
 
 class Engine:
     """`Engine(model="preset:tiny", load_format="dummy", tp_size=2, ...)`: every EngineConfig
     field is a keyword. Use as a context manager, or call shutdown()."""
 
-    def __init__(self, model: str = "preset:tiny", **flags: Any) -> None:
+    def __init__(self, model: str = "preset:tiny", *, in_process: Optional[bool] = None,
+                 **flags: Any) -> None:
+        """in_process: run a single rank in a thread of this process (the default for
+        tp_size 1) instead of a worker process of its own (what the server uses)."""
         try:
             cfg = EngineConfig(model=model, **flags)
         except TypeError as exc:
@@ -77,9 +115,13 @@ class Engine:
         self.cfg = runtime_config(cfg)
         self.plan = make_plan(self.cfg)
         self.spec = self.plan.spec
-        from moeserve.tokenizer import load_tokenizer
+        from moeserve.tokenizer import checkpoint_eos_ids, load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.cfg.model, self.spec)
+        self.tokenizer = (None if self.cfg.skip_tokenizer_init
+                          else load_tokenizer(self.cfg.model, self.spec))
+        self.eos_token_ids = tuple(sorted(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None
+            else checkpoint_eos_ids(self.cfg.model, self.spec.vocab_size)))
         self._pending: dict[str, _Pending] = {}
         self._stats: dict[str, int] = {}
         self._load = [0] * self.cfg.attn_dp_size
@@ -88,20 +130,23 @@ class Engine:
         self._closing = False
         self._procs: list[Any] = []
         self._thread: Optional[threading.Thread] = None
-        self._start()
+        self._start(self.cfg.tp_size == 1 if in_process is None else in_process)
         self._router = threading.Thread(target=self._route, name="moeserve-router", daemon=True)
         self._router.start()
 
     # --- lifecycle ------------------------------------------------------------------------
-    def _start(self) -> None:
-        if self.cfg.tp_size == 1:
+    def _start(self, in_process: bool) -> None:
+        if in_process:
+            if self.cfg.tp_size != 1:
+                raise EngineError(f"in_process=True runs one rank, but --tp-size is "
+                                  f"{self.cfg.tp_size}")
             self._inbox: Any = queue.Queue()
             self._outbox: Any = queue.Queue()
             from moeserve.parallel.groups import single_process_state
             from moeserve.runtime.devices import rank_device
 
             state = single_process_state(self.plan.layout, rank_device(self.cfg, 0))
-            worker = RankWorker(self.cfg, self.spec, self.plan, state, self.tokenizer)
+            worker = RankWorker(self.cfg, self.spec, self.plan, state, self.eos_token_ids)
             self._thread = threading.Thread(target=self._run_in_thread, args=(worker,),
                                             name="moeserve-rank0", daemon=True)
             self._thread.start()
@@ -113,7 +158,8 @@ class Engine:
         for rank in range(local):
             p = ctx.Process(target=rank_main, name=f"moeserve-rank{rank}", daemon=True,
                             args=(rank, self.cfg, self.plan, f"tcp://{addr}",
-                                  self._inbox if rank == 0 else None, self._outbox))
+                                  self._inbox if rank == 0 else None, self._outbox,
+                                  self.eos_token_ids))
             p.start()
             self._procs.append(p)
         ready: set[int] = set()
@@ -187,32 +233,49 @@ class Engine:
                 for out in msg[1]:
                     with self._lock:
                         pend = self._pending.get(out.rid)
-                        if out.finish is not None and pend is not None:
-                            self._pending.pop(out.rid)
+                    if pend is None:
+                        continue  # ended here already (stop string), or shut down
+                    out, stopped_here = pend.translate(out)
+                    if out.finish is not None:
+                        with self._lock:
+                            self._pending.pop(out.rid, None)
                             self._load[pend.dp_rank] -= 1
-                    if pend is not None:
-                        pend.outputs.put(out)
+                        if stopped_here:
+                            self.abort(out.rid)
+                    pend.outputs.put(out)
             elif msg is not None and msg[0] == "error" and not self._closing:
-                self._dead = f"rank {msg[1]} failed: {msg[2]}"
-                self._fail_all(self._dead)
-                self._kill()
+                # a rank that failed in a collective often only reports a peer's death:
+                # give the dead peer a moment to be seen, and name it first
+                time.sleep(0.5)
+                died = self._died()
+                why = f"rank {msg[1]} failed: {msg[2]}"
+                self._stop_with(f"{died}; then {why}" if died else why)
                 return
-            dead = [(i, p.exitcode) for i, p in enumerate(self._procs)
-                    if p.exitcode not in (None, 0)]
-            if dead and not self._closing:
-                rank, code = dead[0]
-                self._dead = f"rank {rank} died (exit code {code})"
-                self._fail_all(self._dead)
-                self._kill()
+            died = self._died()
+            if died and not self._closing:
+                self._stop_with(died)
                 return
             if self._closing and (msg is None or msg[0] == "exit"):
                 return
+
+    def _died(self) -> Optional[str]:
+        for rank, p in enumerate(self._procs):
+            code = p.exitcode
+            if code is not None and code != 0:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                return f"rank {rank} died ({how})"
+        return None
+
+    def _stop_with(self, why: str) -> None:
+        self._dead = why
+        self._fail_all(why)
+        self._kill()
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
         for rid, pend in pending.items():
-            pend.outputs.put(TokenOutput(rid, [], "", None, error=why))
+            pend.outputs.put(TokenOutput(rid, [], None, error=why))
 
     def kv_stats(self) -> dict[str, int]:
         """The workers' latest KV and queue figures, summed over DP ranks: used_slots,
@@ -233,6 +296,9 @@ class Engine:
         raise TypeError(f"sampling params must be SamplingParams or dict, got {type(params)}")
 
     def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer, and this engine runs with "
+                             "--skip-tokenizer-init; give token ids")
         return self.tokenizer.encode(prompt)
 
     def submit(self, input_ids: Sequence[int], params: ParamsLike = None,
@@ -248,12 +314,18 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
         sp = self._params(params)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine runs with "
+                             "--skip-tokenizer-init; use stop_token_ids")
         rid = uuid.uuid4().hex
+        detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
         with self._lock:
             dp = min(range(len(self._load)), key=lambda d: self._load[d])
             self._load[dp] += 1
-            pend = self._pending[rid] = _Pending(dp_rank=dp)
-        self._inbox.put(Message("add", RequestInput(rid, tuple(ids), sp, dp, stream)))
+            pend = self._pending[rid] = _Pending(rid, sp, dp, detok)
+        # stop strings are matched on the text here, so their tokens must come every step
+        every_step = stream or bool(sp.stop)
+        self._inbox.put(Message("add", RequestInput(rid, tuple(ids), sp, dp, every_step)))
         return rid, pend.outputs
 
     def abort(self, rid: str) -> None:
@@ -310,7 +382,7 @@ class Engine:
                 return q.get(timeout=1.0)
             except queue.Empty:
                 if self._dead is not None:
-                    return TokenOutput("", [], "", None, error=self._dead)
+                    return TokenOutput("", [], None, error=self._dead)
 
     def _collect(self, rid: str, q: "queue.Queue[TokenOutput]") -> dict[str, Any]:
         tokens: list[int] = []

@@ -16,6 +16,7 @@ from moeserve.config import EngineConfig
 from moeserve.runtime.devices import runtime_config
 from moeserve.runtime.engine import EngineError, make_plan
 from moeserve.runtime.worker import rank_main
+from moeserve.tokenizer import checkpoint_eos_ids
 
 
 def run_follower_node(cfg: EngineConfig) -> int:
@@ -24,6 +25,7 @@ def run_follower_node(cfg: EngineConfig) -> int:
                           "--nnodes N (N >= 2), --node-rank K (K >= 1) and --dist-init-addr")
     cfg = runtime_config(cfg)
     plan = make_plan(cfg)
+    eos = tuple(sorted(checkpoint_eos_ids(cfg.model, plan.spec.vocab_size)))
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     local = cfg.tp_size // cfg.nnodes
@@ -31,7 +33,8 @@ def run_follower_node(cfg: EngineConfig) -> int:
     for i in range(local):
         rank = cfg.node_rank * local + i
         p = ctx.Process(target=rank_main, name=f"moeserve-rank{rank}", daemon=True,
-                        args=(rank, cfg, plan, f"tcp://{cfg.dist_init_addr}", None, outbox))
+                        args=(rank, cfg, plan, f"tcp://{cfg.dist_init_addr}", None, outbox,
+                              eos))
         p.start()
         procs.append(p)
     code = 0

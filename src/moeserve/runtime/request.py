@@ -19,7 +19,8 @@ class ReqState(enum.Enum):
 
 @dataclass(frozen=True)
 class RequestInput:
-    """What a client submits; `rid` is unique per engine, `dp_rank` is where it runs."""
+    """What a client submits; `rid` is unique per engine, `dp_rank` is where it runs; with
+    `stream` the workers report every step's tokens, else only the finished request."""
 
     rid: str
     input_ids: tuple[int, ...]
@@ -30,12 +31,13 @@ class RequestInput:
 
 @dataclass
 class TokenOutput:
-    """One step's news about one request, sent from the workers to the engine."""
+    """One step's news about one request, sent from the workers to the engine (token ids only:
+    the engine detokenizes)."""
 
     rid: str
     token_ids: list[int]  # new tokens this step
-    text: str  # new text this step (held back while it might begin a stop string)
     finish: Optional[Finish] = None
+    text: str = ""  # new text; filled by the engine's detokenizer
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -67,10 +69,6 @@ class Req:
         self.prompt_cached_tokens = 0  # prompt tokens served from the prefix cache, first run
         self.first_run = True
         self.created = time.monotonic()
-        # detokenisation state (filled by the scheduler's detokenizer)
-        self.decoder: Any = None
-        self.text = ""
-        self.sent_chars = 0
         self.sent_tokens = 0
         self.logprobs: list[dict[str, Any]] = []
         self.sent_logprobs = 0

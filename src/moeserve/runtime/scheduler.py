@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,12 +37,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, budget: TokenBudget, kv: KVManager, eos_token_ids: Sequence[int] = (),
-                 detokenizer_factory: Optional[Callable[[Req], Any]] = None) -> None:
+    def __init__(self, budget: TokenBudget, kv: KVManager,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.budget = budget
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
-        self.detokenizer_factory = detokenizer_factory
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.chunked: Optional[Req] = None
@@ -57,12 +56,10 @@ class Scheduler:
             why = ("the prompt is empty" if n == 0 else
                    f"the prompt has {n} tokens, and the context length is {ctx}: it leaves no "
                    "room for output; shorten the prompt or raise --context-length")
-            self.rejected.append(TokenOutput(inp.rid, [], "", Finish("error"), error=why))
+            self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=why))
             return
         req = Req(inp, self.eos, self._arrivals)
         self._arrivals += 1
-        if self.detokenizer_factory is not None:
-            req.decoder = self.detokenizer_factory(req)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Optional[TokenOutput]:
@@ -229,8 +226,6 @@ class Scheduler:
             finish = req.stop.check_token(token, len(req.output_ids))
             if finish is None and req.seq_len >= self.budget.context_length:
                 finish = Finish("length")
-            text_finish = self._detokenize(req)
-            finish = finish or text_finish
             if finish is not None:
                 self.running.remove(req)
                 outputs.append(self._finish(req, finish))
@@ -238,35 +233,18 @@ class Scheduler:
                 outputs.append(self._delta(req))
         return outputs
 
-    def _detokenize(self, req: Req) -> Optional[Finish]:
-        if req.decoder is None:
-            return None
-        new = req.decoder.add(req.output_ids[-1])
-        req.text += new
-        hit = req.stop.check_text(req.text, len(new))
-        if hit is None:
-            return None
-        finish, req.text = hit
-        return finish
-
-    def _delta(self, req: Req, final: bool = False) -> TokenOutput:
-        upto = len(req.text) if final or req.decoder is None else req.stop.streamable_len(req.text)
-        upto = max(upto, req.sent_chars)
-        out = TokenOutput(req.rid, req.output_ids[req.sent_tokens:], req.text[req.sent_chars:upto],
+    def _delta(self, req: Req) -> TokenOutput:
+        out = TokenOutput(req.rid, req.output_ids[req.sent_tokens:],
                           logprobs=req.logprobs[req.sent_logprobs:],
                           prompt_tokens=len(req.prompt_ids),
                           cached_tokens=req.prompt_cached_tokens)
-        req.sent_tokens, req.sent_chars = len(req.output_ids), upto
-        req.sent_logprobs = len(req.logprobs)
+        req.sent_tokens, req.sent_logprobs = len(req.output_ids), len(req.logprobs)
         return out
 
     def _finish(self, req: Req, finish: Finish, error: Optional[str] = None) -> TokenOutput:
-        if req.decoder is not None and finish.reason not in ("abort", "error") and \
-                not isinstance(finish.matched, str):
-            req.text += req.decoder.flush()
         self.kv.release(req)
         req.state = ReqState.FINISHED
         req.finish = finish
-        out = self._delta(req, final=True)
+        out = self._delta(req)
         out.finish, out.error = finish, error
         return out

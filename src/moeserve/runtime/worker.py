@@ -43,17 +43,13 @@ class Message:
 
 class RankWorker:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
-                 state: ParallelState, tokenizer: Any = None) -> None:
-        from moeserve.tokenizer import load_tokenizer
-
+                 state: ParallelState, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.cfg, self.plan, self.state = cfg, plan, state
         self.runner = ModelRunner(cfg, spec, plan, state)
         kv = KVManager(self.runner.kv_pool, self.runner.req_pool,
                        prefix_cache=not cfg.disable_radix_cache)
         assert plan.budget is not None
-        tok = tokenizer or load_tokenizer(cfg.model, spec)
-        self.scheduler = Scheduler(plan.budget, kv, tok.eos_token_ids,
-                                   lambda req: tok.detokenizer())
+        self.scheduler = Scheduler(plan.budget, kv, eos_token_ids)
         self.is_dp_leader = state.attn_tp.rank == 0
 
     def iteration(self, msgs: list[Message]) -> tuple[list[TokenOutput], bool, bool]:
@@ -147,7 +143,7 @@ def _drain(inbox: Any, block: bool) -> list[Message]:
 
 
 def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str,
-              inbox: Optional[Any], outbox: Any) -> None:
+              inbox: Optional[Any], outbox: Any, eos_token_ids: tuple[int, ...]) -> None:
     """Entry point of a worker process: join the process group, build the rank, serve."""
     try:
         from moeserve.runtime.devices import rank_device
@@ -157,10 +153,11 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.tp_size // cfg.nnodes)))
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=cfg.tp_size, timeout=timedelta(seconds=600))
+        if cfg.tp_size > 1:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=cfg.tp_size, timeout=timedelta(seconds=600))
         state = init_parallel_state(plan.layout, device)
-        worker = RankWorker(cfg, plan.spec, plan, state)
+        worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids)
         outbox.put(("ready", rank))
         serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None)
         outbox.put(("exit", rank))
