@@ -27,6 +27,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 A2A_BACKENDS = ("none", "all_to_all")
 DEVICES = ("auto", "cuda", "cpu")
+MOE_RUNNERS = ("auto", "triton", "grouped_mm", "reference")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,13 @@ class EngineConfig:
                        "cpu.", "--device", choices=DEVICES)
     random_seed: int = knob(0, "Seed of sampling for requests that give no seed.",
                             "--random-seed")
+    moe_runner_backend: str = knob("auto", "Expert GEMMs: triton (fused kernel), grouped_mm "
+                                   "(torch._grouped_mm) or reference (plain torch); auto picks "
+                                   "triton on a GPU, reference on a CPU.",
+                                   "--moe-runner-backend", choices=MOE_RUNNERS)
+    attention_backend: str = knob("auto", "Paged attention: triton on a GPU, torch (portable "
+                                  "reference); auto picks by device.", "--attention-backend",
+                                  choices=ATTENTION_BACKENDS)
     disable_radix_cache: bool = knob(False, "Turn off the prefix cache.", "--disable-radix-cache")
     skip_tokenizer_init: bool = knob(False, "Run without a tokenizer: token ids in and out.",
                                      "--skip-tokenizer-init")

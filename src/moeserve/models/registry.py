@@ -59,7 +59,7 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                 dtype: Optional[str | torch.dtype] = None, *,
                 hf_config: Optional[dict[str, Any]] = None,
-                attention_backend: str = "torch", experts: str = "reference"
+                attention_backend: Optional[str] = None, experts: Optional[str] = None
                 ) -> torch.nn.Module:
     """The model of `spec` for this rank, its weights allocated on state.device but not
     loaded. `plan` is the CapacityPlan of `cfg` (the MoE layers size their buffers from it);
@@ -71,6 +71,11 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
     from moeserve.moe.layer import MoELayer
     from moeserve.parallel.communicator import LayerCommunicator
 
+    from moeserve.runtime.devices import resolve_backends
+
+    auto_attention, auto_experts = resolve_backends(cfg, state.device)
+    attention_backend = attention_backend or auto_attention
+    experts = experts or auto_experts
     cls = model_class(spec.architecture)
     if plan.layout is None:
         raise ValueError("the capacity plan has errors: "

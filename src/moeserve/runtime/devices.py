@@ -33,3 +33,19 @@ def runtime_config(cfg: EngineConfig) -> EngineConfig:
     if engine_device_type(cfg) == "cpu" and cfg.gpu_memory_gb is None:
         return cfg.replace(gpu_memory_gb=CPU_DEFAULT_MEMORY_GB)
     return cfg
+
+
+def resolve_backends(cfg: EngineConfig, device: torch.device) -> tuple[str, str]:
+    """(attention backend, expert runner) for a rank on `device`: the fast GPU ones on CUDA
+    when asked for "auto", the portable torch ones on a CPU."""
+    gpu = device.type == "cuda"
+    attention = cfg.attention_backend
+    if attention == "auto":
+        attention = "triton" if gpu else "torch"
+    experts = cfg.moe_runner_backend
+    if experts == "auto":
+        experts = "triton" if gpu else "reference"
+    if not gpu and (attention, experts) != ("torch", "reference"):
+        raise ValueError(f"--attention-backend {attention} / --moe-runner-backend {experts} "
+                         "need a GPU; on a CPU use torch / reference (or auto)")
+    return attention, experts
