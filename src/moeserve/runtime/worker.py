@@ -86,7 +86,7 @@ class RankWorker:
                 "prefix_cached_slots": kv.radix.cached_tokens if kv.radix else 0,
                 "total_slots": kv.kv_pool.num_slots - kv.page_size,
                 "running": len(sched.running) + (sched.chunked is not None),
-                "waiting": len(sched.waiting)}
+                "waiting": len(sched.waiting), "retracted": sched.num_retracted}
 
     def _exchange(self, num_tokens: int) -> tuple[list[int], bool]:
         mine = [num_tokens, int(self.scheduler.has_work)]
