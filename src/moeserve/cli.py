@@ -119,7 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
     from moeserve.server.app import serve
 
     return serve(config_from_args(args), host=args.host, port=args.port,
-                 max_queue=args.max_queued_requests, served_model_name=args.served_model_name)
+                 max_queue=args.max_queued_requests, served_model_name=args.served_model_name,
+                 drain_timeout=args.drain_timeout, log_level=args.log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,10 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_config_arguments(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model)")
     s.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests in flight beyond which the server answers 503")
+                   help="sequences (prompts x n) in flight beyond which the server answers 503 "
+                   "with Retry-After")
+    s.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting")
+    s.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)
 
     w = sub.add_parser("worker", help="run this node's ranks of a multi-node engine "

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`moeserve serve`): see app.py."""

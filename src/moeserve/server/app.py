@@ -1,0 +1,303 @@
+"""`moeserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over an Engine.
+
+The engine's ranks run in worker processes; this process tokenizes, renders chat templates,
+formats responses and streams them. SIGTERM (or Ctrl-C) drains: the server stops accepting
+connections, /health answers 503, requests in flight finish (up to --drain-timeout seconds, then
+they are aborted), the engine shuts down, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from moeserve.config import EngineConfig
+from moeserve.runtime.engine import Engine
+from moeserve.server.bridge import EngineClient
+from moeserve.server.errors import APIError
+from moeserve.server.openai_api import Job, OpenAIHandlers
+from moeserve.server.text import TextCodec
+
+log = logging.getLogger("moeserve.server")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/plan", "/health",
+             "/metrics")
+ENGINE_WATCH_S = 1.0
+
+
+@dataclasses.dataclass
+class ServerState:
+    draining: bool = False
+    engine_failed: Optional[str] = None
+
+
+def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_queue: int = 1024,
+              on_engine_death: Optional[Callable[[str], None]] = None) -> FastAPI:
+    if engine.tokenizer is None:
+        raise ValueError("moeserve serve needs the model's tokenizer (prompts, chat templates, "
+                         "stop strings); drop --skip-tokenizer-init")
+    name = served_model_name or engine.cfg.model
+    served = [name] + ([engine.cfg.model] if engine.cfg.model != name else [])
+    assert engine.plan.budget is not None
+    ctx = engine.plan.budget.context_length
+    client = EngineClient(engine, max_queue)
+    handlers = OpenAIHandlers(client, TextCodec(engine.tokenizer, engine.spec.vocab_size),
+                              served, ctx)
+    state = ServerState()
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watch = asyncio.create_task(_watch_engine(client, state, on_engine_death))
+        yield
+        watch.cancel()
+
+    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = state
+    app.state.client = client
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), None,
+                        "not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine_failed or not client.alive:
+            return JSONResponse({"status": "engine failed", "error": state.engine_failed},
+                                status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "moeserve",
+                "root": engine.cfg.model, "max_model_len": ctx}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(name)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id not in served:
+            raise APIError(404, f"the model '{model_id}' does not exist", "model",
+                           "model_not_found")
+        return JSONResponse(model_card(model_id))
+
+    @app.get("/v1/plan")
+    async def plan() -> JSONResponse:
+        return JSONResponse(engine.plan.to_json())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def generate(request: Request, make_job: Callable[[bytes], Job]) -> Response:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", None, "draining",
+                           headers={"Retry-After": "1"})
+        job = make_job(await request.body())
+        seats = client.reserve(job.num_seqs)
+        if job.stream:
+            return EventStream(handlers.stream(job, seats), on_close=seats.release)
+        try:
+            body = await _unless_disconnected(request, handlers.respond(job, seats))
+        finally:
+            seats.release()
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, handlers.completion_job)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, handlers.chat_job)
+
+    app.add_middleware(CountRequests, client=client)
+    return app
+
+
+async def _watch_engine(client: EngineClient, state: ServerState,
+                        on_death: Optional[Callable[[str], None]]) -> None:
+    while client.alive:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    if client.failure is None:  # shut down, not failed
+        return
+    state.engine_failed = client.failure
+    log.error("the engine failed, the server stops: %s", state.engine_failed)
+    if on_death is not None:
+        on_death(state.engine_failed)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, unless the client disconnects first: then cancel it (which aborts its
+    sequences and frees their KV pages)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise APIError(499, "the client closed the connection", None, "client_closed")
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(Response):
+    """A text/event-stream response that stops (and closes its generator, which aborts the
+    request's sequences) as soon as the client disconnects, even while no event is due."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.events, self.on_close = events, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(pump())
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            done = await asyncio.gather(task, watch, return_exceptions=True)
+            await self.events.aclose()  # type: ignore[attr-defined]
+            self.on_close()  # for a stream whose generator never started
+        if isinstance(done[0], Exception) and not isinstance(done[0], OSError):
+            log.error("a stream failed", exc_info=done[0])  # OSError: the client went away
+
+
+class CountRequests:
+    """ASGI middleware: moeserve_http_requests{endpoint, status}."""
+
+    def __init__(self, app: ASGIApp, client: EngineClient) -> None:
+        self.app, self.client = app, client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else (
+            "/v1/models" if path.startswith("/v1/models/") else "other")
+        status = [500]
+
+        async def send_status(msg: Any) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.client.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also marks the app as draining when a signal asks it to stop,
+    and does not raise the signal again once drained (uvicorn's default), so that `serve`
+    shuts the engine down and returns its exit code."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.app_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.app_state.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for requests
+        self.should_exit = True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
+          max_queue: int = 1024, served_model_name: Optional[str] = None,
+          drain_timeout: float = 600.0, log_level: str = "info") -> int:
+    """Run the server until SIGTERM/SIGINT (exit code 0) or an engine failure (1). Port 0 picks
+    a free port; the line `moeserve: serving MODEL on http://HOST:PORT` says which."""
+    if max_queue < 1:
+        raise ValueError(f"--max-queued-requests must be at least 1, got {max_queue}")
+    logging.basicConfig(level=getattr(logging, log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _listen(host, port)
+    # until uvicorn takes SIGTERM over, it ends startup through `finally` (workers stopped)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine: Optional[Engine] = None
+    server: Optional[_Server] = None
+    failed: list[str] = []
+
+    def on_death(why: str) -> None:
+        failed.append(why)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        engine = Engine(in_process=False, **dataclasses.asdict(cfg))
+        app = build_app(engine, served_model_name=served_model_name, max_queue=max_queue,
+                        on_engine_death=on_death)
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=drain_timeout)
+        server = _Server(config, app.state.server)
+        bound = sock.getsockname()
+        shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+        print(f"moeserve: serving {served_model_name or cfg.model} on "
+              f"http://{shown}:{bound[1]}", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+    if failed:
+        print(f"moeserve: error: the engine failed: {failed[0]}", flush=True)
+        return 1
+    print("moeserve: drained and stopped", flush=True)
+    return 0
+
+
+def _exit_on_sigterm(sig: int, frame: Any) -> None:
+    raise SystemExit(128 + sig)

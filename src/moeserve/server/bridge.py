@@ -1,0 +1,151 @@
+"""The asyncio face of an Engine: submit sequences, await their outputs, abort on cancel.
+
+`Engine.submit` hands back a `queue.Queue` per sequence. A small daemon thread per sequence
+blocks on that queue and moves each output onto the event loop, into one asyncio queue shared by
+the sequences of an HTTP request (its n choices, its prompts). Blocking waits cost a thread, not
+a poll loop, and outputs reach the client as soon as the engine produces them.
+
+The generator `EngineClient.run` owns the sequences it submitted: however it ends (finished,
+the client went away, the server drains) its `finally` aborts what is unfinished, which frees
+their KV pages in the workers, and gives their places in the queue back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence
+
+from moeserve.runtime.engine import Engine, EngineError
+from moeserve.runtime.request import TokenOutput
+from moeserve.runtime.sampling import SamplingParams
+from moeserve.server.errors import APIError
+from moeserve.server.metrics import ServerMetrics
+
+RETRY_AFTER_S = 1
+_POLL_S = 0.25  # how often a pump thread looks whether its sequence was given up
+
+
+class Seats:
+    """Places in the server's queue, taken when a request is accepted (so that the check and
+    the taking happen with no await between them) and given back exactly once."""
+
+    def __init__(self, client: "EngineClient", count: int) -> None:
+        self.client, self.count = client, count
+        client.in_flight += count
+
+    def release(self) -> None:
+        if self.count:
+            self.client.in_flight -= self.count
+            self.count = 0
+
+
+@dataclass
+class _Seq:
+    rid: str
+    submitted: float
+    last_token: Optional[float] = None
+    done: bool = False
+
+
+class EngineClient:
+    def __init__(self, engine: Engine, max_in_flight: int) -> None:
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # sequences submitted and not finished; touched on the loop only
+        self.metrics = ServerMetrics(engine.kv_stats, lambda: self.in_flight)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and not self.engine._closing
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine stopped working, if it did (not when it was shut down)."""
+        return None if self.engine._closing else self.engine._dead
+
+    def reserve(self, num_seqs: int) -> Seats:
+        """Take places for `num_seqs` sequences, or raise 503 (busy) / 400 (never fits)."""
+        if num_seqs > self.max_in_flight:
+            raise APIError(400, f"the request asks for {num_seqs} sequences (prompts x n) and "
+                           f"the server runs at most {self.max_in_flight} at once "
+                           "(--max-queued-requests); ask for fewer", "n", "too_many_sequences")
+        if self.in_flight + num_seqs > self.max_in_flight:
+            raise APIError(503, f"the server is at its limit of {self.max_in_flight} sequences "
+                           f"in flight ({self.in_flight} now); retry later", None,
+                           "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return Seats(self, num_seqs)
+
+    async def run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                  seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
+        """Submit one sequence per (prompt, params) and yield (index, output) as outputs come,
+        until every sequence has finished (an output with a finish or an error). The seats
+        (from reserve) are given back when it ends."""
+        assert seats.count == len(prompts)
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue[tuple[int, TokenOutput]] = asyncio.Queue()
+        stop = threading.Event()
+        seqs: list[_Seq] = []
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                try:
+                    rid, q = self.engine.submit(ids, p, stream=True)
+                except EngineError as exc:
+                    raise APIError(503, f"the engine is not running: {exc}", None,
+                                   "engine_unavailable",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                seqs.append(_Seq(rid, time.monotonic()))
+                self.metrics.prompt_tokens.inc(len(ids))
+                threading.Thread(target=_pump, args=(q, loop, sink, i, stop), daemon=True,
+                                 name=f"moeserve-pump-{rid[:8]}").start()
+            left = len(seqs)
+            while left:
+                i, out = await sink.get()
+                self._observe(seqs[i], out)
+                if seqs[i].done:
+                    left -= 1
+                yield i, out
+        finally:
+            stop.set()
+            for s in seqs:
+                if not s.done:
+                    self.engine.abort(s.rid)
+                    self.metrics.finished.labels("abort").inc()
+            seats.release()
+
+    def _observe(self, seq: _Seq, out: TokenOutput) -> None:
+        m, now = self.metrics, time.monotonic()
+        k = len(out.token_ids)
+        if k:
+            m.generation_tokens.inc(k)
+            if seq.last_token is None:
+                m.ttft.observe(now - seq.submitted)
+            else:  # tokens that arrive together share the gap since the last one
+                for _ in range(k):
+                    m.itl.observe((now - seq.last_token) / k)
+            seq.last_token = now
+        if out.finish is not None or out.error is not None:
+            seq.done = True
+            reason = "error" if out.error is not None else out.finish.reason
+            m.finished.labels(reason).inc()
+            m.e2e.observe(now - seq.submitted)
+            m.cached_tokens.inc(out.cached_tokens)
+
+
+def _pump(q: "queue.Queue[TokenOutput]", loop: asyncio.AbstractEventLoop,
+          sink: "asyncio.Queue[tuple[int, TokenOutput]]", index: int,
+          stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            out = q.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, (index, out))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return
+        if out.finish is not None or out.error is not None:
+            return

@@ -1,0 +1,61 @@
+"""Errors as the OpenAI API returns them: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error",
+         500: "server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message,
+                          "type": TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None,
+                code: Optional[str] = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, with the field path as OpenAI's `param`."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {err['msg']}", None, "invalid_json")
+    if not loc:
+        return bad_request(f"the body must be a JSON object: {err['msg']}", None, "invalid_type")
+    # a union's alternatives add their type names to the path: keep the field's path only
+    path = [x for x in loc if not (x.startswith(("list[", "str", "int", "dict[", "float"))
+                                   or x in ("TextPart", "ChatMessage"))]
+    param = ".".join(path) or loc[0]
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"unknown field '{param}': moeserve does not support it; remove it",
+                           param, "unsupported_parameter")
+    if err["type"] == "missing":
+        return bad_request(f"'{param}' is required", param, "missing_required_parameter")
+    got = err.get("input")
+    got_text = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"
+    return bad_request(f"'{param}': {err['msg']}{got_text}", param, code)
+
+
+def unsupported(field: str) -> APIError:
+    return bad_request(f"'{field}' is not supported by moeserve; remove it or leave it unset",
+                       field, "unsupported_parameter")

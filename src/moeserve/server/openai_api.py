@@ -1,0 +1,276 @@
+"""/v1/completions and /v1/chat/completions: requests to sequences, outputs to OpenAI bodies.
+
+A request becomes `len(prompts) x n` sequences; choice `k * n + j` is choice j of prompt k. With
+a seed, choice j samples with seed + j, so that n > 1 gives n different (reproducible) samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from pydantic import ValidationError
+
+from moeserve.runtime.request import TokenOutput
+from moeserve.runtime.sampling import SamplingParams, SamplingParamsError
+from moeserve.server.bridge import EngineClient, Seats
+from moeserve.server.errors import APIError, bad_request, from_validation, unsupported
+from moeserve.server.formatting import chat_logprobs, completion_logprobs
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.text import TextCodec
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+API_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field -> API field
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # for echo
+
+
+@dataclass
+class Job:
+    """What both endpoints hand to the generation loop."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[Prompt]
+    params: list[list[SamplingParams]]  # [prompt][choice]
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return len(self.params[0])
+
+    @property
+    def logprobs(self) -> bool:
+        return self.params[0][0].logprobs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts) * self.n
+
+
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish: Optional[str] = None
+    cached: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    started: bool = False  # streaming: the first chunk (role, echo) went out
+
+
+class OpenAIHandlers:
+    def __init__(self, client: EngineClient, codec: TextCodec, served_names: list[str],
+                 context_length: int) -> None:
+        self.client, self.codec = client, codec
+        self.served_names, self.context_length = served_names, context_length
+
+    # --- parsing ----------------------------------------------------------------------------
+    def _parse(self, cls: Any, body: bytes) -> Any:
+        try:
+            req = cls.model_validate_json(body, strict=True)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        if req.model not in self.served_names:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                           f"{self.served_names[0]!r} (GET /v1/models)", "model",
+                           "model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream=true",
+                              "stream_options")
+        field_name = req.unsupported()
+        if field_name is not None:
+            raise unsupported(field_name)
+        return req
+
+    def _limit(self, prompt: Prompt, asked: Optional[int], default: Optional[int],
+               prompt_param: str, limit_param: str) -> int:
+        n, ctx = len(prompt.ids), self.context_length
+        if n == 0:
+            raise bad_request("the prompt is empty", prompt_param)
+        if n >= ctx:
+            raise bad_request(f"the prompt has {n} tokens and the context length is {ctx}: it "
+                              "leaves no room for output; shorten the prompt", prompt_param,
+                              "context_length_exceeded")
+        if asked is not None and n + asked > ctx:
+            raise bad_request(f"{limit_param}={asked} with a prompt of {n} tokens exceeds the "
+                              f"context length of {ctx}; ask for at most {ctx - n} tokens",
+                              limit_param, "context_length_exceeded")
+        return asked if asked is not None else min(default or ctx, ctx - n)
+
+    def _params(self, req: Any, max_new: int, logprobs: bool, top: int) -> list[SamplingParams]:
+        extra: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            if getattr(req, name) is not None:
+                extra[name] = getattr(req, name)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        out = []
+        for j in range(req.n):
+            seed = None if req.seed is None else (req.seed + j) % 2**64 if req.seed >= 0 \
+                else req.seed + j
+            try:
+                out.append(SamplingParams(
+                    max_new_tokens=max_new, seed=seed, stop=tuple(stop),
+                    stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                    logprobs=logprobs, top_logprobs=top, **extra))
+            except SamplingParamsError as exc:
+                name = str(exc).split("=", 1)[0]
+                raise bad_request(str(exc), API_NAMES.get(name, name)) from None
+        return out
+
+    def completion_job(self, body: bytes) -> Job:
+        req: CompletionRequest = self._parse(CompletionRequest, body)
+        prompts = [self._completion_prompt(p) for p in _prompt_list(req.prompt)]
+        if not prompts:
+            raise bad_request("the prompt list is empty", "prompt")
+        limits = [self._limit(p, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt",
+                              "max_tokens") for p in prompts]
+        logprobs = req.logprobs is not None
+        params = [self._params(req, m, logprobs, req.logprobs or 0) for m in limits]
+        return Job("completion", req.model, prompts, params, req.stream,
+                   bool(req.stream_options and req.stream_options.include_usage), req.echo,
+                   id=f"cmpl-{uuid.uuid4().hex}")
+
+    def _completion_prompt(self, p: Union[str, list[int]]) -> Prompt:
+        if isinstance(p, str):
+            return Prompt(self.codec.encode(p), p)
+        bad = [t for t in p if not 0 <= t < self.codec.vocab_size]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.codec.vocab_size})", "prompt")
+        return Prompt(list(p), self.codec.decode(p))
+
+    def chat_job(self, body: bytes) -> Job:
+        req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        text, ids = self.codec.encode_chat([m.model_dump(exclude_none=True) |
+                                            {"content": m.text()} for m in req.messages])
+        prompt = Prompt(ids, text)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        limit = self._limit(prompt, req.output_limit, None, "messages", param)
+        params = [self._params(req, limit, req.logprobs, req.top_logprobs or 0)]
+        return Job("chat", req.model, [prompt], params, req.stream,
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   id=f"chatcmpl-{uuid.uuid4().hex}")
+
+    # --- generation -------------------------------------------------------------------------
+    def _outputs(self, job: Job, seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
+        ids = [p.ids for p in job.prompts for _ in range(job.n)]
+        params = [sp for per_prompt in job.params for sp in per_prompt]
+        return self.client.run(ids, params, seats)
+
+    async def respond(self, job: Job, seats: Seats) -> dict[str, Any]:
+        """The whole (non-streaming) response body."""
+        states = [ChoiceState() for _ in range(job.num_seqs)]
+        async for i, out in self._outputs(job, seats):
+            _check(out)
+            s = states[i]
+            s.text.append(out.text)
+            s.token_ids += out.token_ids
+            s.logprobs += out.logprobs
+            if out.finish is not None:
+                s.finish, s.cached = _finish_reason(out), out.cached_tokens
+        choices = []
+        for i, s in enumerate(states):
+            choices.append(self._choice(job, i, s, "".join(s.text), s.logprobs, s.finish))
+        return {"id": job.id, "object": "text_completion" if job.kind == "completion"
+                else "chat.completion", "created": job.created, "model": job.model,
+                "choices": choices, "usage": self._usage(job, states),
+                "system_fingerprint": None}
+
+    def _choice(self, job: Job, i: int, s: ChoiceState, text: str,
+                logprobs: list[dict[str, Any]], finish: Optional[str],
+                delta: bool = False) -> dict[str, Any]:
+        want_lp = job.logprobs
+        if job.kind == "completion":
+            prompt = job.prompts[i // job.n]
+            if job.echo and not s.started:
+                text = prompt.text + text
+            s.started = True
+            lp = None
+            if want_lp:
+                lp, s.text_offset = completion_logprobs(self.codec, logprobs, s.text_offset)
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        lp = {"content": chat_logprobs(self.codec, logprobs), "refusal": None} if want_lp \
+            else None
+        if not delta:
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": lp, "finish_reason": finish}
+        body: dict[str, Any] = {} if s.started else {"role": "assistant"}
+        if text or not s.started:
+            body["content"] = text
+        s.started = True
+        return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
+
+    def _usage(self, job: Job, states: list[ChoiceState]) -> dict[str, Any]:
+        """Each prompt counts once, however many choices it has (as OpenAI counts)."""
+        prompt = sum(len(p.ids) for p in job.prompts)
+        completion = sum(len(s.token_ids) for s in states)
+        cached = sum(min(s.cached for s in states[k * job.n:(k + 1) * job.n])
+                     for k in range(len(job.prompts)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def stream(self, job: Job, seats: Seats) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per step of each choice, the usage chunk when asked,
+        then `data: [DONE]`. An error after the first byte is an event with an error body."""
+        states = [ChoiceState() for _ in range(job.num_seqs)]
+        obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+        head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}
+        usage_null = {"usage": None} if job.include_usage else {}
+        try:
+            async for i, out in self._outputs(job, seats):
+                _check(out)
+                s = states[i]
+                s.token_ids += out.token_ids
+                finish = None
+                if out.finish is not None:
+                    finish, s.cached = _finish_reason(out), out.cached_tokens
+                if not (out.text or out.logprobs or finish or not s.started):
+                    continue
+                choice = self._choice(job, i, s, out.text, out.logprobs, finish, delta=True)
+                yield _sse({**head, "choices": [choice], **usage_null})
+            if job.include_usage:
+                yield _sse({**head, "choices": [], "usage": self._usage(job, states)})
+        except APIError as exc:
+            yield _sse(exc.body())
+        yield b"data: [DONE]\n\n"
+
+
+def _prompt_list(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _finish_reason(out: TokenOutput) -> str:
+    assert out.finish is not None
+    if out.finish.reason not in ("stop", "length"):
+        raise APIError(500, f"the sequence ended with '{out.finish.reason}'", None,
+                       "generation_failed")
+    return out.finish.reason
+
+
+def _check(out: TokenOutput) -> None:
+    if out.error is not None:
+        raise APIError(500, f"generation failed: {out.error}", None, "generation_failed")
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

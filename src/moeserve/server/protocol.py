@@ -1,0 +1,124 @@
+"""The OpenAI API's request bodies, as strict pydantic models.
+
+Strict: a wrong JSON type is an error, never coerced ("5" is not an int). A field we do not know is
+an error (`extra="forbid"`); a field OpenAI defines that we do not implement is declared here so
+that `unsupported()` can name it in a clear error instead of a generic "extra field" one. Our
+extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are those SGLang and
+vLLM accept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moeserve.runtime.sampling import MAX_TOP_LOGPROBS
+
+MAX_N = 128  # choices per request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    user: Optional[str] = None  # an end-user id for the operator's logs; no effect on output
+    # extensions (SGLang / vLLM)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    # defined by OpenAI, not implemented: rejected with a message when set (see unsupported())
+    logit_bias: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> Optional[str]:
+        """The first field that is set but that we do not implement, else None."""
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    # not implemented
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> Optional[str]:
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        if self.echo and self.logprobs is not None:
+            return "echo"  # with logprobs it needs the prompt's logprobs, which we don't compute
+        return super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # not implemented
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> Optional[str]:
+        for name in ("tools", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(self, name):
+                return name
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return super().unsupported()
+
+    @property
+    def output_limit(self) -> Optional[int]:
+        """max_completion_tokens is OpenAI's current name of max_tokens; it wins when both
+        are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens

@@ -1,0 +1,104 @@
+"""Text on the server's side of the engine: prompts to ids, chat templates, and the text and
+bytes of single tokens (for logprobs).
+
+A model whose tokenizer has no chat template (the presets' byte-level stand-in, some base
+checkpoints) gets DEFAULT_CHAT_TEMPLATE, a plain role-tagged transcript.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Optional, Sequence
+
+from moeserve.tokenizer import Tokenizer, TokenizerError, compile_chat_template
+from moeserve.server.errors import bad_request
+
+DEFAULT_CHAT_TEMPLATE = (  # newlines as expressions: trim_blocks eats those after a tag
+    "{% for m in messages %}"
+    "<|{{ m.role }}|>{% if m.name %} {{ m.name }}{% endif %}{{ '\\n' }}"
+    "{{ m.content }}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}")
+_HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TextCodec:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tok = tokenizer
+        self.vocab_size = vocab_size  # the model's: ids the engine accepts
+        source = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        self.template: Any = compile_chat_template(source)
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """`special`: add the tokenizer's BOS etc. (a plain prompt); a rendered chat template
+        writes its own special tokens."""
+        return self.tok.encode(text, add_special_tokens=special)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages, tools=None,
+                                        add_generation_prompt=True, **self.tok.special_tokens)
+        except (TemplateError, TokenizerError) as exc:
+            raise bad_request(f"the chat template refused the messages: {exc}",
+                              "messages") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        text = self.render_chat(messages)
+        return text, self.encode(text, special=False)
+
+    # --- single tokens ------------------------------------------------------------------------
+    def _raw_bytes(self, token_id: int) -> Optional[list[int]]:
+        """The bytes a token stands for, when its vocabulary entry says so exactly."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return None
+        m = _HEX_BYTE.match(piece)
+        if m:
+            return [int(m.group(1), 16)]
+        table = _byte_level_chars()
+        if token_id not in self.tok.special_token_ids and all(c in table for c in piece):
+            return [table[c] for c in piece]
+        return None
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self._raw_bytes(token_id)
+            if raw is not None:
+                return raw
+        return list(text.encode("utf-8"))
+
+    def _token_text(self, token_id: int) -> str:
+        """The token as text; a token that is part of a character's bytes is written as
+        OpenAI writes it, `bytes:\\xe2\\x80`."""
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text
+        raw = self._raw_bytes(token_id)
+        if raw is None:
+            return text
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
