@@ -12,10 +12,10 @@ the pool.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "moeserve"
@@ -29,7 +29,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
         self.stats, self.in_flight = stats, in_flight
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Any]:
         s = self.stats()
         used, cached = s.get("used_slots", 0), s.get("prefix_cached_slots", 0)
         total = s.get("total_slots", 0)
@@ -45,6 +45,10 @@ class _EngineCollector(Collector):
         yield _gauge("kv_used_slots", "KV slots in use: requests and prefix cache.", used)
         yield _gauge("kv_total_slots", "KV slots in the pool.", total)
         yield _gauge("kv_usage_ratio", "Used over total KV slots.", used / total if total else 0.0)
+        retracted = CounterMetricFamily(f"{PREFIX}_retracted_requests", "Requests preempted "
+                                        "(KV given up, recomputed later) since the start.")
+        retracted.add_metric([], s.get("retracted", 0))
+        yield retracted
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
