@@ -277,6 +277,16 @@ class Engine:
         for rid, pend in pending.items():
             pend.outputs.put(TokenOutput(rid, [], None, error=why))
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine stopped on its own (a rank died), or None."""
+        return None if self._closing else self._dead
+
+    @property
+    def closed(self) -> bool:
+        """shutdown() was called, or a rank died."""
+        return self._closing or self._dead is not None
+
     def kv_stats(self) -> dict[str, int]:
         """The workers' latest KV and queue figures, summed over DP ranks: used_slots,
         prefix_cached_slots, total_slots, running, waiting."""

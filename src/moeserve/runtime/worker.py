@@ -13,6 +13,7 @@ All host-side communication of a step happens here, on the CPU (gloo) group.
 
 from __future__ import annotations
 
+import os
 import queue
 import traceback
 from dataclasses import dataclass
@@ -98,8 +99,10 @@ class RankWorker:
         return [int(o[0]) for o in out], any(int(o[1]) for o in out)
 
 
-def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any]) -> None:
-    """Run iterations until a shutdown message. Rank 0 holds the engine's inbox and outbox."""
+def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
+               parent_pid: Optional[int] = None) -> None:
+    """Run iterations until a shutdown message. Rank 0 holds the engine's inbox and outbox;
+    with `parent_pid`, it also shuts down when the engine's process is gone (killed)."""
     state = worker.state
     multi = state.world.size > 1
     has_work = False
@@ -108,6 +111,8 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any]) 
         msgs: list[Message] = []
         if inbox is not None:
             msgs = _drain(inbox, block=not has_work)
+            if parent_pid is not None and os.getppid() != parent_pid:
+                msgs.append(Message("shutdown"))  # orphaned: the engine died without a word
         if multi:
             box = [msgs]
             dist.broadcast_object_list(box, src=0, group=state.cpu)
@@ -145,6 +150,7 @@ def _drain(inbox: Any, block: bool) -> list[Message]:
 def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str,
               inbox: Optional[Any], outbox: Any, eos_token_ids: tuple[int, ...]) -> None:
     """Entry point of a worker process: join the process group, build the rank, serve."""
+    parent_pid = os.getppid()
     try:
         from moeserve.runtime.devices import rank_device
 
@@ -159,7 +165,8 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         state = init_parallel_state(plan.layout, device)
         worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids)
         outbox.put(("ready", rank))
-        serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None)
+        serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None,
+                   parent_pid)
         outbox.put(("exit", rank))
     except BaseException as exc:  # report why this rank stops, then stop
         try:

@@ -60,12 +60,12 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and not self.engine._closing
+        return not self.engine.closed
 
     @property
     def failure(self) -> Optional[str]:
         """Why the engine stopped working, if it did (not when it was shut down)."""
-        return None if self.engine._closing else self.engine._dead
+        return self.engine.failure
 
     def reserve(self, num_seqs: int) -> Seats:
         """Take places for `num_seqs` sequences, or raise 503 (busy) / 400 (never fits)."""
