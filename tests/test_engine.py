@@ -178,7 +178,7 @@ def test_killed_rank_stops_the_engine_with_an_error_within_seconds():
 
 @pytest.mark.multiproc
 def test_two_nodes_on_one_machine_give_the_single_node_tokens():
-    from moeserve.testing.multiproc import free_port
+    from moeserve.net import free_port
 
     common = ["--model", "preset:tiny", "--load-format", "dummy", "--device", "cpu",
               "--tp", "2", "--ep", "2", "--max-total-tokens", "2048"]

@@ -98,8 +98,11 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
         BufferRecord("moe.runner.down", (pairs, h), dtype, f"{pf} x H", knobs),
     ]
     if layout.dp_gather:
-        recs.append(BufferRecord("dp_gather.hidden", (layout.dp * budget.max_tokens, h), dtype,
-                                 "dp x T_max x H", ("--dp-size", *knobs)))
+        # every rank sends its ceil(T/attn_tp) rows, padded to the largest: one collective
+        rows = layout.tp * math.ceil(budget.max_tokens / layout.attn_tp)
+        recs.append(BufferRecord("dp_gather.hidden", (rows, h), dtype,
+                                 "tp x ceil(T_max/attn_tp) x H (padded uneven all-gather)",
+                                 ("--dp-size", *knobs)))
     if layout.sp or layout.dense_scattered:
         recs.append(BufferRecord("attn_tp_gather.hidden",
                                  (layout.attn_tp * math.ceil(budget.max_tokens / layout.attn_tp),

@@ -11,19 +11,19 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch.multiprocessing as mp
 
 from moeserve.config import EngineConfig
 from moeserve.models.spec import load_model_spec
+from moeserve.net import free_port
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.runtime.devices import runtime_config
+from moeserve.runtime.output import RequestState
 from moeserve.runtime.request import RequestInput, TokenOutput
-from moeserve.runtime.sampling import SamplingParams, StopChecker
+from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
-from moeserve.testing.multiproc import free_port
 
 ParamsLike = Union[SamplingParams, dict, None]
 START_TIMEOUT_S = 600.0
@@ -54,48 +54,6 @@ def make_plan(cfg: EngineConfig) -> CapacityPlan:
     return plan
 
 
-@dataclass
-class _Pending:
-    """Engine-side state of a request: where its outputs go, and its detokenizer. Stop strings
-    are matched here, on the text; a match ends the request and aborts it in the workers."""
-
-    rid: str
-    params: SamplingParams
-    dp_rank: int
-    detok: Any  # IncrementalDetokenizer, or None without a tokenizer
-    outputs: "queue.Queue[TokenOutput]" = field(default_factory=queue.Queue)
-    text: str = ""
-    sent_chars: int = 0
-    submitted: float = field(default_factory=time.monotonic)
-
-    def translate(self, out: TokenOutput) -> tuple[TokenOutput, bool]:
-        """Add text to the workers' output; returns it and whether a stop string ended it."""
-        if self.detok is None:
-            return out, False
-        stop = StopChecker(self.params)
-        kept: list[int] = []
-        hit = None
-        for t in out.token_ids:
-            piece = self.detok.add(t)
-            self.text += piece
-            kept.append(t)
-            hit = stop.check_text(self.text, len(piece))
-            if hit is not None:
-                break
-        finish = out.finish
-        if hit is not None:
-            finish, self.text = hit
-        elif finish is not None and finish.reason in ("stop", "length"):
-            self.text += self.detok.flush()
-        end = len(self.text) if finish is not None else stop.streamable_len(self.text)
-        end = max(end, self.sent_chars)
-        new = TokenOutput(out.rid, kept, finish, self.text[self.sent_chars:end],
-                          out.logprobs[:len(kept)], out.prompt_tokens, out.cached_tokens,
-                          out.error)
-        self.sent_chars = end
-        return new, hit is not None and out.finish is None
-
-
 class Engine:
     """`Engine(model="preset:tiny", load_format="dummy", tp_size=2, ...)`: every EngineConfig
     field is a keyword. Use as a context manager, or call shutdown()."""
@@ -122,7 +80,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(
             self.tokenizer.eos_token_ids if self.tokenizer is not None
             else checkpoint_eos_ids(self.cfg.model, self.spec.vocab_size)))
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, RequestState] = {}
         self._stats: dict[str, int] = {}
         self._load = [0] * self.cfg.attn_dp_size
         self._lock = threading.Lock()
@@ -332,7 +290,7 @@ class Engine:
         with self._lock:
             dp = min(range(len(self._load)), key=lambda d: self._load[d])
             self._load[dp] += 1
-            pend = self._pending[rid] = _Pending(rid, sp, dp, detok)
+            pend = self._pending[rid] = RequestState(rid, sp, dp, detok)
         # stop strings are matched on the text here, so their tokens must come every step
         every_step = stream or bool(sp.stop)
         self._inbox.put(Message("add", RequestInput(rid, tuple(ids), sp, dp, every_step)))

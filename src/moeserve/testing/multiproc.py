@@ -10,22 +10,17 @@ hangs past `timeout` seconds fails the call instead of blocking the caller.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from moeserve.net import free_port
+
 
 class RankFailure(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
