@@ -1,0 +1,207 @@
+"""Scale-out run on the GPUs of one host (issue 8): correctness across layouts, the all-to-all
+against NCCL's all_to_all_single, plan bytes against the allocator, and `moeserve bench`
+throughput by layout.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        PYTHONPATH=src python benchmarks/scaleout.py --gpus 2 --out $OUT
+
+Parts (each can be skipped): `correct` (greedy tokens of every layout vs one GPU), `a2a` (per
+MoE layer dispatch + combine time at decode sizes and bandwidth at prefill sizes, beside NCCL's
+all_to_all_single moving the same bytes), `memory` (the a2a workspace the plan records vs what
+the allocator handed out, on every rank), `bench` (output tokens/s at several concurrencies for
+ep 1..N, DP attention on and off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+MODEL = "preset:qwen3-30b-a3b"
+
+
+def layouts(n: int) -> dict[str, dict]:
+    return {
+        "1gpu": dict(tp_size=1),
+        f"tp{n}-ep{n}-gather": dict(tp_size=n, ep_size=n),
+        f"tp{n}-ep{n}-a2a": dict(tp_size=n, ep_size=n, moe_a2a_backend="all_to_all"),
+        f"tp{n}-dp{n}-ep{n}": dict(tp_size=n, dp_size=n, enable_dp_attention=True, ep_size=n),
+    }
+
+
+def engine_flags(**kw) -> dict:
+    return dict(load_format="dummy", dtype="bfloat16", context_length=4096,
+                mem_fraction_static=0.85, **kw)
+
+
+def correctness(n: int) -> dict:
+    from moeserve.runtime.engine import Engine
+
+    prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(16 + 4 * i)] for i in range(8)]
+    params = dict(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for name, kw in layouts(n).items():
+        with Engine(MODEL, **engine_flags(**kw)) as e:
+            tokens[name] = [r["token_ids"] for r in e.generate(input_ids=prompts,
+                                                               sampling_params=params)]
+    ref = tokens["1gpu"]
+    out = {}
+    for name, got in tokens.items():
+        # bf16 sums in a different order can flip a near-tie: count tokens up to the first
+        # difference of each request
+        same = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
+                   for r, g in zip(ref, got))
+        out[name] = {"identical_requests": sum(r == g for r, g in zip(ref, got)),
+                     "requests": len(ref), "tokens_before_first_difference": same,
+                     "tokens": sum(len(r) for r in ref)}
+    return out
+
+
+def _a2a_rank(rank: int, world: int, sizes: list[int], result_path: str) -> None:
+    from moeserve.config import EngineConfig
+    from moeserve.moe.dispatch.base import create_dispatcher
+    from moeserve.parallel.groups import init_parallel_state
+    from moeserve.parallel.step import step_from_counts
+    from moeserve.plan.capacity import build_plan
+
+    torch.cuda.set_device(rank)
+    cfg = EngineConfig(model=MODEL, tp_size=world, ep_size=world, dp_size=world,
+                       enable_dp_attention=True, moe_a2a_backend="all_to_all",
+                       chunked_prefill_size=max(sizes) * world, max_running_requests=256 * world,
+                       gpu_memory_gb=141)
+    plan = build_plan(cfg)
+    state = init_parallel_state(plan.layout, torch.device("cuda", rank))
+    before = torch.cuda.memory_allocated()
+    disp = create_dispatcher(plan.spec, state, plan, torch.bfloat16)
+    allocated = torch.cuda.memory_allocated() - before
+    spec = plan.spec
+    rows = []
+    for m in sizes:
+        x = torch.randn(m, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, spec.num_experts, (m, spec.top_k), device="cuda",
+                            dtype=torch.int32)
+        w = torch.rand(m, spec.top_k, device="cuda", dtype=torch.float32)
+        step = step_from_counts([m] * world, plan.layout, rank, plan)
+
+        def moe_exchange():
+            toks, handle = disp.dispatch(x, ids, w, step)
+            return disp.combine(toks.x_NH, handle)  # identity experts: the exchange alone
+
+        payload = disp.payload
+        send = torch.empty(world * m * payload, dtype=torch.uint8, device="cuda")
+        recv = torch.empty_like(send)
+        comb = torch.empty(world * m * spec.hidden_size * 2, dtype=torch.uint8, device="cuda")
+        comb_r = torch.empty_like(comb)
+
+        def nccl_exchange():
+            dist.all_to_all_single(recv, send)
+            dist.all_to_all_single(comb_r, comb)
+
+        times = {}
+        for label, fn in (("moeserve", moe_exchange), ("nccl", nccl_exchange)):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(30):
+                dist.barrier()
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1000)
+            times[label] = statistics.median(samples)
+        moved = world * m * (payload + spec.hidden_size * 2)  # bytes this rank sends, both ways
+        rows.append({"tokens_per_rank": m, "moeserve_us": times["moeserve"],
+                     "nccl_all_to_all_single_us": times["nccl"],
+                     "moeserve_GBps": moved / times["moeserve"] / 1e3,
+                     "nccl_GBps": moved / times["nccl"] / 1e3})
+    record_bytes = plan.buffer("a2a.send").bytes + plan.buffer("a2a.recv").bytes
+    with open(f"{result_path}.{rank}", "w") as f:
+        json.dump({"rows": rows, "plan_workspace_bytes": record_bytes,
+                   "allocator_bytes": allocated}, f)
+
+
+def a2a_and_memory(n: int, out_dir: str) -> dict:
+    import torch.multiprocessing as mp
+
+    from moeserve.net import free_port
+
+    sizes = [1, 8, 32, 128, 256, 1024, 4096, 8192]
+    path = os.path.join(out_dir, "a2a.json")
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_a2a_main, args=(r, n, port, sizes, path)) for r in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    return {r: json.load(open(f"{path}.{r}")) for r in range(n) if os.path.exists(f"{path}.{r}")}
+
+
+def _a2a_main(rank: int, world: int, port: int, sizes: list[int], path: str) -> None:
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        _a2a_rank(rank, world, sizes, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def bench(n: int, concurrencies: list[int]) -> list[dict]:
+    from moeserve.bench import random_prompts, run_bench
+    from moeserve.runtime.engine import Engine
+
+    rows = []
+    configs = {"ep1 (1 GPU)": dict(tp_size=1)}
+    for ep in range(2, n + 1):
+        if n % ep == 0:
+            configs[f"ep{ep} tp{n}"] = dict(tp_size=n, ep_size=ep)
+            configs[f"ep{ep} tp{n} dp-attn"] = dict(tp_size=n, ep_size=ep, dp_size=n,
+                                                     enable_dp_attention=True)
+    for name, kw in configs.items():
+        with Engine(MODEL, **engine_flags(max_running_requests=max(concurrencies), **kw)) as e:
+            for c in concurrencies:
+                prompts = random_prompts(c, 128, e.spec.vocab_size, seed=c)
+                s = run_bench(e, prompts, 64, c, progress=False)
+                rows.append({"config": name, "concurrency": c, **{
+                    k: s[k] for k in ("output_tokens_per_s", "input_tokens_per_s",
+                                      "ttft_ms_p50", "itl_ms_p50", "completed", "num_prompts")}})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--parts", default="correct,a2a,bench")
+    ap.add_argument("--concurrency", default="64,256,1024")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    report = {"device": torch.cuda.get_device_name(0), "gpus": args.gpus,
+              "date": date.today().isoformat(), "torch": torch.__version__}
+    t0 = time.time()
+    if "a2a" in parts:
+        report["a2a_and_memory"] = a2a_and_memory(args.gpus, args.out)
+        print(json.dumps(report["a2a_and_memory"], indent=1), flush=True)
+    if "correct" in parts:
+        report["correctness"] = correctness(args.gpus)
+        print(json.dumps(report["correctness"], indent=1), flush=True)
+    if "bench" in parts:
+        report["bench"] = bench(args.gpus, [int(c) for c in args.concurrency.split(",")])
+    report["seconds"] = time.time() - t0
+    with open(os.path.join(args.out, "scaleout.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
