@@ -1,0 +1,150 @@
+"""Tune the fused MoE kernels' tiles per (E_local, H, I_local, dtype, device, token count) and
+write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them).
+
+    PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
+        [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS]
+
+For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
+per used expert, every gate_up candidate and every down candidate timed alone (median of
+triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
+the BLOCK_M whose best pair is fastest wins. Candidates are the same for every shape, so each
+compiles once per run. A size that runs out of --time-budget keeps the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_common import MODELS, model_spec  # noqa: E402
+from moeserve.moe.kernels.configs import (CONFIG_DIR, GEMM_KEYS,  # noqa: E402
+                                          config_file_name)
+
+DEVICE = "cuda"
+TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
+LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
+HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
+          (128, 32, 8, 5), (64, 128, 8, 3)]
+
+
+def block_ms(rows_per_expert: float) -> list[int]:
+    if rows_per_expert <= 8:
+        return [16]
+    if rows_per_expert <= 24:
+        return [16, 32]
+    if rows_per_expert <= 96:
+        return [32, 64]
+    if rows_per_expert <= 384:
+        return [64, 128]
+    return [128, 256]
+
+
+def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
+    if full:
+        space = list(itertools.product((32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5)))
+        group_ms = (1, 8)
+    else:
+        space = SMALL_M if block_m <= 32 else LARGE_M if block_m == 64 else HUGE_M
+        group_ms = (1,) if block_m <= 32 else (8,)
+    # gate_up keeps two [BLOCK_M, BLOCK_N] fp32 accumulators, down one: tiles that need more
+    # than 128 accumulator registers a thread would spill, so they are left out
+    accs = 2 if gemm == "gate_up" else 1
+    return [dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))) for bn, bk, w, s in space
+            for gm in group_ms if accs * block_m * bn <= 128 * 32 * w]
+
+
+def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(e, 2 * i, h, device=DEVICE, dtype=torch.bfloat16) * h ** -0.5
+    w2 = torch.randn(e, h, i, device=DEVICE, dtype=torch.bfloat16) * i ** -0.5
+    return w13, w2
+
+
+def do_bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:
+    timed = []
+    for cfg in cfgs:
+        try:
+            timed.append((do_bench(lambda: fn(cfg)), cfg))
+        except Exception as err:  # out of shared memory or registers: not a candidate
+            print(f"  skip {name} {cfg}: {type(err).__name__}", flush=True)
+    return min(timed, key=lambda t: t[0])
+
+
+def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -> dict:
+    from moeserve.moe.kernels.align import align_triton
+    from moeserve.moe.kernels.fused_moe import down, gate_up
+
+    e, h = w13.shape[0], w13.shape[2]
+    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(n * k, device=DEVICE)
+    pairs = n * k
+    best = None
+    for bm in block_ms(pairs / min(e, pairs)):
+        blocks = align_triton(ids, 0, e, bm)
+        t_up, up = best_of("gate_up", lambda c: gate_up(x, w13, blocks, k, "silu", c),
+                           candidates(bm, "gate_up", full))
+        h_buf = gate_up(x, w13, blocks, k, "silu", up)
+        t_down, dn = best_of("down", lambda c: down(h_buf, w2, blocks, weights, pairs, c),
+                             candidates(bm, "down", full))
+        print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, down "
+              f"{t_down * 1e3:.1f} us {dn}", flush=True)
+        if best is None or t_up + t_down < best[0]:
+            best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
+    return best[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--shape", nargs="*", default=[], help="E,H,I,K (E and I per rank)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size of --models")
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS))
+    ap.add_argument("--full", action="store_true", help="sweep the whole space (slow)")
+    ap.add_argument("--out", default=str(CONFIG_DIR))
+    ap.add_argument("--time-budget", type=float, default=float("inf"))
+    args = ap.parse_args()
+    shapes = []
+    for name in args.models:
+        spec = model_spec(name)
+        shapes.append((spec.num_experts // args.ep, spec.hidden_size,
+                       spec.moe_intermediate_size, spec.top_k))
+    shapes += [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    deadline = time.monotonic() + args.time_budget
+    os.makedirs(args.out, exist_ok=True)
+    weights = {}
+    # sizes outermost: a run cut short by --time-budget has tuned every shape's small sizes
+    for n in args.tokens:
+        for e, h, i, k in shapes:
+            path = Path(args.out) / config_file_name(e, h, i, torch.bfloat16, device)
+            if time.monotonic() > deadline:
+                print(f"E={e} H={h} I={i} N={n}: out of --time-budget, left to the defaults",
+                      flush=True)
+                continue
+            print(f"E={e} H={h} I={i} K={k} N={n} on {device} -> {path.name}", flush=True)
+            if (e, h, i) not in weights:
+                weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
+            table = json.loads(path.read_text()) if path.is_file() else {}
+            table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
+            path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),
+                                       indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

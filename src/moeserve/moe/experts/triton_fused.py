@@ -1,0 +1,62 @@
+"""The fused Triton expert runner (kernels in moe/kernels/fused_moe.py).
+
+Per step: align the (token, k) pairs by local expert into BLOCK_M-row blocks, a grouped GEMM
+for gate_up with the activation-and-multiply fused, a grouped GEMM for down with the top-k
+weight applied, and the sum over top-k. Only the experts that some pair uses are read; no
+host synchronisation, so a step can be captured in a CUDA graph. Tile configs come from the
+tuned JSON of this (E_local, H, I_local, dtype, device), else from defaults (kernels/configs.py).
+
+triton is imported on the first forward, so that `import moeserve` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from moeserve.models.spec import ModelSpec
+from moeserve.moe.experts.base import Experts, register_experts
+from moeserve.moe.kernels.configs import get_config
+from moeserve.parallel.groups import ParallelState
+
+# hidden_act -> the kernel's activation
+KERNEL_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
+
+
+@register_experts("triton")
+class TritonFusedExperts(Experts):
+    graph_safe = True  # no host synchronisation: CUDA graphs capture it
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__(spec, state, dtype)
+        if spec.hidden_act not in KERNEL_ACTS:
+            raise ValueError(f"the triton expert runner has no kernel for hidden_act "
+                             f"{spec.hidden_act!r} ({', '.join(KERNEL_ACTS)}); use "
+                             "--moe-runner-backend grouped_mm or reference")
+        self.kernel_act = KERNEL_ACTS[spec.hidden_act]
+        self.top_k = spec.top_k
+        self._configs: dict[tuple[int, str], dict[str, Any]] = {}
+
+    def config_for(self, num_tokens: int, device: torch.device) -> dict[str, Any]:
+        key = (num_tokens, str(device))
+        if key not in self._configs:
+            name = (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+            self._configs[key] = get_config(num_tokens, self.top_k, self.num_local, self.hidden,
+                                            self.i_local, self.w13.dtype, name)
+        return self._configs[key]
+
+    def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
+                topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        if not x_NH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton expert runner needs CUDA tensors; on a CPU use "
+                             "--moe-runner-backend reference")
+        if x_NH.shape[0] == 0:
+            return x_NH.new_zeros(0, self.hidden)
+        from moeserve.moe.kernels.fused_moe import fused_experts
+
+        cfg = self.config_for(x_NH.shape[0], x_NH.device)
+        return fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
+                             self.first_expert, self.kernel_act, cfg)

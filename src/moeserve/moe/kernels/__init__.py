@@ -1,0 +1,11 @@
+"""GPU kernels of the MoE experts (Triton) and their pure-torch counterparts.
+
+    align_torch.py   moe_align in plain torch (CPU or GPU): the reference of align.py's output
+    align.py         moe_align in Triton: (token, k) pairs grouped by local expert, BLOCK_M-aligned
+    fused_moe.py     grouped GEMMs: gate_up with act-and-mul fused, down with the top-k weight,
+                     the sum over top-k
+    configs.py       tile configs: tuned JSON in moe/configs/, else defaults (no triton needed)
+
+Only align_torch and configs import without triton; the Triton modules are imported lazily by
+the runner (moe/experts/triton_fused.py), so `import moeserve` never needs triton.
+"""

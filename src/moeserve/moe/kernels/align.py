@@ -1,0 +1,138 @@
+"""moe_align in Triton (same output as align_torch.py; see its docstring for the format).
+
+Small steps (P <= SMALL_PAIRS, the decode sizes) run in one program, one launch: count pairs per
+expert, place the blocks, then scatter each pair to its slot (its rank among the same expert's
+pairs, from a one-hot prefix sum). Large steps use three launches over chunks of pairs: count
+(histogram + atomic add), place the blocks (one program), scatter (an atomic cursor per expert;
+the order inside an expert's segment is then arbitrary, which changes no result: every row of
+a GEMM tile is computed independently and the top-k sum is taken per pair slot).
+No launch reads a count back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.moe.kernels.align_torch import AlignedBlocks, max_blocks
+
+SMALL_PAIRS = 512
+_COUNT_CHUNK = 1024
+
+
+@triton.jit
+def _local_of(ids_ptr, offs, num_pairs, first_expert, num_local):
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    local = ids - first_expert
+    own = (ids >= 0) & (local >= 0) & (local < num_local)
+    return tl.where(own, local, 0), own
+
+
+@triton.jit
+def _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr, num_blocks,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the block map from per-expert counts [E_PAD]; return each expert's first row."""
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)
+    blk_start = blk_end - nblk
+    end_key = tl.where(e_idx < num_local, blk_end, 1 << 30)
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        e_b = tl.sum((end_key[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        sel = e_idx[None, :] == e_b[:, None]
+        cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+        first = tl.sum(tl.where(sel, blk_start[None, :], 0), axis=1)
+        used = e_b < num_local
+        rows = tl.minimum(cnt - (b - first) * BLOCK_M, BLOCK_M)
+        tl.store(block_expert_ptr + b, tl.where(used, e_b, -1), mask=b < num_blocks)
+        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=b < num_blocks)
+    return blk_start * BLOCK_M
+
+
+# runtime ints that change with the step are not specialised (no recompile per value)
+_STEP_ARGS = ["num_pairs", "first_expert", "num_local", "num_blocks"]
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS)
+def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
+                       block_expert_ptr, block_rows_ptr, num_blocks,
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    e_idx = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        local, own = _local_of(ids_ptr, p0 + tl.arange(0, CHUNK), num_pairs, first_expert,
+                               num_local)
+        counts += tl.histogram(local, E_PAD, mask=own)
+    cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
+                           num_blocks, BLOCK_M, CHUNK)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
+        onehot = ((local[:, None] == e_idx[None, :]) & own[:, None]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, axis=1) - 1
+        base = tl.sum(onehot * cursor[None, :], axis=1)
+        tl.store(sorted_ptr + base + rank, offs, mask=own)
+        cursor += tl.sum(onehot, axis=0)
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS[:3])
+def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr,
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
+    e_idx = tl.arange(0, E_PAD)
+    tl.atomic_add(counts_ptr + e_idx, tl.histogram(local, E_PAD, mask=own),
+                  mask=e_idx < num_local)
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS[2:])
+def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_rows_ptr,
+                  num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    e_idx = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e_idx)
+    cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
+                           num_blocks, BLOCK_M, CHUNK)
+    tl.store(cursor_ptr + e_idx, cursor)
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS[:3])
+def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, sorted_ptr,
+                    CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
+    slot = tl.atomic_add(cursor_ptr + local, 1, mask=own)
+    tl.store(sorted_ptr + slot, offs, mask=own)
+
+
+def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
+                 block_m: int) -> AlignedBlocks:
+    ids = topk_ids_NK.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
+    pairs, dev = ids.numel(), ids.device
+    nb = max_blocks(pairs, block_m, num_local)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    out = AlignedBlocks(sorted_pairs, block_expert, block_rows, block_m)
+    if pairs == 0:
+        return out
+    e_pad = max(16, triton.next_power_of_2(num_local))
+    chunk = max(16, min(128, 8192 // e_pad))  # the one-hot tiles stay at <= 8192 elements
+    if pairs <= SMALL_PAIRS:
+        _align_one_program[(1,)](ids, pairs, first_expert, num_local, sorted_pairs,
+                                 block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
+                                 CHUNK=chunk, num_warps=4)
+        return out
+    scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)
+    counts, cursor = scratch[:e_pad], scratch[e_pad:]
+    grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
+    _count_kernel[grid](ids, pairs, first_expert, num_local, counts, E_PAD=e_pad,
+                        CHUNK=_COUNT_CHUNK, num_warps=4)
+    _place_kernel[(1,)](counts, cursor, num_local, block_expert, block_rows, nb,
+                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, sorted_pairs,
+                          CHUNK=_COUNT_CHUNK, num_warps=4)
+    return out

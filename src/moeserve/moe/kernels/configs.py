@@ -1,0 +1,92 @@
+"""Tile configs of the fused MoE kernels: tuned JSON shipped in moe/configs/, else defaults.
+
+One file per (E_local, H, I_local, dtype, device name), written by benchmarks/tune_moe.py:
+
+    E=128,H=2048,I=768,dtype=bfloat16,device=NVIDIA_H200.json
+    {"1": {"BLOCK_M": 16, "gate_up": {...}, "down": {...}}, "16": {...}, ...}
+
+keyed by token count (rows reaching the runner). A step of N rows takes the entry whose key is
+nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
+BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
+own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages. Pure Python: no triton import.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_key(device_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
+
+
+def config_file_name(num_local: int, hidden: int, inter: int, dtype: Any,
+                     device_name: str) -> str:
+    return (f"E={num_local},H={hidden},I={inter},dtype={dtype_name(dtype)},"
+            f"device={device_key(device_name)}.json")
+
+
+def _gemm(block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> dict[str, int]:
+    return dict(zip(GEMM_KEYS, (block_n, block_k, group_m, warps, stages)))
+
+
+def default_config(num_tokens: int, top_k: int, num_local: int) -> dict[str, Any]:
+    """By the mean rows per used expert: small tiles that spread the weight stream over many
+    programs when few rows share an expert (memory-bound), large MMA tiles when many do."""
+    pairs = max(1, num_tokens * top_k)
+    rows = pairs / min(num_local, pairs)
+    if rows <= 16:
+        return {"BLOCK_M": 16, "gate_up": _gemm(64, 128, 1, 4, 4),
+                "down": _gemm(64, 128, 1, 4, 4)}
+    if rows <= 48:
+        return {"BLOCK_M": 32, "gate_up": _gemm(64, 128, 1, 4, 4),
+                "down": _gemm(64, 128, 1, 4, 4)}
+    if rows <= 192:
+        return {"BLOCK_M": 64, "gate_up": _gemm(64, 64, 8, 4, 4),
+                "down": _gemm(128, 64, 8, 4, 4)}
+    return {"BLOCK_M": 128, "gate_up": _gemm(128, 64, 8, 8, 3),
+            "down": _gemm(128, 64, 8, 8, 4)}
+
+
+@functools.lru_cache(maxsize=None)
+def load_tuned(num_local: int, hidden: int, inter: int, dtype: str,
+               device_name: str) -> Optional[dict[int, dict[str, Any]]]:
+    path = CONFIG_DIR / config_file_name(num_local, hidden, inter, dtype, device_name)
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())
+    return {int(k): validate(v, str(path)) for k, v in table.items()}
+
+
+def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    missing = [k for k in ("BLOCK_M", "gate_up", "down") if k not in cfg]
+    missing += [f"{g}.{k}" for g in ("gate_up", "down") if g in cfg
+                for k in GEMM_KEYS if k not in cfg[g]]
+    if missing:
+        raise ValueError(f"MoE tile config in {where} lacks {', '.join(missing)}; "
+                         "re-run benchmarks/tune_moe.py")
+    return cfg
+
+
+def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]:
+    target = math.log2(max(num_tokens, 1))
+    return table[min(table, key=lambda k: (abs(math.log2(max(k, 1)) - target), k))]
+
+
+def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+               dtype: Any, device_name: str) -> dict[str, Any]:
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name)
+    if table:
+        return nearest(table, num_tokens)
+    return default_config(num_tokens, top_k, num_local)

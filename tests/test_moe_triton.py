@@ -1,0 +1,328 @@
+"""The fast expert runners against the reference runner: triton (fused kernels, GPU) and
+grouped_mm (torch._grouped_mm, CPU and GPU); the align step (torch on CPU; Triton under the
+interpreter when triton is installed, and on the GPU); the tile-config lookup.
+
+Legend: N rows, K top-k, E experts (all ranks), H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_cases import fake_state
+from moeserve.models.spec import spec_from_hf_config
+from moeserve.moe.experts import create_experts
+from moeserve.moe.kernels import configs
+from moeserve.moe.kernels.align_torch import align_torch, max_blocks
+from moeserve.parallel.layout import ParallelLayout
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROUTINGS = ("uniform", "skewed", "padded")
+
+
+def make_spec(e: int = 16, k: int = 4, h: int = 256, i: int = 192, act: str = "silu"):
+    return spec_from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": h, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 64,
+        "intermediate_size": 64, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "hidden_act": act, "num_experts": e, "num_experts_per_tok": k,
+        "moe_intermediate_size": i, "norm_topk_prob": True}, name="test")
+
+
+def make_experts(name: str, spec, ep: int, rank: int, dtype, device, seed: int):
+    """Rank `rank` of an ep-way layout (tp = ep) with fresh random weights."""
+    lay = ParallelLayout(tp=ep, dp=1, ep=ep, dense_tp=ep, a2a=False)
+    experts = create_experts(name, spec, fake_state(lay, rank), dtype).to(device)
+    g = torch.Generator().manual_seed(seed)
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    w13 = torch.randn(experts.num_local, 2 * i, h, generator=g) * h ** -0.5
+    w2 = torch.randn(experts.num_local, h, i, generator=g) * i ** -0.5
+    experts.w13.data.copy_(w13)
+    experts.w2.data.copy_(w2)
+    return experts
+
+
+def routing(n: int, k: int, e: int, mode: str, seed: int, device="cpu"):
+    """Top-k ids [N, K] int32 (distinct per row) and weights [N, K] float32.
+    skewed: every row's first choice is expert e // 2 (the first expert of EP rank 1 of 2) and
+    half of the other slots are -1; padded: 30% of the slots and the last row are -1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(n, e, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    if mode == "skewed":
+        rest = ids[:, 1:]
+        rest[(rest == e // 2) | (torch.rand(n, k - 1, generator=g) < 0.5)] = -1
+        ids[:, 0] = e // 2
+    elif mode == "padded":
+        ids[torch.rand(n, k, generator=g) < 0.3] = -1
+        ids[-1] = -1
+    weights = torch.rand(n, k, generator=g) + 0.05
+    return ids.to(device), weights.to(device)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def check_aligned(blocks, ids: torch.Tensor, first: int, num_local: int) -> None:
+    """Every owned pair appears exactly once, in a block of its expert; blocks are contiguous
+    per expert; unused blocks are marked -1 with 0 rows."""
+    bm = blocks.block_m
+    key = ids.reshape(-1).long().cpu() - first
+    own = (ids.reshape(-1).cpu() >= 0) & (key >= 0) & (key < num_local)
+    expert, rows = blocks.block_expert.cpu(), blocks.block_rows.cpu()
+    pairs = blocks.sorted_pairs.cpu().long()
+    assert blocks.num_blocks == max_blocks(ids.numel(), bm, num_local)
+    seen = []
+    for b in range(blocks.num_blocks):
+        e, r = int(expert[b]), int(rows[b])
+        if e < 0:
+            assert r == 0
+            continue
+        assert 1 <= r <= bm
+        p = pairs[b * bm: b * bm + r]
+        assert (key[p] == e).all()
+        seen += p.tolist()
+    assert sorted(seen) == torch.nonzero(own).flatten().tolist()
+    used = expert[expert >= 0]
+    assert (used[1:] >= used[:-1]).all()
+    assert (expert[len(used):] == -1).all()
+
+
+# --- CPU ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,e,ep_rank,bm", [(1, 8, 128, None, 16), (9, 2, 8, None, 16),
+                                              (33, 4, 16, 1, 16), (300, 6, 64, 0, 64),
+                                              (1000, 2, 8, 1, 128)])
+@pytest.mark.parametrize("mode", ROUTINGS)
+def test_align_torch_groups_every_owned_pair(n, k, e, ep_rank, bm, mode):
+    ids, _ = routing(n, k, e, mode, seed=n + k)
+    first, num_local = (0, e) if ep_rank is None else (ep_rank * e // 2, e // 2)
+    check_aligned(align_torch(ids, first, num_local, bm), ids, first, num_local)
+
+
+def test_align_torch_all_rows_on_one_expert_fill_whole_blocks():
+    ids = torch.full((100, 1), 3, dtype=torch.int32)
+    blocks = align_torch(ids, 0, 8, 16)
+    assert blocks.block_expert[:7].tolist() == [3] * 7
+    assert blocks.block_rows[:7].tolist() == [16] * 6 + [4]
+    assert (blocks.block_expert[7:] == -1).all()
+    assert blocks.sorted_pairs[:100].tolist() == list(range(100))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("ep,rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("mode", ROUTINGS)
+def test_grouped_mm_runner_matches_reference_on_cpu(dtype, tol, ep, rank, mode):
+    spec = make_spec()
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=7)
+    gmm = make_experts("grouped_mm", spec, ep, rank, dtype, "cpu", seed=7)
+    ref.w13.data.copy_(gmm.w13.float())
+    ref.w2.data.copy_(gmm.w2.float())
+    x = torch.randn(37, spec.hidden_size).to(dtype)
+    ids, w = routing(37, spec.top_k, spec.num_experts, mode, seed=11)
+    y = gmm(x, ids, w)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, ref(x.float(), ids, w)) <= tol
+
+
+def test_triton_runner_refuses_cpu_tensors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    spec = make_spec()
+    experts = make_experts("triton", spec, 1, 0, torch.float32, "cpu", seed=1)
+    ids, w = routing(2, spec.top_k, spec.num_experts, "uniform", seed=1)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        experts(torch.randn(2, spec.hidden_size), ids, w)
+
+
+def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
+    table = {"1": configs.default_config(1, 8, 128), "64": configs.default_config(64, 8, 128),
+             "4096": configs.default_config(4096, 8, 128)}
+    table["64"]["BLOCK_M"] = 32
+    name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "NVIDIA H200")
+    assert name == "E=128,H=2048,I=768,dtype=bfloat16,device=NVIDIA_H200.json"
+    (tmp_path / name).write_text(json.dumps(table))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.load_tuned.cache_clear()
+    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H200")
+    assert get(1)["BLOCK_M"] == 16 and get(50)["BLOCK_M"] == 32 and get(90)["BLOCK_M"] == 32
+    assert get(8192)["BLOCK_M"] == table["4096"]["BLOCK_M"]
+    other = configs.get_config(64, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H100")
+    assert other == configs.default_config(64, 8, 128)
+    (tmp_path / name).write_text(json.dumps({"8": {"BLOCK_M": 16, "gate_up": {}}}))
+    configs.load_tuned.cache_clear()
+    with pytest.raises(ValueError, match="lacks down"):
+        get(8)
+    configs.load_tuned.cache_clear()
+
+
+def test_shipped_tile_configs_are_complete():
+    for path in sorted(configs.CONFIG_DIR.glob("*.json")):
+        for cfg in json.loads(path.read_text()).values():
+            configs.validate(cfg, str(path))
+            assert cfg["BLOCK_M"] in (16, 32, 64, 128, 256)
+
+
+_INTERPRETER_SCRIPT = r"""
+import torch
+import triton.runtime.interpreter as ti
+if hasattr(ti, "_patch_lang_tensor"):  # triton 3.6's interpreter calls int() on 1-element arrays,
+    _orig = ti._patch_lang_tensor      # which numpy >= 2.3 refuses
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    ti._patch_lang_tensor = _patched
+from test_moe_triton import check_aligned, make_experts, make_spec, rel_err, routing
+from moeserve.moe.kernels.align import SMALL_PAIRS, align_triton
+from moeserve.moe.kernels.align_torch import align_torch
+
+for n, k, e, first, num_local, bm in [(1, 8, 128, 0, 128, 16), (40, 4, 16, 8, 8, 16),
+                                      (700, 2, 8, 0, 8, 64), (300, 8, 64, 32, 32, 32)]:
+    for mode in ("uniform", "skewed", "padded"):
+        ids, _ = routing(n, k, e, mode, seed=n)
+        got, want = align_triton(ids, first, num_local, bm), align_torch(ids, first, num_local, bm)
+        check_aligned(got, ids, first, num_local)
+        assert torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.block_rows, want.block_rows)
+assert 700 * 2 > SMALL_PAIRS >= 40 * 4  # both align paths ran
+for act, (ep, rank), n, h in [("silu", (1, 0), 5, 48), ("gelu", (2, 1), 70, 48),
+                              ("gelu_pytorch_tanh", (1, 0), 3, 48), ("silu", (2, 0), 300, 128)]:
+    spec = make_spec(e=8, k=2, h=h, i=40, act=act)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=3)
+    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=3)
+    for mode in ("uniform", "skewed", "padded"):
+        x = torch.randn(n, spec.hidden_size)
+        ids, w = routing(n, 2, 8, mode, seed=n)
+        err = rel_err(tri(x, ids, w), ref(x, ids, w))
+        assert err <= 1e-4, (act, ep, n, mode, err)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_kernels_under_the_interpreter():
+    """The Triton align and GEMM kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-4000:]
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+def _gpu_pair(name: str, spec, ep: int, rank: int, seed: int):
+    """(fast runner in bf16, reference runner in fp32 holding the same bf16 weights)."""
+    fast = make_experts(name, spec, ep, rank, torch.bfloat16, "cuda", seed)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cuda", seed)
+    ref.w13.data.copy_(fast.w13.float())
+    ref.w2.data.copy_(fast.w2.float())
+    return fast, ref
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("ep,rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("mode", ROUTINGS)
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 129, 1000, 4096])
+@pytest.mark.parametrize("shape", [dict(e=16, k=4, h=256, i=192), dict(e=16, k=2, h=328, i=200)])
+def test_fast_runner_matches_reference_on_gpu(name, ep, rank, mode, n, shape):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    spec = make_spec(**shape)
+    fast, ref = _gpu_pair(name, spec, ep, rank, seed=n)
+    x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+    ids, w = routing(n, spec.top_k, spec.num_experts, mode, seed=n + 1, device="cuda")
+    y = fast(x, ids, w)
+    want = ref(x.float(), ids, w)
+    assert y.dtype == torch.bfloat16 and y.shape == want.shape
+    assert torch.isfinite(y).all()
+    assert rel_err(y, want) <= 1e-2
+    assert ((want == 0).all(dim=1) <= (y == 0).all(dim=1)).all()  # rows with nothing stay 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [3, 700])
+def test_triton_align_equals_torch_align_on_gpu(n):
+    from moeserve.moe.kernels.align import align_triton
+
+    for mode in ROUTINGS:
+        ids, _ = routing(n, 8, 128, mode, seed=n, device="cuda")
+        for first, num_local in [(0, 128), (64, 64)]:
+            for bm in (16, 64):
+                got = align_triton(ids, first, num_local, bm)
+                want = align_torch(ids, first, num_local, bm)
+                check_aligned(got, ids, first, num_local)
+                assert torch.equal(got.block_expert, want.block_expert)
+                assert torch.equal(got.block_rows, want.block_rows)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["triton", "grouped_mm"])
+def test_fast_runner_replays_in_a_cuda_graph(name):
+    """No host synchronisation: the forward captures, and a replay on new inputs (new routing
+    included) gives what an eager call gives."""
+    spec = make_spec(e=16, k=4, h=256, i=192)
+    fast, _ = _gpu_pair(name, spec, 1, 0, seed=5)
+    x = torch.randn(48, spec.hidden_size, device="cuda").bfloat16()
+    ids, w = routing(48, 4, 16, "uniform", seed=1, device="cuda")
+    fast(x, ids, w)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fast(x, ids, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fast(x, ids, w)
+    for mode in ROUTINGS:
+        new_ids, new_w = routing(48, 4, 16, mode, seed=9, device="cuda")
+        x.copy_(torch.randn_like(x))
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        exact = dict(rtol=0, atol=0) if name == "triton" else {}  # index_add_ order varies
+        torch.testing.assert_close(y, fast(x, ids, w), **exact)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_duplicate_ids_add_up():
+    spec = make_spec(e=16, k=2, h=256, i=192)
+    fast, _ = _gpu_pair("triton", spec, 1, 0, seed=3)
+    x = torch.randn(1, spec.hidden_size, device="cuda").bfloat16()
+    w = torch.tensor([[0.3, 0.5]], device="cuda")
+    twice = fast(x, torch.tensor([[4, 4]], dtype=torch.int32, device="cuda"), w)
+    once = fast(x, torch.tensor([[4, -1]], dtype=torch.int32, device="cuda"),
+                torch.tensor([[0.8, 0.1]], device="cuda"))
+    assert rel_err(twice, once) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128, 256])
+def test_triton_every_block_m_and_tile(block_m):
+    """Tile configs the tuner may pick (any BLOCK_M up to 256) compute the same function."""
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    spec = make_spec(e=16, k=4, h=256, i=192)
+    fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m)
+    gemm = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8 if block_m > 64 else 4,
+            "num_stages": 3}
+    cfg = {"BLOCK_M": block_m, "gate_up": gemm, "down": {**gemm, "BLOCK_N": 128}}
+    for n, mode in [(3, "uniform"), (600, "skewed"), (2000, "padded")]:
+        x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")
+        y = fused_experts(x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu", cfg)
+        assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2
