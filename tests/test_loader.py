@@ -222,7 +222,7 @@ def test_dummy_weights_are_deterministic_and_finite(case, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b",
-                                    "olmoe-1b-7b"])
+                                    "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-v3"])
 def test_every_tensor_of_a_real_preset_has_its_checkpoint_shape(preset):
     """Full-size presets, built on the meta device (no memory): the dummy loader's shape for
     every checkpoint name is one the layers accept, as a real checkpoint's would be."""
@@ -243,10 +243,11 @@ def test_every_tensor_of_a_real_preset_has_its_checkpoint_shape(preset):
 # --- registry -----------------------------------------------------------------------------
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
-    with pytest.raises(ModelSpecError, match="DeepseekV2ForCausalLM.*moeserve implements: "
+    with pytest.raises(ModelSpecError, match="LlamaForCausalLM.*moeserve implements: "
+                                             "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
                                              "MixtralForCausalLM, OlmoeForCausalLM, "
                                              "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
-        model_class("DeepseekV2ForCausalLM")
+        model_class("LlamaForCausalLM")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ModelSpecError, match="LlamaForCausalLM.*supports: Qwen3MoeForCausalLM"):
         load_model_spec(str(tmp_path))

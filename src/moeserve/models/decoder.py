@@ -1,9 +1,10 @@
-"""The decoder shared by the four architectures: attention block, decoder layer, causal LM.
+"""The decoder shared by the architectures: attention block, decoder layer, causal LM.
 
 Legend: T tokens of this DP rank, H hidden, N/K query/KV heads (local), D head dim, V vocab.
 
 Architectures differ only in a few switches (biases, q/k norm kind, OLMoE's clip_qkv, Mixtral's
-sliding window) and in the names their checkpoints use; the checkpoint-facing side of a model is
+sliding window), in the attention block (DeepSeek's latent attention, `attention_factory`), and
+in the names their checkpoints use; the checkpoint-facing side of a model is
 written in one canonical naming (transformers' Qwen-MoE names) and each architecture translates
 its own names to it (`MoECausalLM.to_canonical`).
 
@@ -131,8 +132,9 @@ class DecoderAttention(nn.Module):
 
 
 # Shapes of the MLP tensors, by name relative to "mlp." (the MoE/dense layers own the loading).
-_MLP_SHAPES: list[tuple[str, Callable[[ModelSpec], tuple[int, int]]]] = [
+_MLP_SHAPES: list[tuple[str, Callable[[ModelSpec], tuple[int, ...]]]] = [
     (r"gate\.weight", lambda s: (s.num_experts, s.hidden_size)),
+    (r"gate\.e_score_correction_bias", lambda s: (s.num_experts,)),
     (r"experts\.\d+\.(gate|up)_proj\.weight", lambda s: (s.moe_intermediate_size, s.hidden_size)),
     (r"experts\.\d+\.down_proj\.weight", lambda s: (s.hidden_size, s.moe_intermediate_size)),
     (r"shared_experts?\.(gate|up)_proj\.weight",
@@ -145,7 +147,7 @@ _MLP_SHAPES: list[tuple[str, Callable[[ModelSpec], tuple[int, int]]]] = [
 ]
 
 
-def mlp_checkpoint_shape(spec: ModelSpec, name: str) -> tuple[int, int]:
+def mlp_checkpoint_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     for pattern, shape in _MLP_SHAPES:
         if re.fullmatch(pattern, name):
             return shape(spec)
@@ -198,15 +200,11 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.spec, self.state, self.dtype = spec, state, dtype
         axis = state.attn_tp
-        opts = self.attention_options(spec, hf_config)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, axis=axis,
                                                    dtype=dtype)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling_dict,
-                                      spec.max_position_embeddings)
+        attention = self.attention_factory(hf_config, backend)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, dtype,
-                         DecoderAttention(spec, state, i, dtype, opts, self.rotary, backend),
-                         mlp_factory(i), comm_factory(i))
+            DecoderLayer(spec, i, dtype, attention(i), mlp_factory(i), comm_factory(i))
             for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, axis=axis, dtype=dtype,
@@ -216,6 +214,23 @@ class MoECausalLM(nn.Module):
     @classmethod
     def attention_options(cls, spec: ModelSpec, hf_config: dict[str, Any]) -> AttentionOptions:
         raise NotImplementedError
+
+    def attention_factory(self, hf_config: dict[str, Any], backend: AttentionBackend
+                          ) -> Callable[[int], nn.Module]:
+        """layer id -> that layer's attention block (DecoderAttention with this
+        architecture's options). An architecture with another attention (DeepSeek's MLA)
+        overrides this; the block must offer DecoderAttention's forward and weight methods."""
+        spec = self.spec
+        opts = self.attention_options(spec, hf_config)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling_dict,
+                                      spec.max_position_embeddings)
+        return lambda i: DecoderAttention(spec, self.state, i, self.dtype, opts, self.rotary,
+                                          backend)
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """True for a checkpoint tensor the model deliberately does not load (the loader
+        skips it instead of calling it unexpected)."""
+        return False
 
     # --- checkpoint naming --------------------------------------------------------------
     @classmethod

@@ -133,7 +133,8 @@ def plan_checkpoint(model: Any, folder: Path) -> list[Entry]:
     unexpected: list[str] = []
     for path in checkpoint_files(folder):
         for key, shape in _read_header(path):
-            if _IGNORED.fullmatch(key) or (tied and key == "lm_head.weight"):
+            if (_IGNORED.fullmatch(key) or (tied and key == "lm_head.weight")
+                    or model.ignores_checkpoint_tensor(key)):
                 continue
             for entry in _expand(model, path, key, shape):
                 if entry.canonical not in expected:

@@ -36,7 +36,8 @@ def register_model(architecture: str) -> Callable[[type], type]:
 
 
 def _import_architectures() -> None:
-    from moeserve.models import mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401 (registers)
+    from moeserve.models import (deepseek_v2, mixtral, olmoe, qwen2_moe,  # noqa: F401
+                                 qwen3_moe)  # (importing registers them)
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -73,7 +74,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
 
     from moeserve.runtime.devices import resolve_backends
 
-    auto_attention, auto_experts = resolve_backends(cfg, state.device)
+    auto_attention, auto_experts = resolve_backends(cfg, state.device, mla=spec.mla is not None)
     attention_backend = attention_backend or auto_attention
     experts = experts or auto_experts
     cls = model_class(spec.architecture)

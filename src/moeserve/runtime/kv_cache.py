@@ -1,8 +1,10 @@
 """The paged KV cache of one rank, and the request-to-token table.
 
-KVCachePool keeps, per layer, K and V as [slots, kv_heads_local, head_dim]. Slots are handed out
-in pages of `page_size` consecutive slots; page 0 is reserved, so slot 0 is the dummy slot that
-padded rows (CUDA-graph padding, idle ranks) write to without touching any request's cache.
+KVCachePool keeps, per layer, K and V as [slots, kv_heads_local, head_dim]; MLAKVCachePool
+(DeepSeek's latent attention) one row [kv_lora_rank + rope_dim] per slot. Both hand out slots
+in pages of `page_size` consecutive slots (PagedKVPool); page 0 is reserved, so slot 0 is the
+dummy slot that padded rows (CUDA-graph padding, idle ranks) write to without touching any
+request's cache. `create_kv_pool(plan)` picks the pool the model needs.
 
 ReqToTokenPool is the [rows, context_length] table mapping a request's token position to its KV
 slot; row 0 is reserved for the dummy request of padded graph rows.
@@ -23,15 +25,12 @@ DUMMY_SLOT = 0
 DUMMY_REQ_ROW = 0
 
 
-class KVCachePool:
-    """Per-layer K/V storage plus a page allocator.
+class PagedKVPool:
+    """The page allocator every KV pool shares: `num_slots` slots in pages of `page_size`
+    consecutive slots, page 0 reserved (it holds DUMMY_SLOT). Subclasses add the storage."""
 
-    Storage is one buffer [layers, 2, slots, kv_heads, head_dim]; k_cache(l) / v_cache(l) are
-    contiguous [slots, kv_heads, head_dim] views of it.
-    """
-
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", page_size: int = 1):
+    def __init__(self, num_layers: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", page_size: int = 1):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_slots < 2 * page_size:
@@ -39,40 +38,12 @@ class KVCachePool:
                              f"reserved dummy page (page_size {page_size}); give it at least "
                              f"{2 * page_size} slots (--max-total-tokens / "
                              "--mem-fraction-static)")
-        self.num_layers, self.page_size = num_layers, page_size
+        self.num_layers, self.page_size, self.dtype = num_layers, page_size, dtype
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
-        self.kv_LSKD = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim,
-                                   dtype=dtype, device=self.device)
         # free pages, lowest first; page 0 (with the dummy slot) is never handed out
         self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
-
-    @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu") -> "KVCachePool":
-        """The pool that the plan's "kv_cache" record [layers, tokens, 2 * kv_heads * head_dim]
-        sized, in the plan's dtype."""
-        from moeserve.plan.memory import kv_heads_per_rank
-
-        rec = plan.buffer("kv_cache")
-        layers, tokens, width = rec.shape
-        kv_heads = kv_heads_per_rank(plan.spec, plan.layout)
-        assert width == 2 * kv_heads * plan.spec.head_dim, (rec, kv_heads)
-        return cls(layers, tokens, kv_heads, plan.spec.head_dim, getattr(torch, rec.dtype),
-                   device, plan.config.page_size)
-
-    # --- storage ------------------------------------------------------------------------------
-    def k_cache(self, layer: int) -> torch.Tensor:
-        return self.kv_LSKD[layer, 0]
-
-    def v_cache(self, layer: int) -> torch.Tensor:
-        return self.kv_LSKD[layer, 1]
-
-    def set_kv(self, layer: int, loc_T: torch.Tensor, k_TKD: torch.Tensor,
-               v_TKD: torch.Tensor) -> None:
-        self.kv_LSKD[layer, 0].index_copy_(0, loc_T, k_TKD.to(self.dtype))
-        self.kv_LSKD[layer, 1].index_copy_(0, loc_T, v_TKD.to(self.dtype))
 
     # --- allocation ---------------------------------------------------------------------------
     @property
@@ -116,6 +87,91 @@ class KVCachePool:
         assert not double, f"pages {sorted(double)} freed twice"
         self._free_pages.extend(pages)
         self._free_pages.sort(reverse=True)
+
+
+class KVCachePool(PagedKVPool):
+    """Per-layer K/V storage plus the page allocator.
+
+    Storage is one buffer [layers, 2, slots, kv_heads, head_dim]; k_cache(l) / v_cache(l) are
+    contiguous [slots, kv_heads, head_dim] views of it.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", page_size: int = 1):
+        super().__init__(num_layers, num_slots, dtype, device, page_size)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kv_LSKD = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim,
+                                   dtype=dtype, device=self.device)
+
+    @classmethod
+    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu") -> "KVCachePool":
+        """The pool that the plan's "kv_cache" record [layers, tokens, 2 * kv_heads * head_dim]
+        sized, in the plan's dtype."""
+        from moeserve.plan.memory import kv_heads_per_rank
+
+        rec = plan.buffer("kv_cache")
+        layers, tokens, width = rec.shape
+        kv_heads = kv_heads_per_rank(plan.spec, plan.layout)
+        assert width == 2 * kv_heads * plan.spec.head_dim, (rec, kv_heads)
+        return cls(layers, tokens, kv_heads, plan.spec.head_dim, getattr(torch, rec.dtype),
+                   device, plan.config.page_size)
+
+    # --- storage ------------------------------------------------------------------------------
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.kv_LSKD[layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.kv_LSKD[layer, 1]
+
+    def set_kv(self, layer: int, loc_T: torch.Tensor, k_TKD: torch.Tensor,
+               v_TKD: torch.Tensor) -> None:
+        self.kv_LSKD[layer, 0].index_copy_(0, loc_T, k_TKD.to(self.dtype))
+        self.kv_LSKD[layer, 1].index_copy_(0, loc_T, v_TKD.to(self.dtype))
+
+
+class MLAKVCachePool(PagedKVPool):
+    """The KV cache of multi-head latent attention (DeepSeek-V2/V3): per token and layer one
+    row [kv_lora_rank + rope_dim] holding the normalised compressed KV (the latent, C) and the
+    roped key shared by all heads (R). Every attn_tp rank keeps the whole row: the heads'
+    keys and values are expanded from it by each rank's own kv_b_proj shard.
+
+    Storage is one buffer [layers, slots, C + R]; latent_cache(l) is [slots, C + R].
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", page_size: int = 1):
+        super().__init__(num_layers, num_slots, dtype, device, page_size)
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.kv_LSW = torch.zeros(num_layers, self.num_slots, kv_lora_rank + rope_dim,
+                                  dtype=dtype, device=self.device)
+
+    @classmethod
+    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu"
+                  ) -> "MLAKVCachePool":
+        """The pool that the plan's "kv_cache" record [layers, tokens, kv_lora + rope] sized."""
+        mla = plan.spec.mla
+        assert mla is not None, "MLAKVCachePool serves MLA models only"
+        rec = plan.buffer("kv_cache")
+        layers, tokens, width = rec.shape
+        assert width == mla.kv_cache_dim, (rec, mla)
+        return cls(layers, tokens, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                   getattr(torch, rec.dtype), device, plan.config.page_size)
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        return self.kv_LSW[layer]
+
+    def set_latent(self, layer: int, loc_T: torch.Tensor, latent_TC: torch.Tensor,
+                   k_pe_TR: torch.Tensor) -> None:
+        row = torch.cat((latent_TC, k_pe_TR), dim=-1).to(self.dtype)
+        self.kv_LSW[layer].index_copy_(0, loc_T, row)
+
+
+def create_kv_pool(plan: "CapacityPlan", device: torch.device | str = "cpu") -> PagedKVPool:
+    """The KV pool the plan's "kv_cache" record describes: latent rows for MLA models,
+    K/V heads for the others."""
+    if plan.spec.mla is not None:
+        return MLAKVCachePool.from_plan(plan, device)
+    return KVCachePool.from_plan(plan, device)
 
 
 class ReqToTokenPool:

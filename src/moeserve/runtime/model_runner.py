@@ -17,7 +17,7 @@ from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.forward_batch import ForwardBatch
-from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
@@ -36,7 +36,7 @@ class ModelRunner:
         self.cfg, self.spec, self.plan, self.state = cfg, spec, plan, state
         self.device = state.device
         self.model = load_model(cfg, spec, state, plan, progress=progress)
-        self.kv_pool = KVCachePool.from_plan(plan, self.device)
+        self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
 

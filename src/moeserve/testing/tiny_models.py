@@ -25,13 +25,15 @@ from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.step import begin_step
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
-from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
 
 HF_CLASSES = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -54,6 +56,9 @@ def make_hf_model(architecture: str, seed: int, **config: Any) -> Any:
                 p.copy_(0.3 * u)
             else:
                 p.copy_(u * 3 ** 0.5 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias, zeros at init
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * (torch.rand(b.shape, generator=gen) * 2 - 1))
     return model.eval()
 
 
@@ -95,7 +100,7 @@ class TinyRunner:
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, plan: CapacityPlan):
         self.model, self.state, self.plan = model, state, plan
-        self.kv = KVCachePool.from_plan(plan, state.device)
+        self.kv = create_kv_pool(plan, state.device)
         self.rows = ReqToTokenPool.from_plan(plan, state.device)
         self.req_rows: dict[int, int] = {}  # request id -> row of the request table
         self.lens: dict[int, int] = {}  # request id -> tokens in the cache

@@ -1,0 +1,235 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged cache of latents.
+
+Legend: T new tokens, N query heads (local to this attn_tp rank), C kv_lora_rank (the
+compressed KV, "latent"), R qk_rope_head_dim, P qk_nope_head_dim, Q = P + R (qk head dim),
+V v_head_dim, S a request's cached tokens (prefix + new), H hidden.
+
+    q_TNQ   = q_proj(h)                        or q_b_proj(q_a_layernorm(q_a_proj(h)))
+    c_T(C+R)= kv_a_proj_with_mqa(h)            -> latent_TC = kv_a_layernorm(c[:C]), k_pe_TR
+    rope on q_pe (the last R dims of every head) and k_pe (one key shared by the heads)
+    cache   <- [latent | k_pe] per token       (what the plan sizes: C + R per layer)
+    k_nope_SNP, v_SNV = kv_b_proj(latent_SC)   for every cached token of the request
+    o_TNV   = softmax((q_nope.k_nope + q_pe.k_pe) * scale) @ v;    out = o_proj(o)
+
+The latent and k_pe are replicated on every attn_tp rank (q_a/kv_a are not split); the heads
+are split: q_proj/q_b_proj and kv_b_proj column-parallel, o_proj row-parallel (partial sums,
+reduced by the layer communicator as for every attention block).
+
+Rope: DeepSeek lays the rope dims out in interleaved pairs (x0, x1), (x2, x3) ... rotated by
+one frequency each (DeepSeek-V2, and V3 with rope_interleave, the default); the rotated pairs
+are written de-interleaved [even dims | odd dims] as transformers' V3 does. q and k are
+permuted alike, so q_pe.k_pe (all that rope feeds) is the same as in the interleaved layout.
+Without rope_interleave the two halves rotate together (neox style).
+
+Softmax scale: Q^-0.5, times mscale(factor, mscale_all_dim)^2 for a yarn rope whose config
+sets mscale_all_dim (transformers' yarn_apply_mscale).
+
+Backends follow the attention backend contract (AttentionBackend.forward(q, layer, fb)) with
+q = [q_nope | q_pe] per head and an output of V dims per head. "torch" is the reference: per
+request it expands the cached latents through kv_b_proj and computes causal softmax attention
+in fp32; it serves extend after a cached prefix and decode alike. It does not absorb kv_b_proj
+into q and o for decode (the GPU optimisation that keeps decode in the latent space).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend
+from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.spec import MLASpec, ModelSpec
+from moeserve.parallel.groups import Axis, ParallelState
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+
+REPLICATED = Axis(None, 0, 1, (0,))  # q_a_proj and kv_a_proj_with_mqa: whole on every rank
+
+
+def mla_softmax_scale(mla: MLASpec, rope_scaling: Optional[dict[str, Any]],
+                      max_position: int) -> float:
+    scale = mla.qk_head_dim ** -0.5
+    p = rope_scaling or {}
+    kind = p.get("rope_type", p.get("type", "default"))
+    m_all = p.get("mscale_all_dim")
+    if kind != "default" and m_all:
+        factor = p.get("factor") or max_position / p["original_max_position_embeddings"]
+        mscale = 1.0 if factor <= 1 else 0.1 * m_all * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def rope_interleaved(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
+                     ) -> torch.Tensor:
+    """Rotate the pairs (x[2i], x[2i+1]) of x [T, heads, R] by angle i; returns
+    [rotated evens | rotated odds]. cos/sin are RotaryEmbedding.cos_sin's [T, R] (both halves
+    hold the pair angles)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_TR[:, None, :half].to(x.dtype), sin_TR[:, None, :half].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# --- backends ---------------------------------------------------------------------------------
+
+MLA_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_mla_backend(name: str) -> Callable[[type[AttentionBackend]],
+                                               type[AttentionBackend]]:
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        MLA_BACKENDS[name] = cls
+        return cls
+    return deco
+
+
+def mla_backend_for(backend: AttentionBackend) -> AttentionBackend:
+    """The MLA backend of the same name as `backend` (the one --attention-backend chose)."""
+    name = next((n for n, cls in ATTENTION_BACKENDS.items() if type(backend) is cls),
+                type(backend).__name__)
+    if name not in MLA_BACKENDS:
+        raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) implementation; "
+                         f"MLA backends: {', '.join(sorted(MLA_BACKENDS))}: pass "
+                         "--attention-backend torch (or auto)")
+    return MLA_BACKENDS[name]()
+
+
+@register_mla_backend("torch")
+class TorchMLABackend(AttentionBackend):
+    def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention",
+                fb: ForwardBatch) -> torch.Tensor:
+        n, p, r, v = layer.heads_local, layer.mla.qk_nope_head_dim, layer.mla.qk_rope_head_dim, \
+            layer.mla.v_head_dim
+        out_TNV = q_TNQ.new_empty(q_TNQ.shape[0], n, v)
+        if fb.mode is ForwardMode.IDLE or q_TNQ.shape[0] == 0:
+            return out_TNV
+        cache_SW = fb.kv_pool.latent_cache(layer.layer_id)
+        w_kvb = layer.kv_b_proj.weight.float()  # [N (P + V), C]
+        c = layer.mla.kv_lora_rank
+        start = 0
+        for i, (prefix, new) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            seq = prefix + new
+            slots_S = fb.req_to_token[fb.req_pool_indices[i], :seq].long()
+            latent_SC, k_pe_SR = cache_SW[slots_S].float().split([c, r], dim=-1)
+            k_nope_SNP, v_SNV = F.linear(latent_SC, w_kvb).view(seq, n, p + v).split([p, v], -1)
+            q_nope_tNP, q_pe_tNR = q_TNQ[start:start + new].float().split([p, r], dim=-1)
+            scores_NtS = (torch.einsum("tnp,snp->nts", q_nope_tNP, k_nope_SNP)
+                          + torch.einsum("tnr,sr->nts", q_pe_tNR, k_pe_SR)) * layer.scaling
+            q_pos = torch.arange(prefix, seq, device=q_TNQ.device)[:, None]
+            k_pos = torch.arange(seq, device=q_TNQ.device)[None, :]
+            scores_NtS = scores_NtS.masked_fill(k_pos > q_pos, float("-inf"))
+            probs_NtS = torch.softmax(scores_NtS, dim=-1)
+            out_TNV[start:start + new] = torch.einsum("nts,snv->tnv", probs_NtS,
+                                                      v_SNV).to(q_TNQ.dtype)
+            start += new
+        return out_TNV
+
+
+# --- the attention block ----------------------------------------------------------------------
+
+class MLAttention(nn.Module):
+    """h_TH -> partial attention output [T, H] (o_proj without its reduction over attn_tp)."""
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, layer_id: int, dtype: torch.dtype,
+                 rotary: RotaryEmbedding, backend: AttentionBackend, *, interleaved_rope: bool):
+        super().__init__()
+        if spec.mla is None:
+            raise ValueError(f"{spec.architecture} has no MLA dims (kv_lora_rank ...)")
+        m = self.mla = spec.mla
+        axis, h, n = state.attn_tp, spec.hidden_size, spec.num_heads
+        if n % axis.size:
+            raise ValueError(f"{n} attention heads do not split across {axis.size} attention-TP "
+                             "ranks")
+        self.spec, self.layer_id, self.backend = spec, layer_id, backend
+        self.heads_local = n // axis.size
+        self.bias = spec.attention_bias
+        if m.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, n * m.qk_head_dim, bias=False, axis=axis,
+                                               dtype=dtype)
+        else:
+            self.q_a_proj = ColumnParallelLinear(h, m.q_lora_rank, bias=self.bias,
+                                                 axis=REPLICATED, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, n * m.qk_head_dim, bias=False,
+                                                 axis=axis, dtype=dtype)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(h, m.kv_cache_dim, bias=self.bias,
+                                                       axis=REPLICATED, dtype=dtype)
+        # transformers builds these two norms with the default eps, not rms_norm_eps
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, dtype)
+        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, n * (m.qk_nope_head_dim
+                                                                   + m.v_head_dim),
+                                              bias=False, axis=axis, dtype=dtype)
+        self.o_proj = RowParallelLinear(n * m.v_head_dim, h, bias=self.bias, axis=axis,
+                                        dtype=dtype)
+        self.rotary, self.interleaved_rope = rotary, interleaved_rope
+        self.scaling = mla_softmax_scale(m, spec.rope_scaling_dict, spec.max_position_embeddings)
+
+    def _rope(self, positions_T: torch.Tensor, q_pe_TNR: torch.Tensor, k_pe_TR: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleaved_rope:
+            cos, sin = self.rotary.cos_sin(positions_T)
+            return (rope_interleaved(q_pe_TNR, cos, sin),
+                    rope_interleaved(k_pe_TR[:, None, :], cos, sin)[:, 0])
+        q_pe_TNR, k_pe_T1R = self.rotary(positions_T, q_pe_TNR.contiguous(),
+                                         k_pe_TR[:, None, :].contiguous())
+        return q_pe_TNR, k_pe_T1R[:, 0]
+
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        m, t, n = self.mla, h_TH.shape[0], self.heads_local
+        if m.q_lora_rank is None:
+            q = self.q_proj(h_TH)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h_TH)))
+        q_nope_TNP, q_pe_TNR = q.view(t, n, m.qk_head_dim).split(
+            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent_TC, k_pe_TR = self.kv_a_proj_with_mqa(h_TH).split(
+            [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent_TC = self.kv_a_layernorm(latent_TC.contiguous())
+        q_pe_TNR, k_pe_TR = self._rope(positions_T, q_pe_TNR, k_pe_TR)
+        if t:
+            fb.kv_pool.set_latent(self.layer_id, fb.out_cache_loc, latent_TC, k_pe_TR)
+        o_TNV = self.backend.forward(torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), self, fb)
+        return self.o_proj(o_TNV.reshape(t, n * m.v_head_dim))
+
+    # --- weights (names relative to "self_attn.") ----------------------------------------
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        m, h, n = self.mla, self.spec.hidden_size, self.spec.num_heads
+        shapes: dict[str, tuple[int, ...]] = {}
+        if m.q_lora_rank is None:
+            shapes["q_proj.weight"] = (n * m.qk_head_dim, h)
+        else:
+            shapes["q_a_proj.weight"] = (m.q_lora_rank, h)
+            if self.bias:
+                shapes["q_a_proj.bias"] = (m.q_lora_rank,)
+            shapes["q_a_layernorm.weight"] = (m.q_lora_rank,)
+            shapes["q_b_proj.weight"] = (n * m.qk_head_dim, m.q_lora_rank)
+        shapes["kv_a_proj_with_mqa.weight"] = (m.kv_cache_dim, h)
+        if self.bias:
+            shapes["kv_a_proj_with_mqa.bias"] = (m.kv_cache_dim,)
+        shapes["kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+        shapes["kv_b_proj.weight"] = (n * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        shapes["o_proj.weight"] = (h, n * m.v_head_dim)
+        if self.bias:
+            shapes["o_proj.bias"] = (h,)
+        return shapes
+
+    def checkpoint_names(self) -> list[str]:
+        return list(self._shapes())
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...]:
+        shapes = self._shapes()
+        if name not in shapes:
+            raise KeyError(f"MLA attention has no tensor {name!r}; it has {', '.join(shapes)}")
+        return shapes[name]
+
+    def load_weight(self, name: str, src: Any) -> None:
+        if name not in self._shapes():
+            raise KeyError(f"MLA attention of layer {self.layer_id} has no tensor {name!r}")
+        module_name, param = name.split(".")
+        getattr(self, module_name).load_weight(param, src)
