@@ -7,14 +7,15 @@ PagedAttention writes the new tokens' K/V into the pool at `out_cache_loc`, then
 attention backend for the output. Backends share one small contract (AttentionBackend) and are
 chosen by name from a registry; "torch" is the reference that runs anywhere: per request it
 gathers the request's K/V through req_to_token and computes causal softmax attention in fp32.
-It serves extend (new tokens after an already cached prefix) and decode alike. Fast GPU
-backends register themselves under their own names.
+It serves extend (new tokens after an already cached prefix) and decode alike. It reads
+the host copies of the lengths, so a CUDA graph cannot replay it. The GPU backend, "triton"
+(attention_triton.py), registers itself when first asked for.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -23,6 +24,11 @@ from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):
+    # True when forward launches a fixed amount of work for a decode batch of a given size and
+    # reads every length from device tensors: a CUDA graph captured once replays correctly for
+    # any lengths (runtime/cuda_graph.py refuses backends that are not)
+    graph_capturable: ClassVar[bool] = False
+
     @abstractmethod
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
                 fb: ForwardBatch) -> torch.Tensor:
@@ -41,6 +47,8 @@ def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]],
 
 
 def create_attention_backend(name: str = "torch") -> AttentionBackend:
+    if name == "triton":  # imported here: CPU-only installs never import the GPU backend
+        import moeserve.layers.attention_triton  # noqa: F401  (registers it)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: "
                          f"{', '.join(sorted(ATTENTION_BACKENDS))}")

@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from moeserve.layers.fast_path import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -111,8 +113,23 @@ class RotaryEmbedding(nn.Module):
         emb_TD = torch.cat((freqs_TD2, freqs_TD2), dim=-1)
         return emb_TD.cos() * self.attention_factor, emb_TD.sin() * self.attention_factor
 
-    def forward(self, positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
+                norms: Optional[tuple[Any, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """norms: per-head RMSNorm modules (q_norm, k_norm) to apply first (Qwen3-MoE)."""
+        kernel = fused("rotary", q_TND.device)
+        if (kernel is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
+                and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1
+                and q_TND.dtype == k_TKD.dtype):
+            dev = q_TND.device
+            if dev not in self._inv_freq:
+                self._inv_freq[dev] = self._inv_freq_cpu.to(dev)
+            extra = () if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
+            out = kernel(positions_T, q_TND, k_TKD, self._inv_freq[dev], self.attention_factor,
+                         *extra)
+            if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
+                return out
+        if norms is not None:
+            q_TND, k_TKD = norms[0](q_TND), norms[1](k_TKD)
         cos, sin = self.cos_sin(positions_T)
         cos, sin = cos[:, None, :].to(q_TND.dtype), sin[:, None, :].to(q_TND.dtype)
         return (q_TND * cos + rotate_half(q_TND) * sin,

@@ -90,12 +90,16 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         n, kv = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local
         q_TND, k_TKD, v_TKD = q.view(t, n, d), k.view(t, kv, d), v.view(t, kv, d)
+        norms = None
         if self.opts.qk_norm == "per_head":
-            q_TND, k_TKD = self.q_norm(q_TND), self.k_norm(k_TKD)
+            if self.opts.clip_qkv is None:  # the norms ride with the rope (one GPU launch)
+                norms = (self.q_norm, self.k_norm)
+            else:
+                q_TND, k_TKD = self.q_norm(q_TND), self.k_norm(k_TKD)
         if self.opts.clip_qkv is not None:
             c = self.opts.clip_qkv
             q_TND, k_TKD, v_TKD = q_TND.clamp(-c, c), k_TKD.clamp(-c, c), v_TKD.clamp(-c, c)
-        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD)
+        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms)
         o_TND = self.attn(q_TND, k_TKD, v_TKD, fb)
         return self.o_proj(o_TND.reshape(t, n * d))
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.fast_path import fused
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
 
@@ -131,6 +132,18 @@ class Router(nn.Module):
 
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        kernel = (fused("topk_softmax", x_MH.device)
+                  if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") else None)
+        if kernel is not None:  # one launch on a GPU (layers/fused_kernels.py)
+            # model-dtype logits go in as they are: the kernel upcasts them, as .float() would
+            logits = self.logits(x_MH) if self.fp32_logits else F.linear(x_MH, self.weight)
+            out = kernel(logits, cfg.top_k, cfg.norm_topk_prob,
+                         cfg.routed_scaling_factor,
+                         x_MH.shape[0] if num_valid is None else num_valid,
+                         torch.float32 if self.fp32_logits else x_MH.dtype)
+            if out is not None:
+                return out
         ids, weights = select_experts(self.logits(x_MH), self.cfg,
                                       self.e_score_correction_bias, num_valid)
         if not self.fp32_logits:  # HF rounds these blocks' weights to the model dtype

@@ -125,6 +125,12 @@ class KVCachePool(PagedKVPool):
 
     def set_kv(self, layer: int, loc_T: torch.Tensor, k_TKD: torch.Tensor,
                v_TKD: torch.Tensor) -> None:
+        from moeserve.layers.fast_path import fused
+
+        kernel = fused("store_kv", self.device)
+        if kernel is not None and kernel(self.kv_LSKD[layer, 0], self.kv_LSKD[layer, 1], loc_T,
+                                         k_TKD, v_TKD):
+            return  # one launch on a GPU
         self.kv_LSKD[layer, 0].index_copy_(0, loc_T, k_TKD.to(self.dtype))
         self.kv_LSKD[layer, 1].index_copy_(0, loc_T, v_TKD.to(self.dtype))
 

@@ -1,7 +1,9 @@
 """The model runner of one rank: builds the forward batch, runs the model, samples.
 
 It executes what the scheduler decided; it decides nothing. The KV pool and the request table
-come from the capacity plan's records.
+come from the capacity plan's records. Decode steps replay a CUDA graph of the plan's buckets
+when every rank of the step decodes (or idles) and the batch fits a bucket
+(runtime/cuda_graph.py); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from moeserve.models.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
+from moeserve.runtime.cuda_graph import DecodeGraphRunner
 from moeserve.runtime.forward_batch import ForwardBatch
 from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
 from moeserve.runtime.sampler import Sampler, SamplingBatch
@@ -39,6 +42,8 @@ class ModelRunner:
         self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
+        self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
+            cfg, plan, self.model, state, self.kv_pool, self.req_pool)
 
     def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
         if batch is None:
@@ -48,12 +53,25 @@ class ModelRunner:
             batch.out_cache_loc, self.req_pool.table, self.kv_pool)
 
     @torch.inference_mode()
-    def run(self, batch: Optional[ScheduledBatch], step: StepContext) -> Optional[StepResult]:
+    def forward(self, batch: Optional[ScheduledBatch], step: StepContext,
+                all_decode: bool = False) -> torch.Tensor:
+        """Logits of the batch's sampling rows: a graph replay when `all_decode` (every rank
+        of the step decodes or idles, the same flag on every rank) and the step fits a bucket,
+        else an eager forward."""
+        bucket = (None if self.graphs is None
+                  else self.graphs.bucket_for(step.tokens_per_dp_rank, all_decode))
+        if bucket is not None:
+            return self.graphs.replay(batch, bucket)
+        fb = self.forward_batch(batch)
+        return self.model(fb.input_ids, fb.positions, fb, step)
+
+    @torch.inference_mode()
+    def run(self, batch: Optional[ScheduledBatch], step: StepContext,
+            all_decode: bool = False) -> Optional[StepResult]:
         """One forward of this rank (an idle one when `batch` is None: the rank still joins
         every collective of the step), then sampling for the requests that finished their
         prefill or decode."""
-        fb = self.forward_batch(batch)
-        logits_BV = self.model(fb.input_ids, fb.positions, fb, step)
+        logits_BV = self.forward(batch, step, all_decode)
         if batch is None:
             return None
         rows = [i for i, s in enumerate(batch.samples) if s]

@@ -4,8 +4,9 @@ One iteration:
   1. rank 0 takes the engine's messages (new requests, aborts, shutdown) and broadcasts them;
   2. each rank's scheduler (one per DP rank, replicated on its attn_tp ranks, which therefore
      take the same decisions) picks the next forward;
-  3. the ranks all-gather [tokens of this forward, has work]: when nobody has tokens there is no
-     forward; otherwise every rank runs one, an idle one if it has no tokens (invariant 7);
+  3. the ranks all-gather [tokens of this forward, has work, decodes or idles]: when nobody has
+     tokens there is no forward; otherwise every rank runs one, an idle one if it has no tokens
+     (invariant 7), replaying a decode CUDA graph when every rank decodes or idles;
   4. the outputs of each DP group's first rank are gathered to rank 0, which hands them to the
      engine.
 All host-side communication of a step happens here, on the CPU (gloo) group.
@@ -28,6 +29,7 @@ from moeserve.models.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState, init_parallel_state
 from moeserve.parallel.step import StepTooLarge, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
+from moeserve.runtime.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.request import TokenOutput
@@ -67,7 +69,9 @@ class RankWorker:
                     outs.append(out)
         batch = self.scheduler.schedule()
         outs += self.scheduler.drain_rejected()
-        counts, anyone_has_work = self._exchange(batch.num_tokens if batch else 0)
+        decode_or_idle = batch is None or batch.mode is ForwardMode.DECODE
+        counts, anyone_has_work, all_decode = self._exchange(batch.num_tokens if batch else 0,
+                                                             decode_or_idle)
         if any(counts):
             try:
                 step = step_from_counts(counts, self.state.layout, self.state.rank, self.plan)
@@ -75,7 +79,7 @@ class RankWorker:
                 if batch is not None:
                     outs += self.scheduler.fail(batch, str(exc))
                 return outs, False, anyone_has_work
-            result = self.runner.run(batch, step)
+            result = self.runner.run(batch, step, all_decode)
             if batch is not None:
                 outs += self.scheduler.process(batch, result.token_ids, result.logprobs)
         return outs, False, anyone_has_work
@@ -89,14 +93,17 @@ class RankWorker:
                 "running": len(sched.running) + (sched.chunked is not None),
                 "waiting": len(sched.waiting), "retracted": sched.num_retracted}
 
-    def _exchange(self, num_tokens: int) -> tuple[list[int], bool]:
-        mine = [num_tokens, int(self.scheduler.has_work)]
+    def _exchange(self, num_tokens: int, decode_or_idle: bool) -> tuple[list[int], bool, bool]:
+        """(tokens of every rank, whether any rank has work, whether every rank decodes or
+        idles): the same lists on every rank, so all take the same graph/eager decision."""
+        mine = [num_tokens, int(self.scheduler.has_work), int(decode_or_idle)]
         if self.state.world.size == 1:
-            return [num_tokens], bool(mine[1])
+            return [num_tokens], bool(mine[1]), decode_or_idle
         t = torch.tensor(mine, dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.state.world.size)]
         dist.all_gather(out, t, group=self.state.cpu)
-        return [int(o[0]) for o in out], any(int(o[1]) for o in out)
+        return ([int(o[0]) for o in out], any(int(o[1]) for o in out),
+                all(int(o[2]) for o in out))
 
 
 def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],

@@ -39,6 +39,9 @@ class Dispatcher(ABC):
     # the caller gave: a block sharded over the world (a shared expert) may then add its partial
     # sums to the expert output before combine and ride the same reduction.
     reduces_partial_sums: ClassVar[bool]
+    # True when dispatch and combine never wait for the host (no data-dependent shapes): a
+    # CUDA graph can capture them (runtime/cuda_graph.py runs decode eagerly otherwise)
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:

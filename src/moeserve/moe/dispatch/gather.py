@@ -31,6 +31,7 @@ class GatherHandle:
 @register_dispatcher("gather")
 class GatherDispatcher(Dispatcher):
     reduces_partial_sums = True
+    graph_safe = True  # shapes come from the step only
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

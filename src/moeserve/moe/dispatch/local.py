@@ -18,6 +18,7 @@ class LocalHandle:
 @register_dispatcher("local")
 class LocalDispatcher(Dispatcher):
     reduces_partial_sums = True
+    graph_safe = True  # shapes come from the step only
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,4 +1,11 @@
-"""The reference expert runner: plain torch, CPU or GPU, one GEMM pair per local expert.
+"""The reference expert runner: plain torch, CPU or GPU.
+
+On the CPU: one GEMM pair per local expert that some row uses (the rows of each expert are
+found on the host). On a GPU, where a CUDA graph must capture it, it never synchronises with
+the host: every local expert runs on every row and a [N, E] weight matrix (zero where a row does
+not use the expert) combines the results. That reads every expert's weights: a reference, not
+a fast path (the grouped_mm and triton runners are). Forwards whose intermediates would be too
+large (big prefills) take the host-driven loop, outside any graph.
 
 It allocates its intermediates per call (sized by the step, which the runtime guard bounded
 by the plan); the fast GPU runners work in the plan's `moe.runner.*` buffers instead.
@@ -13,10 +20,43 @@ import torch.nn.functional as F
 from moeserve.moe.experts.base import Experts, register_experts
 
 
+# above this many elements of [E_local, N, 2I + H] intermediates an eager GPU forward takes the
+# host-driven loop instead of the dense path (a captured forward is always dense)
+DENSE_MAX_ELEMENTS = 1 << 28
+
+
 @register_experts("reference")
 class ReferenceExperts(Experts):
+    graph_safe = True  # a captured forward takes the dense path: no host synchronisation
+
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        if x_NH.is_cuda:
+            size = self.num_local * x_NH.shape[0] * (2 * self.i_local + self.hidden)
+            if size <= DENSE_MAX_ELEMENTS or torch.cuda.is_current_stream_capturing():
+                return self.forward_dense(x_NH, topk_ids_NK, topk_weights_NK)
+        return self.forward_loop(x_NH, topk_ids_NK, topk_weights_NK)
+
+    def _local_ids(self, topk_ids_NK: torch.Tensor) -> torch.Tensor:
+        """Local expert of each entry; num_local (one past the last) for -1 and other ranks'."""
+        local_NK = topk_ids_NK.long() - self.first_expert
+        own = (topk_ids_NK >= 0) & (local_NK >= 0) & (local_NK < self.num_local)
+        return torch.where(own, local_NK, self.num_local)
+
+    def forward_dense(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
+                      topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every row, combined with a [N, E] weight matrix that is zero
+        where a row does not use the expert."""
+        n, e = x_NH.shape[0], self.num_local
+        comb_NE = torch.zeros(n, e + 1, dtype=torch.float32, device=x_NH.device)
+        comb_NE.scatter_add_(1, self._local_ids(topk_ids_NK), topk_weights_NK.float())
+        gate_up_ENI = torch.matmul(x_NH.unsqueeze(0), self.w13.transpose(1, 2))
+        h_ENI = self.act(gate_up_ENI[..., : self.i_local]) * gate_up_ENI[..., self.i_local:]
+        y_ENH = torch.matmul(h_ENI, self.w2.transpose(1, 2))
+        return torch.einsum("ne,enh->nh", comb_NE[:, :e], y_ENH.float()).to(x_NH.dtype)
+
+    def forward_loop(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
+                     topk_weights_NK: torch.Tensor) -> torch.Tensor:
         row, k, expert = self.local_pairs(topk_ids_NK)
         out_NH = torch.zeros(x_NH.shape[0], self.hidden, dtype=torch.float32,
                              device=x_NH.device)

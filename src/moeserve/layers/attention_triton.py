@@ -1,0 +1,142 @@
+"""The "triton" attention backend: paged GQA attention on the GPU (kernels in
+attention_kernels.py, imported on first use so that CPU-only installs never import Triton).
+
+Why own Triton kernels rather than SDPA or FlexAttention: the keys of a request are scattered
+over the pool's slots. SDPA needs them contiguous, i.e. a gather copy of every request's K/V
+per layer and step (the decode step would move the KV bytes three times instead of once, and
+the padded [B, S_max] copy needs the max length on the host: a sync, no graph). FlexAttention
+reads paged K/V only through a block mask rebuilt from the lengths every step, and compiles
+per shape. The kernels here read each K/V row once, straight through req_to_token, take every
+length from device tensors, and launch a grid fixed by the batch size: decode is
+graph-capturable as it is.
+
+Per-step metadata (query offsets of an extend, the split buffers of a decode) is computed once
+per ForwardBatch and shared by the layers (the backend is one object for the whole model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+import torch
+
+from moeserve.layers.attention import AttentionBackend, register_attention_backend
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from moeserve.layers.attention import PagedAttention
+
+NO_WINDOW = 1 << 30
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+DECODE_BLOCK_N = 64
+EXTEND_BLOCK_M = 64
+EXTEND_BLOCK_N = 64
+
+
+def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
+    """Splits of each request's keys: enough programs to fill the GPU twice over, from the
+    batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device)."""
+    want = -(-2 * num_sms // max(1, batch_size * kv_heads))
+    return max(1, min(MAX_SPLITS, want))
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+class _StepMeta:
+    """What every layer of one forward shares."""
+
+    def __init__(self, fb: ForwardBatch, q: torch.Tensor, num_kv_heads: int, num_sms: int):
+        self.fb = fb
+        dev = q.device
+        if fb.mode is ForwardMode.DECODE:
+            bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
+            self.splits = decode_num_splits(bs, num_kv_heads, num_sms)
+            self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32, device=dev)
+            self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32, device=dev)
+        else:
+            lens = fb.extend_seq_lens_cpu
+            starts = [0]
+            for e in lens[:-1]:
+                starts.append(starts[-1] + e)
+            self.q_starts = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
+            self.max_extend = max(lens, default=0)
+
+
+@register_attention_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    graph_capturable: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._meta: Optional[_StepMeta] = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _step_meta(self, q: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
+                   ) -> _StepMeta:
+        if self._meta is None or self._meta.fb is not fb:
+            dev = q.device
+            if dev not in self._num_sms:  # (a CPU device: Triton's interpreter, in tests)
+                self._num_sms[dev] = (torch.cuda.get_device_properties(dev).multi_processor_count
+                                      if dev.type == "cuda" else 8)
+            self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._num_sms[dev])
+        return self._meta
+
+    def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
+                fb: ForwardBatch) -> torch.Tensor:
+        from moeserve.layers import attention_kernels as K
+
+        out_TND = torch.empty_like(q_TND)
+        t, n, d = q_TND.shape
+        if fb.mode is ForwardMode.IDLE or t == 0:
+            return out_TND
+        if q_TND.stride(-1) != 1:
+            q_TND = q_TND.contiguous()
+        if n % layer.num_kv_heads:
+            raise ValueError(f"{n} query heads do not group over {layer.num_kv_heads} KV heads")
+        meta = self._step_meta(q_TND, layer, fb)
+        k_cache = fb.kv_pool.k_cache(layer.layer_id)
+        v_cache = fb.kv_pool.v_cache(layer.layer_id)
+        table = fb.req_to_token
+        group = n // layer.num_kv_heads
+        block_d = _pow2(d)
+        window = layer.sliding_window or NO_WINDOW
+        scale = layer.scaling * LOG2E
+        ieee = k_cache.dtype == torch.float32
+        if fb.mode is ForwardMode.DECODE:
+            bs = fb.batch_size
+            assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
+            po, pl = meta.part_o, meta.part_lse
+            K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
+                q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
+                q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
+                v_cache.stride(0), v_cache.stride(1), table.stride(0),
+                po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+                scale, window, meta.splits,
+                GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
+                BLOCK_N=DECODE_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2)
+            K.decode_combine_kernel[(bs, n)](
+                po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(MAX_SPLITS, 2), num_warps=4)
+            return out_TND
+        if meta.max_extend == 0:
+            return out_TND
+        grid = (fb.batch_size, n, math.ceil(meta.max_extend / EXTEND_BLOCK_M))
+        K.extend_kernel[grid](
+            q_TND, k_cache, v_cache, out_TND, table, fb.req_pool_indices,
+            fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts,
+            q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), table.stride(0),
+            out_TND.stride(0), out_TND.stride(1), scale, window,
+            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=EXTEND_BLOCK_M,
+            BLOCK_N=EXTEND_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2)
+        return out_TND
+
+
+def describe() -> dict[str, Any]:
+    """Tile constants, for benchmark reports."""
+    return {"decode_block_n": DECODE_BLOCK_N, "max_splits": MAX_SPLITS,
+            "extend_block_m": EXTEND_BLOCK_M, "extend_block_n": EXTEND_BLOCK_N}

@@ -1,0 +1,214 @@
+"""Small fused Triton kernels for the GPU decode path (imported only on CUDA, through
+layers/fast_path.py): one launch where the torch formulation takes five to fifteen.
+
+  rms_norm         RMSNorm over the last dim of [R, D] or [T, N, D] rows (strided views of a
+                   fused projection are read in place); fp32 statistics, as transformers
+  rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
+                   from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
+                   Qwen3's per-head q/k RMSNorm before it when given its weights
+  store_kv         the new tokens' K and V into their KV-cache slots in one launch
+  topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
+                   renormalisation, scaling, rounding of the weights to the model dtype,
+                   ids -1 / weights 0 for padding rows
+
+A decode step of a 48-layer model launches each of them 48 to 192 times; at batch 1 the
+launches, not the bytes, are the cost, and a CUDA graph only removes their host side.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, stride_xa, stride_xb, nb, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    a = (row // nb).to(tl.int64)
+    b = row % nb
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(X + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / D
+    y = (x * tl.rsqrt(var + eps)).to(X.dtype.element_ty)  # normalised in the input dtype,
+    w = tl.load(W + offs, mask=mask, other=0.0)  # then times the weight (transformers' order)
+    out = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * D + offs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (2 or 3 dims, last dim contiguous) -> a contiguous tensor."""
+    d = x.shape[-1]
+    if x.dim() == 2:
+        nb, stride_b = 1, 0
+    else:
+        assert x.dim() == 3
+        nb, stride_b = x.shape[1], x.stride(1)
+    assert x.stride(-1) == 1 and weight.shape == (d,)
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    rows = x.shape[0] * nb
+    if rows:
+        block = _pow2(d)
+        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), stride_b, nb, d, eps,
+                                  BLOCK_D=block, num_warps=max(1, min(8, block // 256)))
+    return out
+
+
+@triton.jit
+def _rope_heads(X, Out, W, t, stride_t, stride_h, n, c, s, eps, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_NORM: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_f = tl.arange(0, BLOCK_F)
+    mask = (offs_h[:, None] < n) & (offs_f[None, :] < HALF)
+    src = X + t * stride_t + offs_h[:, None] * stride_h + offs_f[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # per-head RMSNorm first (Qwen3's q/k norm), rounded as the torch module
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(W + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + offs_f, mask=offs_f < HALF, other=0.0).to(tl.float32)
+        y1 = (x1 * r[:, None]).to(Out.dtype.element_ty).to(tl.float32)
+        y2 = (x2 * r[:, None]).to(Out.dtype.element_ty).to(tl.float32)
+        x1 = (w1[None, :] * y1).to(Out.dtype.element_ty).to(tl.float32)
+        x2 = (w2[None, :] * y2).to(Out.dtype.element_ty).to(tl.float32)
+    dst = Out + (t * n + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
+    tl.store(dst, (x1 * c[None, :] - x2 * s[None, :]).to(Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c[None, :] + x1 * s[None, :]).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, stride_qt, stride_qh, stride_kt,
+                 stride_kh, nq, nk, factor, eps, HALF: tl.constexpr, BLOCK_F: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_f = tl.arange(0, BLOCK_F)
+    inv = tl.load(InvFreq + offs_f, mask=offs_f < HALF, other=0.0)
+    angle = tl.load(Pos + t).to(tl.float32) * inv
+    # cos/sin rounded to the activations' dtype, as the torch path multiplies in that dtype
+    c = (tl.cos(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
+    s = (tl.sin(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
+    _rope_heads(Q, QO, QW, t, stride_qt, stride_qh, nq, c, s, eps, HALF, BLOCK_Q, BLOCK_F,
+                HAS_NORM)
+    _rope_heads(K, KO, KW, t, stride_kt, stride_kh, nk, c, s, eps, HALF, BLOCK_K, BLOCK_F,
+                HAS_NORM)
+
+
+def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
+           inv_freq: torch.Tensor, factor: float, q_norm_w: Optional[torch.Tensor] = None,
+           k_norm_w: Optional[torch.Tensor] = None, eps: float = 0.0
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope of q and k at positions (neox halves), after a per-head RMSNorm of each when
+    their weights are given; returns new contiguous tensors."""
+    t, nq, d = q_TND.shape
+    nk = k_TKD.shape[1]
+    half = inv_freq.shape[0]
+    assert d == 2 * half and k_TKD.shape[2] == d
+    assert q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1 and q_TND.dtype == k_TKD.dtype
+    has_norm = q_norm_w is not None
+    assert has_norm == (k_norm_w is not None)
+    qo, ko = torch.empty(q_TND.shape, dtype=q_TND.dtype, device=q_TND.device), \
+        torch.empty(k_TKD.shape, dtype=k_TKD.dtype, device=k_TKD.device)
+    if t:
+        _rope_kernel[(t,)](positions_T, inv_freq, q_TND, k_TKD, qo, ko,
+                           q_norm_w if has_norm else inv_freq, k_norm_w if has_norm else inv_freq,
+                           q_TND.stride(0), q_TND.stride(1), k_TKD.stride(0), k_TKD.stride(1),
+                           nq, nk, factor, eps, HALF=half, BLOCK_F=_pow2(half),
+                           BLOCK_Q=_pow2(nq), BLOCK_K=_pow2(nk), HAS_NORM=has_norm,
+                           num_warps=4)
+    return qo, ko
+
+
+@triton.jit
+def _store_kv_kernel(Loc, K, V, Cache, stride_kt, stride_vt, stride_cs, v_offset,
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    k = tl.load(K + t * stride_kt + offs, mask=mask)
+    v = tl.load(V + t * stride_vt + offs, mask=mask)
+    tl.store(Cache + slot * stride_cs + offs, k.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(Cache + v_offset + slot * stride_cs + offs, v.to(Cache.dtype.element_ty),
+             mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
+             k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> bool:
+    """k_cache[loc] = k, v_cache[loc] = v in one launch; the caches are [S, K, D] views of
+    one buffer. False (nothing written) when the layout does not fit."""
+    if k_TKD.dim() != 3 or v_TKD.shape != k_TKD.shape or k_cache.dim() != 3:
+        return False
+    t, heads, d = k_TKD.shape
+    width = heads * d
+
+    def rows_contiguous(x: torch.Tensor) -> bool:  # each row's [K, D] is one run
+        return x.stride(2) == 1 and (heads == 1 or x.stride(1) == d)
+
+    ok = (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+          and rows_contiguous(k_TKD) and rows_contiguous(v_TKD)
+          and k_cache.shape[1] * k_cache.shape[2] == width
+          and (v_cache.data_ptr() - k_cache.data_ptr()) % k_cache.element_size() == 0)
+    if not ok:
+        return False
+    if t:
+        v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
+        _store_kv_kernel[(t,)](loc_T, k_TKD, v_TKD, k_cache, k_TKD.stride(0), v_TKD.stride(0),
+                               k_cache.stride(0), v_offset, WIDTH=width, BLOCK=_pow2(width),
+                               num_warps=4)
+    return True
+
+
+@triton.jit
+def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, E, num_valid, scale,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         ROUND_F16: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(Logits + row.to(tl.int64) * stride_l + offs, mask=offs < E,
+                other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    ws = tl.zeros([BLOCK_K], tl.float32)
+    work = tl.where(offs < E, p, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(work, 0)
+        ids = tl.where(offs_k == j, best, ids)
+        ws = tl.where(offs_k == j, tl.max(work, 0), ws)
+        work = tl.where(offs == best, -1.0, work)
+    if RENORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    ws = ws * scale
+    if ROUND_BF16:
+        ws = ws.to(tl.bfloat16).to(tl.float32)
+    if ROUND_F16:
+        ws = ws.to(tl.float16).to(tl.float32)
+    pad = row >= num_valid
+    kmask = offs_k < TOP_K
+    tl.store(Ids + row * TOP_K + offs_k, tl.where(pad, -1, ids), mask=kmask)
+    tl.store(Weights + row * TOP_K + offs_k, tl.where(pad, 0.0, ws), mask=kmask)
+
+
+def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                 num_valid: int, round_to: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router."""
+    m, e = logits_ME.shape
+    assert logits_ME.stride(-1) == 1
+    ids = torch.empty(m, top_k, dtype=torch.int32, device=logits_ME.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=logits_ME.device)
+    if m:
+        _topk_softmax_kernel[(m,)](logits_ME, ids, weights, logits_ME.stride(0), e, num_valid,
+                                   scale, TOP_K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
+                                   RENORM=renormalize, ROUND_BF16=round_to == torch.bfloat16,
+                                   ROUND_F16=round_to == torch.float16, num_warps=1)
+    return ids, weights
