@@ -154,10 +154,23 @@ class Engine:
             self._inbox.put(Message("shutdown"))
         if self._thread is not None:
             self._thread.join(timeout=30)
+            self._release_device_memory()
         for p in self._procs:
             p.join(timeout=30)
         self._kill()
         self._fail_all("the engine was shut down")
+
+    @staticmethod
+    def _release_device_memory() -> None:
+        """An in-process rank's tensors die with its thread; hand the allocator's cached blocks
+        back too, so that the next engine (or another process) on this GPU can have them."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _kill(self) -> None:
         for p in self._procs:
