@@ -41,7 +41,8 @@ def engine_flags(**kw) -> dict:
                 mem_fraction_static=0.85, **kw)
 
 
-def correctness(n: int, model: str = MODEL, num_prompts: int = 8, new_tokens: int = 16) -> dict:
+def correctness(n: int, model: str = MODEL, num_prompts: int = 8, new_tokens: int = 16,
+                **extra) -> dict:
     from moeserve.runtime.engine import Engine
 
     prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(16 + 4 * i)]
@@ -51,7 +52,7 @@ def correctness(n: int, model: str = MODEL, num_prompts: int = 8, new_tokens: in
     # the one-GPU engine runs in this process: run it last, so no other engine waits for the
     # memory it hands back
     for name, kw in reversed(list(layouts(n).items())):
-        with Engine(model, **engine_flags(**kw)) as e:
+        with Engine(model, **{**engine_flags(**kw), **extra}) as e:
             tokens[name] = [r["token_ids"] for r in e.generate(input_ids=prompts,
                                                                sampling_params=params)]
         del e
@@ -198,6 +199,11 @@ def main() -> None:
              "correct": lambda: correctness(args.gpus),
              # DeepSeek-V2-Lite runs the portable torch MLA backend (no GPU kernel yet): short
              "correct_v2lite": lambda: correctness(args.gpus, "preset:deepseek-v2-lite", 4, 8),
+             # fp32 with the portable backends: no bf16 near-ties, so tokens should agree exactly
+             **{f"correct_fp32_{m}": (lambda m=m: correctness(
+                 args.gpus, f"preset:{m}", 4, 12, dtype="float32", attention_backend="torch",
+                 moe_runner_backend="reference", disable_cuda_graph=True))
+                for m in ("olmoe-1b-7b", "qwen1.5-moe-a2.7b")},
              "bench": lambda: bench(args.gpus, [int(c) for c in args.concurrency.split(",")])}
     for name, run in steps.items():
         if name not in parts:
