@@ -47,7 +47,7 @@ class KVManager:
         req.kv_len = req.cached_len = 0
         if self.radix is not None:
             # at least the last token is computed again: its logits pick the next token
-            match = self.radix.match_prefix(req.all_ids[:req.seq_len - 1])
+            match = self.radix.match_prefix(req.ids(0, req.seq_len - 1))
             if match.slots.numel():
                 self.radix.lock(match.last_node)
                 req.prefix_node = match.last_node
@@ -79,7 +79,7 @@ class KVManager:
         own_from = req.cached_len
         if self.radix is not None and cache and req.kv_len:
             aligned = req.kv_len // self.page_size * self.page_size
-            self.radix.insert(req.all_ids[:aligned], slots[:aligned])
+            self.radix.insert(req.ids(0, aligned), slots[:aligned])
             own_from = aligned
         if own_from < req.kv_len:
             self.kv_pool.free(slots[own_from:])

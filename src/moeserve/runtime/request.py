@@ -80,6 +80,15 @@ class Req:
         chunk of it the case n > 1."""
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode step asks for one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
     @property
     def pending(self) -> int:
         """Tokens without K/V yet."""

@@ -165,7 +165,7 @@ class Scheduler:
     def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int]) -> ScheduledBatch:
         """Requests have reserved their slots already (kv_len moved by `take`)."""
         prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
-        new = [r.all_ids[p:p + t] for r, p, t in zip(reqs, prefix, takes)]
+        new = [r.ids(p, p + t) for r, p, t in zip(reqs, prefix, takes)]
         table = self.kv.req_pool.table
         loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
         samples = [r.kv_len == r.seq_len for r in reqs]
