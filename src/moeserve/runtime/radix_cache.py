@@ -82,20 +82,9 @@ class RadixCache:
     def match_prefix(self, tokens: Tokens) -> MatchResult:
         """The longest cached page-aligned prefix of `tokens`. A match that ends inside a node
         splits it, so that `last_node` ends exactly at the match."""
-        key = self._aligned(tokens)
-        node, pos, values = self.root, 0, []
-        now = next(self._clock)
-        node.last_access = now
-        while pos < len(key):
-            child = node.children.get(key[pos:pos + self.page_size])
-            if child is None:
-                break
-            n = self._match_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            values.append(child.value)
-            node, pos = child, pos + n
+        node, values = self.root, []
+        for node, _, _ in self._walk(self._aligned(tokens)):
+            values.append(node.value)
         slots = torch.cat(values) if values else self._empty()
         return MatchResult(slots, node)
 
@@ -105,26 +94,17 @@ class RadixCache:
             raise ValueError(f"{len(key)} page-aligned tokens but only {len(slots)} slots")
         value = torch.as_tensor(slots, dtype=torch.int64)[:len(key)].to(self.device)
         node, pos, freed = self.root, 0, 0
-        now = next(self._clock)
-        node.last_access = now
-        while pos < len(key):
-            child = node.children.get(key[pos:pos + self.page_size])
-            if child is None:
-                break
-            n = self._match_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
+        for node, start, n in self._walk(key):
             # the tree keeps its own slots; any different slot of ours duplicates it
-            ours = value[pos:pos + n]
-            dup = ours[ours != child.value]
+            ours = value[start:start + n]
+            dup = ours[ours != node.value]
             if dup.numel():
                 self.free_slots(dup)
                 freed += dup.numel()
-            node, pos = child, pos + n
+            pos = start + n
         cached_len = pos
         if pos < len(key):
-            leaf = TreeNode(node, key[pos:], value[pos:].clone(), now)
+            leaf = TreeNode(node, key[pos:], value[pos:].clone(), self.root.last_access)
             node.children[leaf.key[:self.page_size]] = leaf
             self._evictable += len(leaf.key)
             node = leaf
@@ -189,6 +169,23 @@ class RadixCache:
         self._protected = 0
 
     # --- internals -------------------------------------------------------------------------
+    def _walk(self, key: tuple[int, ...]):
+        """Follow `key` down from the root, touching each node's access time and splitting the
+        node where the key leaves it; yields (node, start, length) of every matched node."""
+        node, pos = self.root, 0
+        now = next(self._clock)
+        node.last_access = now
+        while pos < len(key):
+            child = node.children.get(key[pos:pos + self.page_size])
+            if child is None:
+                return
+            n = self._match_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            yield child, pos, n
+            node, pos = child, pos + n
+
     def _aligned(self, tokens: Tokens) -> tuple[int, ...]:
         n = len(tokens) // self.page_size * self.page_size
         return tuple(int(t) for t in tokens[:n])
