@@ -198,7 +198,8 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
         if lay.a2a:
             rec["a2a_capacity"] = handle.capacity
             # slots this rank filled, per peer; and non-empty slots it received
-            rec["a2a_sent"] = torch.bincount(handle.peer_idx_S.cpu(), minlength=lay.ep).tolist()
+            filled = handle.source_S.cpu().view(lay.ep, handle.capacity) < handle.num_tokens
+            rec["a2a_sent"] = filled.sum(dim=1).tolist()
             rec["a2a_received"] = int((tokens.topk_ids_NK >= 0).any(dim=1).sum())
             rec["a2a_ptrs"] = (disp.send_buf.data_ptr(), disp.recv_buf.data_ptr())
         out.append(rec)

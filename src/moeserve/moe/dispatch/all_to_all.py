@@ -32,9 +32,7 @@ from moeserve.parallel.step import StepContext
 class AllToAllHandle:
     num_tokens: int  # M: this rank's rows
     capacity: int  # R: slots per peer in this step
-    token_idx_S: torch.Tensor  # for each slot this rank filled: its row,
-    peer_idx_S: torch.Tensor  # the peer it went to,
-    slot_idx_S: torch.Tensor  # and the slot within that peer's block
+    source_S: torch.Tensor  # [ep * R] int64: the row each slot carries, M for an empty slot
 
 
 @register_dispatcher("all_to_all")
@@ -73,6 +71,9 @@ class AllToAllDispatcher(Dispatcher):
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
                  ) -> tuple[DispatchedTokens, AllToAllHandle]:
+        """No host synchronisation: the slot of every (row, peer) comes from a prefix sum, and
+        the send block is one gather from the packed rows (plus an empty row for unused
+        slots), so the shapes depend only on the plan and R."""
         p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
         if x_MH.dtype != self.dtype:
             raise ValueError(f"the all-to-all workspace was planned for {self.dtype} tokens, "
@@ -80,37 +81,43 @@ class AllToAllDispatcher(Dispatcher):
         if not m <= r <= self.cap:
             raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
                              f"{r} (cap {self.cap}): pass the rows the step describes")
+        dev = x_MH.device
         valid = topk_ids_MK >= 0
         dest_MK = torch.where(valid, topk_ids_MK.long() // self.experts_per_rank, p)
-        goes_MP = torch.zeros(m, p + 1, dtype=torch.bool, device=x_MH.device)
+        goes_MP = torch.zeros(m, p + 1, dtype=torch.bool, device=dev)
         goes_MP = goes_MP.scatter_(1, dest_MK, True)[:, :p]  # column p collects the -1 ids
         slot_MP = goes_MP.long().cumsum(dim=0) - 1
-        token_idx, peer_idx = goes_MP.nonzero(as_tuple=True)
-        slot_idx = slot_MP[token_idx, peer_idx]
+        peers = torch.arange(p, device=dev)
+        flat_MP = torch.where(goes_MP, peers[None, :] * r + slot_MP, p * r)  # p*r: discarded
+        source = torch.full((p * r + 1,), m, dtype=torch.long, device=dev)
+        rows = torch.arange(m, device=dev)[:, None].expand(m, p)
+        source.scatter_(0, flat_MP.reshape(-1), rows.reshape(-1))
+        source_S = source[: p * r]
 
+        packed = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)
+        empty = torch.zeros(1, self.payload, dtype=torch.uint8, device=dev)
         hb = self.hidden * self.dtype.itemsize
+        empty[:, hb: hb + 4 * self.top_k] = 0xFF  # ids -1: the receiving experts skip it
         send = self._block(self.send_buf, r, self.payload)
-        send[:, :, hb: hb + 4 * self.top_k].fill_(0xFF)  # ids of every slot = -1 (empty)
-        if token_idx.numel():
-            send[peer_idx, slot_idx] = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)[token_idx]
+        torch.index_select(torch.cat([packed, empty]), 0, source_S,
+                           out=send.view(p * r, self.payload))
         recv = self._block(self.recv_buf, r, self.payload)
         all_to_all_fixed(recv, send, self.axis)
         tokens = unpack_tokens(recv.view(p * r, self.payload), self.hidden, self.top_k,
                                self.dtype)
-        return tokens, AllToAllHandle(num_tokens=m, capacity=r, token_idx_S=token_idx,
-                                      peer_idx_S=peer_idx, slot_idx_S=slot_idx)
+        return tokens, AllToAllHandle(num_tokens=m, capacity=r, source_S=source_S)
 
     def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        p, r = self.axis.size, handle.capacity
+        p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
         hb = self.hidden * self.dtype.itemsize
         send = self._block(self.send_buf, r, hb)
         send.copy_(y_NH.contiguous().view(torch.uint8).view(p, r, hb))
         recv = self._block(self.recv_buf, r, hb)
         all_to_all_fixed(recv, send, self.axis)
-        back_PRH = recv.view(self.dtype)
-        out_MH = torch.zeros(handle.num_tokens, self.hidden, dtype=torch.float32,
-                             device=y_NH.device)
-        out_MH.index_add_(0, handle.token_idx_S,
-                          back_PRH[handle.peer_idx_S, handle.slot_idx_S].float())
-        return out_MH.to(self.dtype)
+        back_SH = recv.view(self.dtype).view(p * r, self.hidden)
+        # a token's results from every peer it visited, summed in its own row; empty slots
+        # land in the extra row m
+        out_MH = torch.zeros(m + 1, self.hidden, dtype=torch.float32, device=y_NH.device)
+        out_MH.index_add_(0, handle.source_S, back_SH.float())
+        return out_MH[:m].to(self.dtype)
