@@ -38,6 +38,7 @@ class AllToAllHandle:
 @register_dispatcher("all_to_all")
 class AllToAllDispatcher(Dispatcher):
     reduces_partial_sums = False
+    graph_safe = True  # no host synchronisation: shapes from the plan and R only
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
