@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from moeserve.models.loader import WeightLoadError, load_weights
 from moeserve.models.registry import build_model, model_class
-from moeserve.models.spec import ModelSpecError, load_model_spec, spec_from_hf_config
+from moeserve.models.spec import ModelSpecError, load_model_spec
 from moeserve.parallel.groups import single_process_state
 from moeserve.plan.capacity import build_plan
 from moeserve.runtime.forward_batch import ForwardMode
