@@ -14,6 +14,7 @@ Both are sized from the capacity plan ("kv_cache" and "req_to_token" records), n
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -42,8 +43,10 @@ class PagedKVPool:
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
         self.device = torch.device(device)
-        # free pages, lowest first; page 0 (with the dummy slot) is never handed out
-        self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+        # free pages as a min-heap (lowest first, O(log n) per page) with a flag per page for
+        # the double-free check; page 0 (with the dummy slot) is never handed out
+        self._free_pages: list[int] = list(range(1, self.num_pages))
+        self._is_free = bytearray([0]) + bytearray([1]) * (self.num_pages - 1)
 
     # --- allocation ---------------------------------------------------------------------------
     @property
@@ -53,7 +56,10 @@ class PagedKVPool:
     def _take_pages(self, n: int) -> Optional[list[int]]:
         if n > len(self._free_pages):
             return None
-        return [self._free_pages.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free_pages) for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = 0
+        return pages
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         """n slots for a new request: whole fresh pages, filled from their start. None when
@@ -63,6 +69,12 @@ class PagedKVPool:
     def alloc_after(self, last_slot: Optional[int], n: int) -> Optional[torch.Tensor]:
         """n slots continuing a request whose last cached token sits in `last_slot` (None for
         a new request): first the rest of that slot's page, then fresh pages."""
+        slots = self.alloc_slots(last_slot, n)
+        return None if slots is None else torch.tensor(slots, dtype=torch.int64,
+                                                       device=self.device)
+
+    def alloc_slots(self, last_slot: Optional[int], n: int) -> Optional[list[int]]:
+        """alloc_after as a list of ints (no tensor: the scheduler's per-step path)."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         slots: list[int] = []
@@ -75,18 +87,18 @@ class PagedKVPool:
             return None
         for p in pages:
             slots.extend(range(p * self.page_size, (p + 1) * self.page_size))
-        return torch.tensor(slots[:n], dtype=torch.int64, device=self.device)
+        return slots[:n]
 
     def free(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Give back every page that holds one of `slots` (a request frees all its slots at
         once). The dummy page is never freed."""
         slots_t = torch.as_tensor(slots, dtype=torch.int64).cpu()
         pages = set((slots_t // self.page_size).tolist()) - {DUMMY_SLOT // self.page_size}
-        free = set(self._free_pages)
-        double = pages & free
+        double = [p for p in pages if self._is_free[p]]
         assert not double, f"pages {sorted(double)} freed twice"
-        self._free_pages.extend(pages)
-        self._free_pages.sort(reverse=True)
+        for p in pages:
+            self._is_free[p] = 1
+            heapq.heappush(self._free_pages, p)
 
 
 class KVCachePool(PagedKVPool):
@@ -188,7 +200,8 @@ class ReqToTokenPool:
             raise ValueError(f"the request table needs at least 2 rows (one is the dummy), "
                              f"got {rows}")
         self.table = torch.zeros(rows, context_length, dtype=torch.int32, device=device)
-        self._free_rows = list(range(rows - 1, DUMMY_REQ_ROW, -1))
+        self._free_rows = list(range(rows - 1, DUMMY_REQ_ROW, -1))  # a stack: lowest on top
+        self._free_set = set(self._free_rows)
 
     @classmethod
     def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu"
@@ -201,12 +214,24 @@ class ReqToTokenPool:
         return len(self._free_rows)
 
     def alloc(self) -> Optional[int]:
-        return self._free_rows.pop() if self._free_rows else None
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self._free_set.discard(row)
+        return row
 
     def free(self, row: int) -> None:
-        assert row != DUMMY_REQ_ROW and row not in self._free_rows, f"bad free of row {row}"
+        assert row != DUMMY_REQ_ROW and row not in self._free_set, f"bad free of row {row}"
         self._free_rows.append(row)
-        self._free_rows.sort(reverse=True)
+        self._free_set.add(row)
+
+    def write_many(self, rows: Sequence[int], positions: Sequence[int],
+                   slots: Sequence[int]) -> None:
+        """One slot per (row, position), in one indexed write (a decode step)."""
+        idx = (torch.tensor(rows, dtype=torch.int64, device=self.table.device),
+               torch.tensor(positions, dtype=torch.int64, device=self.table.device))
+        self.table.index_put_(idx, torch.tensor(slots, dtype=self.table.dtype,
+                                                device=self.table.device))
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + len(slots)] = slots.to(self.table.dtype)

@@ -45,6 +45,7 @@ class KVManager:
             return False
         req.row = row
         req.kv_len = req.cached_len = 0
+        req.last_slot = None
         if self.radix is not None:
             # at least the last token is computed again: its logits pick the next token
             match = self.radix.match_prefix(req.ids(0, req.seq_len - 1))
@@ -53,21 +54,47 @@ class KVManager:
                 req.prefix_node = match.last_node
                 self.req_pool.write(row, 0, match.slots)
                 req.kv_len = req.cached_len = int(match.slots.numel())
+                req.last_slot = int(match.slots[-1])
         return True
 
     def reserve(self, req: Req, n: int) -> Optional[torch.Tensor]:
         """Slots for the next `n` tokens of `req` (positions kv_len.. kv_len+n), recorded in its
         row; the prefix cache gives up LRU entries if the pool is short. None if they don't fit."""
-        assert req.row is not None and n >= 1
-        last = int(self.req_pool.table[req.row, req.kv_len - 1]) if req.kv_len else None
-        slots = self.kv_pool.alloc_after(last, n)
-        if slots is None and self.radix is not None:
-            self.radix.evict(n + self.page_size)
-            slots = self.kv_pool.alloc_after(last, n)
+        slots = self._take(req, n)
         if slots is None:
             return None
-        self.req_pool.write(req.row, req.kv_len, slots)
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.kv_pool.device)
+        self.req_pool.write(req.row, req.kv_len - n, slots_t)
+        return slots_t
+
+    def reserve_one_each(self, reqs: list[Req]) -> tuple[list[Req], list[int]]:
+        """One slot for the next token of each request (a decode step), recorded in the
+        request table in one write. Returns the requests that got one, and their slots."""
+        got, slots, rows, positions = [], [], [], []
+        for req in reqs:
+            one = self._take(req, 1)
+            if one is None:
+                continue
+            got.append(req)
+            slots.append(one[0])
+            rows.append(req.row)
+            positions.append(req.kv_len - 1)
+        if got:
+            self.req_pool.write_many(rows, positions, slots)
+        return got, slots
+
+    def _take(self, req: Req, n: int) -> Optional[list[int]]:
+        """Allocate n slots after req's last one (evicting from the prefix cache if the pool
+        is short) and advance kv_len; the caller records them in the table."""
+        assert req.row is not None and n >= 1
+        slots = self.kv_pool.alloc_slots(req.last_slot, n)
+        if slots is None and self.radix is not None:
+            self.radix.evict(n + self.page_size)
+            slots = self.kv_pool.alloc_slots(req.last_slot, n)
+        if slots is None:
+            return None
         req.kv_len += n
+        req.last_slot = slots[-1]
         return slots
 
     def release(self, req: Req, cache: bool = True) -> None:
@@ -87,3 +114,4 @@ class KVManager:
             self.radix.unlock(req.prefix_node)
         self.req_pool.free(req.row)
         req.row, req.prefix_node, req.kv_len, req.cached_len = None, None, 0, 0
+        req.last_slot = None

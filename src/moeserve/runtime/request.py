@@ -64,6 +64,7 @@ class Req:
         self.row: Optional[int] = None
         self.kv_len = 0
         self.cached_len = 0
+        self.last_slot: Optional[int] = None  # slot of position kv_len - 1 (host copy)
         self.prefix_node: Any = None
         self.finish: Optional[Finish] = None
         self.prompt_cached_tokens = 0  # prompt tokens served from the prefix cache, first run

@@ -145,29 +145,31 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        reqs = []
-        for req in list(self.running):
-            if self.kv.reserve(req, 1) is None:
-                self.running.remove(req)
-                self.rejected.append(self._finish(req, Finish("error"), error=(
-                    "the KV cache is full even after preempting every other request; raise "
-                    "--max-total-tokens / --mem-fraction-static or lower max_new_tokens")))
-                continue
-            reqs.append(req)
+        reqs, slots = self.kv.reserve_one_each(list(self.running))
+        got = set(reqs)
+        for req in [r for r in self.running if r not in got]:
+            self.running.remove(req)
+            self.rejected.append(self._finish(req, Finish("error"), error=(
+                "the KV cache is full even after preempting every other request; raise "
+                "--max-total-tokens / --mem-fraction-static or lower max_new_tokens")))
         if not reqs:
             return None
-        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+        loc = torch.tensor(slots, dtype=torch.int64, device=self.kv.kv_pool.device)
+        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), loc)
 
     def _page_slack(self) -> int:
         # with pages, each request may need a fresh page for its next token
         return 0 if self.kv.page_size == 1 else len(self.running) * (self.kv.page_size - 1)
 
-    def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int]) -> ScheduledBatch:
-        """Requests have reserved their slots already (kv_len moved by `take`)."""
+    def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int],
+               loc: Optional[torch.Tensor] = None) -> ScheduledBatch:
+        """Requests have reserved their slots already (kv_len moved by `take`); `loc` are
+        those slots in batch order when the caller has them at hand."""
         prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
         new = [r.ids(p, p + t) for r, p, t in zip(reqs, prefix, takes)]
-        table = self.kv.req_pool.table
-        loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
+        if loc is None:
+            table = self.kv.req_pool.table
+            loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
         samples = [r.kv_len == r.seq_len for r in reqs]
         return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples)
 
