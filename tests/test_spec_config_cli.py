@@ -166,7 +166,14 @@ def test_deepseek_v3_on_8x80gb_shows_plan_then_error_and_exits_nonzero():
     assert proc.returncode == 1
     out = proc.stdout
     assert "a2a.recv" in out and "kv_cache" in out and "decode graph batch sizes" in out
-    assert "do not fit" in out and re.search(r"--tp (\d+) --ep \1 --dp \1 ", out)
+    m = re.search(r"--tp (\d+) --ep (\d+) --dp (\d+) ", out)
+    assert "do not fit" in out and m and m[1] == m[2]
+    # the suggested layout really fits
+    from moeserve.plan.capacity import build_plan as plan_of
+    suggested = plan_of(EngineConfig(
+        model="preset:deepseek-v3", tp_size=int(m[1]), ep_size=int(m[2]), dp_size=int(m[3]),
+        enable_dp_attention=True, moe_a2a_backend="all_to_all", gpu_memory_gb=80))
+    assert not any("do not fit" in e.message for e in suggested.errors)
     assert out.index("static buffers per rank") < out.index("error(s)")
 
 

@@ -210,22 +210,27 @@ def _memory(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout, budget: 
 
 
 def _what_fits(cfg: EngineConfig, spec: ModelSpec, need_gpu_bytes: float) -> str:
-    """A layout that fits: scale tp (and ep, dp with it) until the plan has no memory error."""
+    """A layout that fits: more ranks (tp, and ep with it where ep = tp), either with dp scaled
+    alike or with dp kept (bigger attention-TP groups split attention's weights); the first,
+    fewest-GPU one whose plan has no memory error."""
     options = [f"GPUs with at least {need_gpu_bytes / GB:.0f} GB each (--gpu-memory-gb)"]
     for factor in (2, 4, 8, 16):
-        scaled = cfg.replace(tp_size=cfg.tp_size * factor,
-                             ep_size=cfg.ep_size * factor if cfg.ep_size == cfg.tp_size
-                             else cfg.ep_size,
-                             dp_size=cfg.dp_size * factor if cfg.enable_dp_attention
-                             and cfg.dp_size == cfg.tp_size else cfg.dp_size)
-        plan = build_plan(scaled, spec)
-        mem = plan.memory
-        if mem is not None and mem.weights_bytes_per_rank + mem.static_buffer_bytes_per_rank \
-                < mem.static_budget_bytes:
-            flags = f"--tp {scaled.tp_size} --ep {scaled.ep_size}"
-            if cfg.enable_dp_attention:
-                flags += f" --dp {scaled.dp_size}"
-            options.append(f"{flags} ({scaled.tp_size} GPUs of "
-                           f"{mem.gpu_memory_bytes / GB:.0f} GB)")
+        tp = cfg.tp_size * factor
+        ep = cfg.ep_size * factor if cfg.ep_size == cfg.tp_size else cfg.ep_size
+        dps = [cfg.dp_size]
+        if cfg.enable_dp_attention and cfg.dp_size == cfg.tp_size:
+            dps.insert(0, tp)
+        fits = None
+        for dp in dps:
+            plan = build_plan(cfg.replace(tp_size=tp, ep_size=ep, dp_size=dp), spec)
+            mem = plan.memory
+            if mem is not None and mem.weights_bytes_per_rank + \
+                    mem.static_buffer_bytes_per_rank < mem.static_budget_bytes:
+                fits = (dp, mem)
+                break
+        if fits is not None:
+            dp, mem = fits
+            flags = f"--tp {tp} --ep {ep}" + (f" --dp {dp}" if cfg.enable_dp_attention else "")
+            options.append(f"{flags} ({tp} GPUs of {mem.gpu_memory_bytes / GB:.0f} GB)")
             break
     return "use " + ", or ".join(options)
