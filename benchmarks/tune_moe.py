@@ -9,6 +9,11 @@ per used expert, every gate_up candidate and every down candidate timed alone (m
 triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
 the BLOCK_M whose best pair is fastest wins. Candidates are the same for every shape, so each
 compiles once per run. A size that runs out of --time-budget keeps the defaults.
+
+Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
+alone, as above), then both whole paths (align + GEMMs + top-k sum, against the two GEMV
+launches) are timed as CUDA-graph replays of 4 calls with different routings, and the entry
+gets a "decode" key only when that path is faster.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_common import MODELS, model_spec  # noqa: E402
-from moeserve.moe.kernels.configs import (CONFIG_DIR, GEMM_KEYS,  # noqa: E402
+from moe_common import MODELS, capture, model_spec, time_us  # noqa: E402
+from moeserve.moe.kernels.configs import (CONFIG_DIR, DECODE_KEYS, GEMM_KEYS,  # noqa: E402
                                           config_file_name)
 
 DEVICE = "cuda"
@@ -33,6 +38,9 @@ TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
+DECODE_MAX_TOKENS = 8
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels
+GEMV = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
           (128, 32, 8, 5), (64, 128, 8, 3)]
 
@@ -59,8 +67,16 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
     # gate_up keeps two [BLOCK_M, BLOCK_N] fp32 accumulators, down one: tiles that need more
     # than 128 accumulator registers a thread would spill, so they are left out
     accs = 2 if gemm == "gate_up" else 1
-    return [dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))) for bn, bk, w, s in space
-            for gm in group_ms if accs * block_m * bn <= 128 * 32 * w]
+    tmas = (0,) if block_m <= 32 else (0, 1)  # weights by pointer loads or by TMA (sm90+)
+    return [{**dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))), "TMA": tma}
+            for bn, bk, w, s in space for gm in group_ms for tma in tmas
+            if accs * block_m * bn <= 128 * 32 * w]
+
+
+def gemv_candidates(gemm: str) -> list[dict[str, int]]:
+    accs = 2 if gemm == "gate_up" else 1  # fp32 [BLOCK_N, BLOCK_K] accumulators, <= 64 regs
+    return [dict(zip(DECODE_KEYS, c)) for c in GEMV
+            if accs * c[0] * c[1] <= 64 * 32 * c[2] and c[0] * c[1] >= 32 * 32 * c[2] // 4]
 
 
 def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +122,36 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
               f"{t_down * 1e3:.1f} us {dn}", flush=True)
         if best is None or t_up + t_down < best[0]:
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
+    if n <= DECODE_MAX_TOKENS:
+        return with_decode(n, k, w13, w2, x, ids, weights, best[1])
     return best[1]
+
+
+def with_decode(n: int, k: int, w13, w2, x, ids, weights, cfg: dict) -> dict:
+    """cfg plus the best GEMV tiles when the GEMV path beats cfg's whole path."""
+    from moeserve.moe.kernels.decode_moe import decode_down, decode_gate_up
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    e = w13.shape[0]
+    flat = ids.view(-1)
+    t_up, up = best_of("decode gate_up", lambda c: decode_gate_up(x, w13, flat, k, 0, "silu", c),
+                       gemv_candidates("gate_up"))
+    h_buf = decode_gate_up(x, w13, flat, k, 0, "silu", up)
+    t_down, dn = best_of("decode down",
+                         lambda c: decode_down(h_buf, w2, flat, weights, n, k, 0, c),
+                         gemv_candidates("down"))
+    decode = {**cfg, "decode": {"gate_up": up, "down": dn}}
+    calls = [(torch.randn_like(x), torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices
+              .to(torch.int32), torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    whole = {}
+    for name, c in (("aligned", cfg), ("gemv", decode)):
+        replay = capture(lambda c=c: [fused_experts(xi, w13, w2, ii, wi, 0, "silu", c)
+                                      for xi, ii, wi in calls])
+        whole[name] = time_us(replay) / len(calls)
+    print(f"  N={n} GEMV: gate_up {t_up * 1e3:.1f} us {up}, down {t_down * 1e3:.1f} us {dn}; "
+          f"whole path (graph) aligned {whole['aligned']:.1f} us, GEMV {whole['gemv']:.1f} us",
+          flush=True)
+    return decode if whole["gemv"] < whole["aligned"] else cfg
 
 
 def main() -> None:

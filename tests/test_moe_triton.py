@@ -160,7 +160,19 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
     configs.load_tuned.cache_clear()
     with pytest.raises(ValueError, match="lacks down"):
         get(8)
+    bad = {**configs.default_config(1, 8, 128), "decode": {"gate_up": {"BLOCK_N": 16}}}
+    (tmp_path / name).write_text(json.dumps({"1": bad}))
     configs.load_tuned.cache_clear()
+    with pytest.raises(ValueError, match="decode.gate_up.BLOCK_K"):
+        get(1)
+    configs.load_tuned.cache_clear()
+
+
+def test_default_config_takes_the_gemv_path_only_where_pairs_rarely_share_experts():
+    assert "decode" in configs.default_config(1, 2, 8)  # one row: ids distinct
+    assert "decode" in configs.default_config(2, 8, 128)  # 16 pairs over 128 experts
+    assert "decode" not in configs.default_config(2, 2, 8)  # Mixtral, 2 rows: often shared
+    assert "decode" not in configs.default_config(64, 8, 128)
 
 
 def test_shipped_tile_configs_are_complete():
@@ -202,6 +214,36 @@ for act, (ep, rank), n, h in [("silu", (1, 0), 5, 48), ("gelu", (2, 1), 70, 48),
         ids, w = routing(n, 2, 8, mode, seed=n)
         err = rel_err(tri(x, ids, w), ref(x, ids, w))
         assert err <= 1e-4, (act, ep, n, mode, err)
+# the GEMV decode path (decode_moe.py), forced at any row count; K and N not block multiples
+from moeserve.moe.kernels.fused_moe import fused_experts
+gemv = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4},
+        "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
+for act, (ep, rank), n, h in [("silu", (1, 0), 1, 48), ("gelu", (2, 1), 4, 40),
+                              ("silu", (2, 0), 7, 64)]:
+    spec = make_spec(e=8, k=2, h=h, i=40, act=act)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=5)
+    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=5)
+    for mode in ("uniform", "skewed", "padded"):
+        x = torch.randn(n, spec.hidden_size)
+        ids, w = routing(n, 2, 8, mode, seed=n + 1)
+        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, tri.kernel_act,
+                          {"decode": gemv})
+        err = rel_err(y, ref(x, ids, w))
+        assert err <= 1e-4, ("decode", act, ep, n, mode, err)
+        if mode == "padded":
+            assert (y[-1] == 0).all()  # a row with only -1 ids gets 0
+# the grouped GEMMs with their weights through TMA descriptors
+tma = {"BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2, "TMA": 1}
+for n, (ep, rank), h in [(9, (1, 0), 48), (40, (2, 1), 64)]:
+    spec = make_spec(e=8, k=2, h=h, i=40)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=6)
+    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=6)
+    x = torch.randn(n, spec.hidden_size)
+    ids, w = routing(n, 2, 8, "padded", seed=n)
+    y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
+                      {"BLOCK_M": 16, "gate_up": tma, "down": {**tma, "BLOCK_N": 32}})
+    err = rel_err(y, ref(x, ids, w))
+    assert err <= 1e-4, ("tma", n, ep, err)
 print("interpreter ok")
 """
 
@@ -307,6 +349,29 @@ def test_triton_duplicate_ids_add_up():
     once = fast(x, torch.tensor([[4, -1]], dtype=torch.int32, device="cuda"),
                 torch.tensor([[0.8, 0.1]], device="cuda"))
     assert rel_err(twice, once) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", [(16, 256, 4, 16, 256, 4), (8, 128, 2, 4, 512, 4),
+                                   (32, 64, 8, 32, 128, 8)])
+def test_triton_decode_path_at_any_rows(tiles):
+    """The GEMV kernels (decode_moe.py) with tiles the tuner may pick, forced at row counts
+    where pairs share experts, on an EP rank (ids of the other rank skipped) and with -1s."""
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    spec = make_spec(e=16, k=4, h=328, i=200)
+    fast, ref = _gpu_pair("triton", spec, 2, 1, seed=sum(tiles))
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps")
+    cfg = {"decode": {"gate_up": dict(zip(keys, tiles[:3])), "down": dict(zip(keys, tiles[3:]))}}
+    for n in (1, 2, 5, 33):
+        for mode in ROUTINGS:
+            x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+            ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")
+            y = fused_experts(x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu", cfg)
+            want = ref(x.float(), ids, w)
+            assert rel_err(y, want) <= 1e-2, (n, mode)
+            assert ((want == 0).all(dim=1) <= (y == 0).all(dim=1)).all()
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@
     align_torch.py   moe_align in plain torch (CPU or GPU): the reference of align.py's output
     align.py         moe_align in Triton: (token, k) pairs grouped by local expert, BLOCK_M-aligned
     fused_moe.py     grouped GEMMs: gate_up with act-and-mul fused, down with the top-k weight,
-                     the sum over top-k
+                     the sum over top-k (weight tiles by pointer loads or TMA)
+    decode_moe.py    a few rows: two GEMV launches, no align, the top-k sum in registers
+    act.py           the activations both share
     configs.py       tile configs: tuned JSON in moe/configs/, else defaults (no triton needed)
 
 Only align_torch and configs import without triton; the Triton modules are imported lazily by

@@ -8,7 +8,10 @@ One file per (E_local, H, I_local, dtype, device name), written by benchmarks/tu
 keyed by token count (rows reaching the runner). A step of N rows takes the entry whose key is
 nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
-own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages. Pure Python: no triton import.
+own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
+tiles through a TMA descriptor on sm90+; pointer loads elsewhere). An entry with a "decode" key
+({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the GEMV
+kernels of decode_moe.py instead of align + grouped GEMMs. Pure Python: no triton import.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Optional
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -41,14 +45,27 @@ def _gemm(block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> 
     return dict(zip(GEMM_KEYS, (block_n, block_k, group_m, warps, stages)))
 
 
+def _gemv(block_n: int, block_k: int, warps: int) -> dict[str, int]:
+    return dict(zip(DECODE_KEYS, (block_n, block_k, warps)))
+
+
+def decode_suits(num_tokens: int, top_k: int, num_local: int) -> bool:
+    """The GEMV path without a tuned table: one row (its ids are distinct, so no expert is
+    read twice), or so few pairs that two rarely share an expert (about P / 2E of them do)."""
+    return num_tokens == 1 or num_tokens * top_k * 8 <= num_local
+
+
 def default_config(num_tokens: int, top_k: int, num_local: int) -> dict[str, Any]:
     """By the mean rows per used expert: small tiles that spread the weight stream over many
     programs when few rows share an expert (memory-bound), large MMA tiles when many do."""
     pairs = max(1, num_tokens * top_k)
     rows = pairs / min(num_local, pairs)
     if rows <= 16:
-        return {"BLOCK_M": 16, "gate_up": _gemm(64, 128, 1, 4, 4),
-                "down": _gemm(64, 128, 1, 4, 4)}
+        cfg = {"BLOCK_M": 16, "gate_up": _gemm(64, 128, 1, 4, 4),
+               "down": _gemm(64, 128, 1, 4, 4)}
+        if decode_suits(num_tokens, top_k, num_local):
+            cfg["decode"] = {"gate_up": _gemv(16, 256, 4), "down": _gemv(16, 256, 4)}
+        return cfg
     if rows <= 48:
         return {"BLOCK_M": 32, "gate_up": _gemm(64, 128, 1, 4, 4),
                 "down": _gemm(64, 128, 1, 4, 4)}
@@ -73,6 +90,9 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     missing = [k for k in ("BLOCK_M", "gate_up", "down") if k not in cfg]
     missing += [f"{g}.{k}" for g in ("gate_up", "down") if g in cfg
                 for k in GEMM_KEYS if k not in cfg[g]]
+    if "decode" in cfg:
+        missing += [f"decode.{g}.{k}" for g in ("gate_up", "down")
+                    for k in DECODE_KEYS if k not in cfg["decode"].get(g, {})]
     if missing:
         raise ValueError(f"MoE tile config in {where} lacks {', '.join(missing)}; "
                          "re-run benchmarks/tune_moe.py")

@@ -1,4 +1,5 @@
-"""The fused MoE experts in Triton: align, two grouped GEMMs, the top-k sum (4 launches at decode).
+"""The fused MoE experts in Triton: align, two grouped GEMMs, the top-k sum (4 launches); a
+config with a "decode" entry takes the two GEMV launches of decode_moe.py instead.
 
 Legend: N rows, K top-k, P = N K pairs, E local experts, H hidden, I intermediate (this rank's
 moe_tp shard), B aligned blocks of BLOCK_M rows (align_torch.py).
@@ -19,15 +20,16 @@ the same input gives the same bits.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from moeserve.moe.kernels.act import ACT_CODES, _act
 from moeserve.moe.kernels.align import align_triton
-
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+from moeserve.moe.kernels.decode_moe import decode_experts
 
 
 @triton.jit
@@ -44,22 +46,35 @@ def _tile_ids(num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M):
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr):
-    if ACT == 0:
-        out = g * tl.sigmoid(g)
-    elif ACT == 1:
-        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:  # tanh approximation, tanh(z) = 2 sigmoid(2z) - 1
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        out = g * tl.sigmoid(2.0 * inner)
-    return out
+def _weight_tile(w, ptrs, expert, row0, k0, k_left, n_ok, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] MMA operand of rows row0.. of expert's weight, columns k0..: a TMA
+    load through the [E, rows, K] descriptor `w` (zero past the edges), or pointer loads."""
+    if TMA:
+        tile = w.load([expert, row0, k0]).reshape(BLOCK_N, BLOCK_K).T
+    elif EVEN_K:
+        tile = tl.load(ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        k_ok = tl.arange(0, BLOCK_K) < k_left
+        tile = tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _row_tile(ptrs, row_ok, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        k_ok = tl.arange(0, BLOCK_K) < k_left
+        tile = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return tile
 
 
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
                     num_blocks, hidden, inter, top_k, GROUP_M,
                     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = _tile_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -73,26 +88,23 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * hidden + offs_k[None, :]
-    w_base = w13_ptr + expert.to(tl.int64) * (2 * inter) * hidden
-    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None]
-    u_ptrs = g_ptrs + inter * hidden
+    if TMA:  # w13_ptr is a TensorDescriptor of [E, 2I, H]
+        g_ptrs = 0
+    else:
+        w_base = w13_ptr + expert.to(tl.int64) * (2 * inter) * hidden
+        g_ptrs = w_base + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
+        g = _weight_tile(w13_ptr, g_ptrs, expert, pid_n * BLOCK_N, k0, hidden - k0, n_ok,
+                         BLOCK_N, BLOCK_K, TMA, EVEN_K)
+        u = _weight_tile(w13_ptr, g_ptrs + inter * hidden, expert, inter + pid_n * BLOCK_N, k0,
+                         hidden - k0, n_ok, BLOCK_N, BLOCK_K, TMA, EVEN_K)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     h = (_act(acc_g, ACT) * acc_u).to(h_ptr.dtype.element_ty)
     row = (pid_m * BLOCK_M + offs_m).to(tl.int64)
     tl.store(h_ptr + row[:, None] * inter + offs_n[None, :], h,
@@ -103,7 +115,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
 def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
                  topk_weights_ptr, num_blocks, hidden, inter, GROUP_M,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -117,17 +129,16 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
     offs_k = tl.arange(0, BLOCK_K)
     row = (pid_m * BLOCK_M + offs_m).to(tl.int64)
     a_ptrs = h_ptr + row[:, None] * inter + offs_k[None, :]
-    b_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
-              + offs_n[None, :].to(tl.int64) * inter + offs_k[:, None])
+    if TMA:  # w2_ptr is a TensorDescriptor of [E, H, I]
+        b_ptrs = 0
+    else:
+        b_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
+                  + offs_n[None, :].to(tl.int64) * inter + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = _row_tile(a_ptrs, row_ok, inter - k0, BLOCK_K, EVEN_K)
+        b = _weight_tile(w2_ptr, b_ptrs, expert, pid_n * BLOCK_N, k0, inter - k0, n_ok,
+                         BLOCK_N, BLOCK_K, TMA, EVEN_K)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -157,6 +168,25 @@ def _launch_opts(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
+def _tma_ok(w: torch.Tensor) -> bool:
+    """TMA needs sm90+ (or the interpreter), 16-byte aligned rows, a contiguous weight."""
+    if not w.is_contiguous() or (w.shape[-1] * w.element_size()) % 16 or w.data_ptr() % 16:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9
+
+
+def _weights_arg(w: torch.Tensor, cfg: dict[str, Any]) -> tuple[Any, bool]:
+    """The kernel's weight argument: a [1, BLOCK_N, BLOCK_K]-block TMA descriptor of the
+    [E, rows, K] weight when the config asks for TMA and the device has it, else the tensor."""
+    if not cfg.get("TMA") or not _tma_ok(w):
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w, [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]), True
+
+
 def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any]) -> torch.Tensor:
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -165,10 +195,11 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any]) -> tor
     if blocks.num_blocks == 0:
         return h
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    _gate_up_kernel[grid](x_NH, w13, h, blocks.sorted_pairs, blocks.block_expert,
+    w_arg, tma = _weights_arg(w13, cfg)
+    _gate_up_kernel[grid](x_NH, w_arg, h, blocks.sorted_pairs, blocks.block_expert,
                           blocks.block_rows, blocks.num_blocks, hidden, inter, top_k,
                           cfg["GROUP_M"], ACT=ACT_CODES[act], BLOCK_M=blocks.block_m,
-                          EVEN_K=hidden % cfg["BLOCK_K"] == 0, **_launch_opts(cfg))
+                          EVEN_K=hidden % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg))
     return h
 
 
@@ -179,9 +210,10 @@ def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
     if blocks.num_blocks == 0:
         return y
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-    _down_kernel[grid](h, w2, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
+    w_arg, tma = _weights_arg(w2, cfg)
+    _down_kernel[grid](h, w_arg, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
                        topk_weights_P, blocks.num_blocks, hidden, inter, cfg["GROUP_M"],
-                       BLOCK_M=blocks.block_m, EVEN_K=inter % cfg["BLOCK_K"] == 0,
+                       BLOCK_M=blocks.block_m, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
                        **_launch_opts(cfg))
     return y
 
@@ -208,6 +240,9 @@ def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x_NH = x_NH.contiguous()
     ids = topk_ids_NK.to(torch.int32).contiguous()
     weights = topk_weights_NK.to(torch.float32).contiguous().view(-1)
+    if "decode" in config:  # a few rows: two GEMV launches (decode_moe.py)
+        return decode_experts(x_NH, w13, w2, ids.view(-1), weights, k, first_expert, act,
+                              config["decode"])
     blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"])
     h = gate_up(x_NH, w13, blocks, k, act, config["gate_up"])
     y = down(h, w2, blocks, weights, n * k, config["down"])

@@ -1,0 +1,143 @@
+"""The MoE experts for a few rows (decode): no align step, no per-pair output, two launches.
+
+Legend: N rows, K top-k, P = N K pairs, E local experts, H hidden, I intermediate (local).
+
+    gate_up   h_PI[p] = act(x[p // K] . w13[e_p, i]) * (x[p // K] . w13[e_p, I + i])
+              one program per (pair, BLOCK_N columns of I): a GEMV over the pair's expert
+    down      out_NH[n] = sum over k of w_nk (h_PI[n K + k] . w2[e_nk])
+              one program per (row, BLOCK_N columns of H): the top-k sum happens in fp32
+              registers, then one rounding; no atomics, no [P, H] buffer, no separate pass
+
+Pairs of other ranks and ids of -1 read nothing. Each pair streams its expert's weights once,
+so two pairs of one expert read it twice: the path wins when the pairs of a step rarely share
+an expert (one row never does: a row's top-k ids are distinct), and loses to the aligned
+grouped GEMMs of fused_moe.py once they often do. kernels/configs.py chooses between them
+(tuned per size by benchmarks/tune_moe.py, else by the expected sharing).
+
+The products are fp32 multiply-adds on CUDA cores, not tensor-core MMAs: at a few rows a step
+is bound by the weight bytes (2 H I per pair and projection), and the GEMV layout keeps every
+loaded weight tile busy for all its bytes, where a 16-row MMA tile wastes 15/16 of its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.moe.kernels.act import ACT_CODES, _act
+
+# runtime ints that change with the step or the rank are not specialised
+_ARGS = ["top_k", "first_expert", "num_local"]
+
+
+@triton.jit(do_not_specialize=_ARGS)
+def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
+                           num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
+    if (expert < 0) | (expert >= num_local):
+        return
+    token = (pair // top_k).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * hidden + offs_k
+    g_ptrs = (w13_ptr + expert.to(tl.int64) * 2 * inter * hidden
+              + offs_n[:, None].to(tl.int64) * hidden + offs_k[None, :])
+    u_ptrs = g_ptrs + inter * hidden
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k0
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g += g.to(tl.float32) * x[None, :]
+        acc_u += u.to(tl.float32) * x[None, :]
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1)
+    tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, h.to(h_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+@triton.jit(do_not_specialize=_ARGS)
+def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
+                        first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(0, top_k):
+        pair = row * top_k + j
+        expert = tl.load(ids_ptr + pair) - first_expert
+        if (expert >= 0) & (expert < num_local):
+            weight = tl.load(weights_ptr + pair).to(tl.float32)
+            h_ptrs = h_ptr + pair * inter + offs_k
+            w_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
+                      + offs_n[:, None].to(tl.int64) * inter + offs_k[None, :])
+            for k0 in range(0, inter, BLOCK_K):
+                if EVEN_K:
+                    h = tl.load(h_ptrs).to(tl.float32)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                else:
+                    k_ok = offs_k < inter - k0
+                    h = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += w.to(tl.float32) * (h * weight)[None, :]
+                h_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+    tl.store(out_ptr + row * hidden + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
+    return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+            "EVEN_K": k_size % cfg["BLOCK_K"] == 0, "num_warps": cfg["num_warps"]}
+
+
+def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, top_k: int,
+                   first_expert: int, act: str, cfg: dict[str, Any]) -> torch.Tensor:
+    """h [P, I]; rows of pairs this rank does not own are left unwritten (down skips them)."""
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    pairs = ids_P.shape[0]
+    h = torch.empty(pairs, inter, dtype=x_NH.dtype, device=x_NH.device)
+    if pairs:
+        grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
+        _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
+                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden))
+    return h
+
+
+def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
+                weights_P: torch.Tensor, num_rows: int, top_k: int, first_expert: int,
+                cfg: dict[str, Any]) -> torch.Tensor:
+    num_local, hidden, inter = w2.shape
+    out = torch.empty(num_rows, hidden, dtype=h_PI.dtype, device=h_PI.device)
+    if num_rows:
+        grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
+        _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
+                                  first_expert, num_local, **_opts(cfg, inter))
+    return out
+
+
+def decode_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   ids_P: torch.Tensor, weights_P: torch.Tensor, top_k: int, first_expert: int,
+                   act: str, cfg: dict[str, Any]) -> torch.Tensor:
+    """sum_k w_k expert_k(x) over this rank's pairs; ids_P int32 and weights_P float32, both
+    contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N, BLOCK_K, num_warps)."""
+    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"])
+    return decode_down(h, w2, ids_P, weights_P, x_NH.shape[0], top_k, first_expert, cfg["down"])
