@@ -11,7 +11,7 @@ the BLOCK_M whose best pair is fastest wins. Candidates are the same for every s
 compiles once per run. A size that runs out of --time-budget keeps the defaults.
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
-alone, as above), then both whole paths (align + GEMMs + top-k sum, against the two GEMV
+alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths (align + GEMMs + top-k sum, against the two GEMV
 launches) are timed as CUDA-graph replays of 4 calls with different routings, and the entry
 gets a "decode" key only when that path is faster.
 """
@@ -39,8 +39,8 @@ TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
 DECODE_MAX_TOKENS = 8
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels
-GEMV = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernels
+GEMV = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
           (128, 32, 8, 5), (64, 128, 8, 3)]
 
@@ -75,7 +75,7 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
 
 def gemv_candidates(gemm: str) -> list[dict[str, int]]:
     accs = 2 if gemm == "gate_up" else 1  # fp32 [BLOCK_N, BLOCK_K] accumulators, <= 64 regs
-    return [dict(zip(DECODE_KEYS, c)) for c in GEMV
+    return [{**dict(zip(DECODE_KEYS, c)), "num_stages": c[3]} for c in GEMV
             if accs * c[0] * c[1] <= 64 * 32 * c[2] and c[0] * c[1] >= 32 * 32 * c[2] // 4]
 
 
@@ -123,32 +123,48 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
         if best is None or t_up + t_down < best[0]:
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
     if n <= DECODE_MAX_TOKENS:
-        return with_decode(n, k, w13, w2, x, ids, weights, best[1])
+        return with_decode(n, k, w13, w2, best[1])
     return best[1]
 
 
-def with_decode(n: int, k: int, w13, w2, x, ids, weights, cfg: dict) -> dict:
-    """cfg plus the best GEMV tiles when the GEMV path beats cfg's whole path."""
+def graph_us(fns: list) -> float:
+    """Per call, as a CUDA-graph replay of the calls (as the engine replays decode steps)."""
+    return time_us(capture(lambda: [f() for f in fns])) / len(fns)
+
+
+def best_in_graph(name: str, make, cfgs: list[dict]) -> tuple[float, dict]:
+    timed = []
+    for cfg in cfgs:
+        try:
+            timed.append((graph_us(make(cfg)), cfg))
+        except Exception as err:  # out of shared memory or registers: not a candidate
+            print(f"  skip {name} {cfg}: {type(err).__name__}", flush=True)
+    return min(timed, key=lambda t: t[0])
+
+
+def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
+    """cfg plus the best GEMV tiles when the GEMV path beats cfg's whole path. Every time is a
+    CUDA-graph replay of 4 calls with different routings (no weights left in L2)."""
     from moeserve.moe.kernels.decode_moe import decode_down, decode_gate_up
     from moeserve.moe.kernels.fused_moe import fused_experts
 
-    e = w13.shape[0]
-    flat = ids.view(-1)
-    t_up, up = best_of("decode gate_up", lambda c: decode_gate_up(x, w13, flat, k, 0, "silu", c),
-                       gemv_candidates("gate_up"))
-    h_buf = decode_gate_up(x, w13, flat, k, 0, "silu", up)
-    t_down, dn = best_of("decode down",
-                         lambda c: decode_down(h_buf, w2, flat, weights, n, k, 0, c),
-                         gemv_candidates("down"))
+    e, h = w13.shape[0], w13.shape[2]
+    calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
+              torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
+              torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    t_up, up = best_in_graph("decode gate_up", lambda c: [
+        lambda x=x, i=i: decode_gate_up(x, w13, i.view(-1), k, 0, "silu", c)
+        for x, i, _ in calls], gemv_candidates("gate_up"))
+    hs = [decode_gate_up(x, w13, i.view(-1), k, 0, "silu", up) for x, i, _ in calls]
+    t_down, dn = best_in_graph("decode down", lambda c: [
+        lambda hb=hb, i=i, w=w: decode_down(hb, w2, i.view(-1), w.view(-1), n, k, 0, c)
+        for hb, (_, i, w) in zip(hs, calls)], gemv_candidates("down"))
     decode = {**cfg, "decode": {"gate_up": up, "down": dn}}
-    calls = [(torch.randn_like(x), torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices
-              .to(torch.int32), torch.rand(n, k, device=DEVICE)) for _ in range(4)]
-    whole = {}
-    for name, c in (("aligned", cfg), ("gemv", decode)):
-        replay = capture(lambda c=c: [fused_experts(xi, w13, w2, ii, wi, 0, "silu", c)
-                                      for xi, ii, wi in calls])
-        whole[name] = time_us(replay) / len(calls)
-    print(f"  N={n} GEMV: gate_up {t_up * 1e3:.1f} us {up}, down {t_down * 1e3:.1f} us {dn}; "
+    whole = {name: graph_us([lambda x=x, i=i, w=w, c=c: fused_experts(x, w13, w2, i, w, 0,
+                                                                     "silu", c)
+                             for x, i, w in calls])
+             for name, c in (("aligned", cfg), ("gemv", decode))}
+    print(f"  N={n} GEMV: gate_up {t_up:.1f} us {up}, down {t_down:.1f} us {dn}; "
           f"whole path (graph) aligned {whole['aligned']:.1f} us, GEMV {whole['gemv']:.1f} us",
           flush=True)
     return decode if whole["gemv"] < whole["aligned"] else cfg

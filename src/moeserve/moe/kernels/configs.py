@@ -9,9 +9,10 @@ keyed by token count (rows reaching the runner). A step of N rows takes the entr
 nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
 own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
-tiles through a TMA descriptor on sm90+; pointer loads elsewhere). An entry with a "decode" key
-({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the GEMV
-kernels of decode_moe.py instead of align + grouped GEMMs. Pure Python: no triton import.
+tiles through a TMA descriptor on sm90+; pointer loads elsewhere). An entry with a "decode"
+key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optional num_stages}, "down": {...}}) runs
+that size through the GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
+Pure Python: no triton import.
 """
 
 from __future__ import annotations

@@ -80,32 +80,34 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = row * top_k + j
+    k_iters = tl.cdiv(inter, BLOCK_K)
+    # one flat loop over (k, K-chunk): the pipeliner prefetches across the row's experts
+    for t in range(0, top_k * k_iters):
+        pair = row * top_k + t // k_iters
+        k0 = (t % k_iters) * BLOCK_K
         expert = tl.load(ids_ptr + pair) - first_expert
-        if (expert >= 0) & (expert < num_local):
-            weight = tl.load(weights_ptr + pair).to(tl.float32)
-            h_ptrs = h_ptr + pair * inter + offs_k
-            w_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
-                      + offs_n[:, None].to(tl.int64) * inter + offs_k[None, :])
-            for k0 in range(0, inter, BLOCK_K):
-                if EVEN_K:
-                    h = tl.load(h_ptrs).to(tl.float32)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-                else:
-                    k_ok = offs_k < inter - k0
-                    h = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * (h * weight)[None, :]
-                h_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
+        mine = (expert >= 0) & (expert < num_local)  # masked loads read nothing
+        expert = tl.where(mine, expert, 0).to(tl.int64)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        h_ptrs = h_ptr + pair * inter + k0 + offs_k
+        w_ptrs = w2_ptr + (expert * hidden + offs_n[:, None]) * inter + k0 + offs_k[None, :]
+        if EVEN_K:
+            h = tl.load(h_ptrs, mask=mine, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & mine, other=0.0)
+        else:
+            k_ok = offs_k < inter - k0
+            h = tl.load(h_ptrs, mask=k_ok & mine, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :] & mine, other=0.0)
+        acc += w.to(tl.float32) * (h * weight)[None, :]
     tl.store(out_ptr + row * hidden + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty),
              mask=n_ok)
 
 
 def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
+    """Launch options; num_stages (optional) is the software pipelining depth of the K loop."""
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-            "EVEN_K": k_size % cfg["BLOCK_K"] == 0, "num_warps": cfg["num_warps"]}
+            "EVEN_K": k_size % cfg["BLOCK_K"] == 0, "num_warps": cfg["num_warps"],
+            "num_stages": cfg.get("num_stages", 3)}
 
 
 def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, top_k: int,
