@@ -40,7 +40,8 @@ SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
 DECODE_MAX_TOKENS = 8
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernels
-GEMV = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)))
+GEMV_UP = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)))
+GEMV_DOWN = list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (2, 4, 8), (1, 3)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
           (128, 32, 8, 5), (64, 128, 8, 3)]
 
@@ -73,10 +74,16 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
             if accs * block_m * bn <= 128 * 32 * w]
 
 
-def gemv_candidates(gemm: str) -> list[dict[str, int]]:
-    accs = 2 if gemm == "gate_up" else 1  # fp32 [BLOCK_N, BLOCK_K] accumulators, <= 64 regs
-    return [{**dict(zip(DECODE_KEYS, c)), "num_stages": c[3]} for c in GEMV
-            if accs * c[0] * c[1] <= 64 * 32 * c[2] and c[0] * c[1] >= 32 * 32 * c[2] // 4]
+def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
+    """GEMV tiles whose fp32 accumulators take <= 64 registers a thread: gate_up keeps two
+    [BLOCK_N, BLOCK_K], down one [top_k (pow2), BLOCK_N, BLOCK_K]."""
+    if gemm == "gate_up":
+        space, elems = GEMV_UP, lambda bn, bk: 2 * bn * bk
+    else:
+        tk = 1 << (top_k - 1).bit_length()
+        space, elems = GEMV_DOWN, lambda bn, bk: tk * bn * bk
+    return [dict(zip(DECODE_KEYS + ("num_stages",), c)) for c in space
+            if 16 * 32 * c[2] <= elems(c[0], c[1]) <= 64 * 32 * c[2]]
 
 
 def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +161,11 @@ def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
               torch.rand(n, k, device=DEVICE)) for _ in range(4)]
     t_up, up = best_in_graph("decode gate_up", lambda c: [
         lambda x=x, i=i: decode_gate_up(x, w13, i.view(-1), k, 0, "silu", c)
-        for x, i, _ in calls], gemv_candidates("gate_up"))
+        for x, i, _ in calls], gemv_candidates("gate_up", k))
     hs = [decode_gate_up(x, w13, i.view(-1), k, 0, "silu", up) for x, i, _ in calls]
     t_down, dn = best_in_graph("decode down", lambda c: [
         lambda hb=hb, i=i, w=w: decode_down(hb, w2, i.view(-1), w.view(-1), n, k, 0, c)
-        for hb, (_, i, w) in zip(hs, calls)], gemv_candidates("down"))
+        for hb, (_, i, w) in zip(hs, calls)], gemv_candidates("down", k))
     decode = {**cfg, "decode": {"gate_up": up, "down": dn}}
     whole = {name: graph_us([lambda x=x, i=i, w=w, c=c: fused_experts(x, w13, w2, i, w, 0,
                                                                      "silu", c)

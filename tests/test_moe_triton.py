@@ -377,14 +377,16 @@ def test_triton_decode_path_at_any_rows(tiles):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128, 256])
-def test_triton_every_block_m_and_tile(block_m):
-    """Tile configs the tuner may pick (any BLOCK_M up to 256) compute the same function."""
+@pytest.mark.parametrize("tma", [0, 1])
+def test_triton_every_block_m_and_tile(block_m, tma):
+    """Tile configs the tuner may pick (any BLOCK_M up to 256, weights by pointer loads or
+    TMA) compute the same function."""
     from moeserve.moe.kernels.fused_moe import fused_experts
 
     spec = make_spec(e=16, k=4, h=256, i=192)
     fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m)
     gemm = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8 if block_m > 64 else 4,
-            "num_stages": 3}
+            "num_stages": 3, "TMA": tma}
     cfg = {"BLOCK_M": block_m, "gate_up": gemm, "down": {**gemm, "BLOCK_N": 128}}
     for n, mode in [(3, "uniform"), (600, "skewed"), (2000, "padded")]:
         x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
