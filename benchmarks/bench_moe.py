@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_common import MODELS, TOKENS, capture, ceilings, model_spec, time_us  # noqa: E402
+from moeserve.layers.mlp import DenseMLP  # noqa: E402
 from moeserve.moe.experts import create_experts  # noqa: E402
 from moeserve.moe.router import Router  # noqa: E402
 from moeserve.parallel.groups import single_process_state  # noqa: E402
@@ -56,20 +56,23 @@ class Layer:
         self.router.weight.data = weights["gate"]
         self.experts.w13.data = weights["w13"]
         self.experts.w2.data = weights["w2"]
-        self.shared = (weights["sh13"], weights["sh2"]) if "sh13" in weights else None
+        self.shared = None
+        if "sh13" in weights:  # DeepSeek's shared experts: one dense MLP, as MoELayer has it
+            with torch.device(DEVICE):
+                self.shared = DenseMLP(spec, state, torch.bfloat16, tp_size=1,
+                                       intermediate_size=spec.shared_expert_intermediate_size)
+            self.shared.gate_up.weight.data = weights["sh13"]
+            self.shared.down.weight.data = weights["sh2"]
 
     def route(self, x):
         return self.router(x)
 
     def __call__(self, x):
+        """As MoELayer.forward on one rank (local dispatcher: rows unchanged)."""
         ids, w = self.router(x)
-        y = self.experts(x, ids, w)
         if self.shared is not None:
-            sh13, sh2 = self.shared
-            gu = F.linear(x, sh13)
-            half = sh2.shape[1]
-            y = y + F.linear(F.silu(gu[:, :half]) * gu[:, half:], sh2)
-        return y
+            return self.experts.forward_with_shared(x, ids, w, self.shared)
+        return self.experts(x, ids, w)
 
 
 def make_weights(spec) -> dict[str, torch.Tensor]:

@@ -194,3 +194,23 @@ def test_wrong_components_are_refused_with_the_flag():
         create_dispatcher(spec, a2a_state, a2a_plan, torch.bfloat16)
     with pytest.raises(ValueError, match="serves one rank"):
         create_dispatcher(spec, a2a_state, a2a_plan, name="local")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", list(HF_CLASSES))
+@pytest.mark.parametrize("n", [1, 3, 29])
+def test_triton_layer_tracks_transformers_on_gpu(kind, n):
+    """bf16 layer on the triton runner (at 1-3 rows the GEMV kernels, with DeepSeek's shared
+    expert fused into them) against transformers' block."""
+    spec, plan, state = _single(kind)
+    weights = full_weights(spec, seed=47)
+    with torch.device("cuda"):
+        layer = MoELayer(spec, state, plan, dtype=torch.bfloat16, experts="triton")
+    load(layer, weights)
+    x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+    y = layer(x.cuda().bfloat16(), begin_step(n, state, plan))
+    with torch.no_grad():
+        ref = hf_block(kind, weights)(x[None])[0]
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y.float().cpu(), ref) < 2e-2
