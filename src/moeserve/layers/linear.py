@@ -8,6 +8,9 @@
 
 Weights load from a full checkpoint tensor or a safetensors slice: each rank reads only its
 rows/columns (`read_rows`), so a rank never materialises another rank's shard.
+
+`linear` is F.linear, except for the few rows of a decode step on a GPU: those go through the
+skinny-GEMM kernel (layers/skinny_gemm.py), which streams the weight at the memory's rate.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeserve.layers.fast_path import fused
 from moeserve.parallel.groups import Axis
+
+SKINNY_MAX_ROWS = 4  # up to this many rows, a GPU projection is a GEMV: the skinny kernel
 
 
 class WeightShapeError(ValueError):
@@ -53,6 +59,29 @@ def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
     assert param.shape == value.shape, (param.shape, value.shape)
     with torch.no_grad():
         param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# The product itself.
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """x @ weight.T (+ bias) in out_dtype (x's by default) by the skinny-GEMM kernel, with fp32
+    accumulation, for a CUDA x of 1..SKINNY_MAX_ROWS rows with a contiguous last dim; None
+    where it does not apply (the caller computes it in torch)."""
+    if (x.device.type != "cuda" or x.dim() == 0 or x.stride(-1) != 1
+            or weight.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1)
+            or not 0 < x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
+        return None
+    kernel = fused("skinny_linear", x.device)
+    return None if kernel is None else kernel(x, weight, bias, out_dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); a decode step's few rows on a GPU by the skinny kernel."""
+    y = skinny(x, weight, bias)
+    return y if y is not None else nn.functional.linear(x, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------
@@ -91,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(self.out_local, dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x_TI, self.weight, self.bias)
+        return linear(x_TI, self.weight, self.bias)
 
     def load_weight(self, param_name: str, src: Any) -> None:
         """param_name: "weight" [out, in] or "bias" [out], the full checkpoint tensor."""
@@ -117,7 +146,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = _param(sum(self.out_locals), dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x_TI, self.weight, self.bias)
+        return linear(x_TI, self.weight, self.bias)
 
     def load_weight(self, param_name: str, src: Any, shard: int) -> None:
         """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
@@ -155,7 +184,7 @@ class QKVParallelLinear(nn.Module):
         self.bias = _param(out, dtype=dtype) if bias else None
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = nn.functional.linear(x_TH, self.weight, self.bias)
+        qkv = linear(x_TH, self.weight, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def load_weight(self, param_name: str, src: Any, shard: str) -> None:
@@ -187,7 +216,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.axis.rank == 0 else None
-        return nn.functional.linear(x_TI, self.weight, bias)
+        return linear(x_TI, self.weight, bias)
 
     def load_weight(self, param_name: str, src: Any) -> None:
         if param_name == "bias":

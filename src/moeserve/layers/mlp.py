@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.linear import linear
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.weights import WeightError, copy_into, empty_param, expect_shape, read
 from moeserve.parallel.communicator import gather_world_rows, layer_scatters, reduce_world_rows
@@ -78,9 +79,9 @@ class DenseMLP(nn.Module):
 
     def partial(self, x_NH: torch.Tensor) -> torch.Tensor:
         """This rank's share of the MLP output (the whole output when replicated)."""
-        gate_up = F.linear(x_NH, self.gate_up.weight)
-        return F.linear(self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:],
-                        self.down.weight)
+        gate_up = linear(x_NH, self.gate_up.weight)
+        return linear(self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:],
+                      self.down.weight)
 
     def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""

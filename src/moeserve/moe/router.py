@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers.fast_path import fused
+from moeserve.layers.linear import linear, skinny
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
 
@@ -126,9 +127,13 @@ class Router(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, E]: from fp32 products (DeepSeek), or rounded to the model dtype."""
         if self.fp32_logits:
-            return F.linear(x_MH.float(), self.weight.float())
-        return F.linear(x_MH, self.weight).float()
+            # a decode step's rows: the skinny kernel reads the model-dtype x and W and
+            # accumulates in fp32, which is the fp32 product up to the order of summation
+            out = skinny(x_MH, self.weight, out_dtype=torch.float32)
+            return out if out is not None else F.linear(x_MH.float(), self.weight.float())
+        return linear(x_MH, self.weight).float()
 
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +142,7 @@ class Router(nn.Module):
                   if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") else None)
         if kernel is not None:  # one launch on a GPU (layers/fused_kernels.py)
             # model-dtype logits go in as they are: the kernel upcasts them, as .float() would
-            logits = self.logits(x_MH) if self.fp32_logits else F.linear(x_MH, self.weight)
+            logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
             out = kernel(logits, cfg.top_k, cfg.norm_topk_prob,
                          cfg.routed_scaling_factor,
                          x_MH.shape[0] if num_valid is None else num_valid,

@@ -1,0 +1,128 @@
+"""The skinny linear of a decode step: y[M, N] = x[M, K] @ W[N, K]^T (+ b) for a few rows.
+
+At M <= 4 a projection is a memory-bound GEMV: the cost is streaming W once. cuBLAS picks
+GEMM tiles that leave most SMs idle at M = 1 (or a split-K with a second kernel); this kernel
+gives each program BLOCK_N rows of W, streams them along K once for up to 4 rows of x, and
+keeps one [BLOCK_N, BLOCK_K] fp32 tile of products per row (in the layout the W tile is loaded
+in, so no data moves between threads in the loop), reduced over K once at the end. No split
+over K: every program writes its own outputs, one launch, deterministic. More than 4 rows
+take more row groups (a second grid dim), each streaming W again (from L2, mostly).
+
+Any of bf16/fp16/fp32 for x and W (they may differ: DeepSeek's router reads bf16 and wants
+F.linear(x.float(), W.float())), fp32 accumulation, the output in `out_dtype` (x's by default,
+rounded once after the bias is added, as cuBLAS's epilogue does).
+
+Tiles: TILES maps (N, K) ranges to (BLOCK_N, BLOCK_K, num_warps) for one row; more rows shrink
+BLOCK_K so that the product tiles stay within TILE_BUDGET fp32 registers per thread.
+benchmarks/bench_decode_kernels.py --try-tiles measures the alternatives.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# (largest N, largest K) -> (BLOCK_N, BLOCK_K, num_warps); the first range that holds (N, K)
+# wins. A wide BLOCK_K keeps many bytes in flight per program (the loop is not pipelined) and
+# few iterations on the latency path; a narrow BLOCK_N spreads a small N (a router) over SMs.
+TILES: tuple[tuple[int, int, tuple[int, int, int]], ...] = (
+    (512, 1 << 62, (1, 2048, 4)),
+    (1 << 62, 1 << 62, (4, 1024, 4)),
+)
+TILE_BUDGET = 64  # fp32 products per thread held across the K loop
+MAX_ROWS = 4  # rows per program; more rows take more row groups, each streaming W again
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def tiles_for(m: int, n: int, k: int, tiles: Optional[tuple[int, int, int]] = None
+              ) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product: `tiles` or the
+    table's, with BLOCK_K cut to the register budget and to K."""
+    if tiles is None:
+        tiles = next(t for max_n, max_k, t in TILES if n <= max_n and k <= max_k)
+    block_n, block_k, warps = tiles
+    rows = min(m, MAX_ROWS)
+    budget = TILE_BUDGET * 32 * warps // (rows * block_n)
+    block_k = max(16, min(block_k, _pow2(budget + 1) // 2, _pow2(k)))
+    return rows, block_n, block_k, warps
+
+
+@triton.jit
+def _row_product(acc, w, x_row, k, mask_k, valid):
+    x = tl.load(x_row + k, mask=mask_k & valid, other=0.0).to(tl.float32)
+    return acc + w * x[None, :]
+
+
+@triton.jit
+def _row_store(acc, y_row, offs_n, mask_n, bias, valid):
+    y = tl.sum(acc, 1) + bias
+    tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=mask_n & valid)
+
+
+@triton.jit
+def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
+    # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = M - pid_m * ROWS
+    X += pid_m * ROWS * stride_xm
+    Y += pid_m * ROWS * stride_ym
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = w.to(tl.float32)
+        acc0 = _row_product(acc0, w, X, k, mask_k, rows > 0)
+        if ROWS > 1:
+            acc1 = _row_product(acc1, w, X + stride_xm, k, mask_k, rows > 1)
+        if ROWS > 2:
+            acc2 = _row_product(acc2, w, X + 2 * stride_xm, k, mask_k, rows > 2)
+        if ROWS > 3:
+            acc3 = _row_product(acc3, w, X + 3 * stride_xm, k, mask_k, rows > 3)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    _row_store(acc0, Y, offs_n, mask_n, bias, rows > 0)
+    if ROWS > 1:
+        _row_store(acc1, Y + stride_ym, offs_n, mask_n, bias, rows > 1)
+    if ROWS > 2:
+        _row_store(acc2, Y + 2 * stride_ym, offs_n, mask_n, bias, rows > 2)
+    if ROWS > 3:
+        _row_store(acc3, Y + 3 * stride_ym, offs_n, mask_n, bias, rows > 3)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  out_dtype: Optional[torch.dtype] = None,
+                  tiles: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """x [..., K] (last dim contiguous) @ weight [N, K]^T + bias [N] -> [..., N] in out_dtype
+    (x's dtype by default). Meant for a few rows; correct for any number."""
+    n, k = weight.shape
+    assert x.shape[-1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, \
+        (x.shape, x.stride(), weight.shape, weight.stride())
+    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
+    x_MK = x if x.dim() == 2 else x.reshape(-1, k)
+    m = x_MK.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m and n:
+        rows, block_n, block_k, warps = tiles_for(m, n, k, tiles)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
+        _skinny_kernel[grid](x_MK, weight, weight if bias is None else bias, y, m, n, k,
+                             x_MK.stride(0), weight.stride(0), y.stride(0),
+                             HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n,
+                             BLOCK_K=block_k, num_warps=warps)
+    return y.view(*x.shape[:-1], n)
