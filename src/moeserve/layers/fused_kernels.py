@@ -3,6 +3,8 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
 
   rms_norm         RMSNorm over the last dim of [R, D] or [T, N, D] rows (strided views of a
                    fused projection are read in place); fp32 statistics, as transformers
+  add_rms_norm     the residual add and the RMSNorm after it: (RMSNorm(x + r), x + r), the
+                   sum rounded to the model dtype before the norm reads it, as in torch
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
                    Qwen3's per-head q/k RMSNorm before it when given its weights
@@ -59,6 +61,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), stride_b, nb, d, eps,
                                   BLOCK_D=block, num_warps=max(1, min(8, block // 256)))
     return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(S.dtype.element_ty)  # the sum in the model dtype, as torch's add rounds it
+    tl.store(S + row * D + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    var = tl.sum(s * s, 0) / D
+    y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
+             mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) of [R, D] rows (last dim contiguous) in one
+    launch; both contiguous."""
+    rows, d = x.shape
+    assert residual.shape == x.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
+    assert weight.shape == (d,)
+    total = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.result_type(total, weight), device=x.device)
+    if rows:
+        block = _pow2(d)
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
+                                      residual.stride(0), d, eps, BLOCK_D=block,
+                                      num_warps=max(1, min(8, block // 256)))
+    return out, total
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """RMSNorm, as transformers computes it (variance in fp32, weight applied in the input dtype).
 
   RMSNorm         over the last dim: hidden states, and Qwen3-MoE's per-head q/k norm
-                  (applied to [T, heads, head_dim], which needs nothing from other ranks)
+                  (applied to [T, heads, head_dim], which needs nothing from other ranks);
+                  `add_forward` also adds the residual first (one launch on a GPU)
   ShardedRMSNorm  over a projection split across the ranks of an axis: OLMoE's q/k norm over
                   the whole q (or k) projection. Each rank holds its slice of the weight; the
                   variance needs the sum of squares over the full width, so the ranks all-reduce
@@ -39,6 +40,19 @@ class RMSNorm(nn.Module):
             return out
         x32 = x.float()
         return _rms(x32, x32.pow(2).mean(-1, keepdim=True), self.eps, self.weight, x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) for [R, D] rows; the sum is rounded to its dtype
+        before the norm reads it, on every path."""
+        kernel = (fused("add_rms_norm", x.device)
+                  if x.dim() == 2 and x.shape == residual.shape and x.stride(-1) == 1
+                  and residual.stride(-1) == 1 else None)
+        out = kernel(x, residual, self.weight, self.eps) if kernel is not None else None
+        if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
+            return out
+        total = x + residual
+        return self(total), total
 
     def load_weight(self, param_name: str, src: Any) -> None:
         check_shape(src, (self.dim,))

@@ -182,8 +182,9 @@ class DecoderLayer(nn.Module):
                 step: Any) -> torch.Tensor:
         a = self.self_attn(positions_T, self.input_layernorm(x_TH), fb)
         a = self.comm.reduce_attn_output(a, step)
-        r = self.comm.local_rows(x_TH, step) + a
-        y = self.mlp(self.post_attention_layernorm(r), step)
+        # r = local_rows(x) + a and its norm, in one launch on a GPU
+        h, r = self.post_attention_layernorm.add_forward(self.comm.local_rows(x_TH, step), a)
+        y = self.mlp(h, step)
         return self.comm.gather_rows(r + y, step)
 
 
