@@ -7,7 +7,8 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
                    sum rounded to the model dtype before the norm reads it, as in torch
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
-                   Qwen3's per-head q/k RMSNorm before it when given its weights
+                   Qwen3's per-head q/k RMSNorm before it when given its weights; a token's
+                   heads are split over several programs when the step has few tokens
   store_kv         the new tokens' K and V into their KV-cache slots in one launch
   topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
                    renormalisation, scaling, rounding of the weights to the model dtype,
@@ -98,9 +99,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _rope_heads(X, Out, W, t, stride_t, stride_h, n, c, s, eps, HALF: tl.constexpr,
+def _rope_heads(X, Out, W, t, h0, stride_t, stride_h, n, c, s, eps, HALF: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_NORM: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_f = tl.arange(0, BLOCK_F)
     mask = (offs_h[:, None] < n) & (offs_f[None, :] < HALF)
     src = X + t * stride_t + offs_h[:, None] * stride_h + offs_f[None, :]
@@ -123,25 +124,40 @@ def _rope_heads(X, Out, W, t, stride_t, stride_h, n, c, s, eps, HALF: tl.constex
 def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, stride_qt, stride_qh, stride_kt,
                  stride_kh, nq, nk, factor, eps, HALF: tl.constexpr, BLOCK_F: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr):
+    # program (token t, head block b): q heads [b BLOCK_Q, (b + 1) BLOCK_Q) and k heads
+    # [b BLOCK_K, (b + 1) BLOCK_K), masked where a block runs past the heads
     t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
     offs_f = tl.arange(0, BLOCK_F)
     inv = tl.load(InvFreq + offs_f, mask=offs_f < HALF, other=0.0)
     angle = tl.load(Pos + t).to(tl.float32) * inv
     # cos/sin rounded to the activations' dtype, as the torch path multiplies in that dtype
     c = (tl.cos(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
     s = (tl.sin(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
-    _rope_heads(Q, QO, QW, t, stride_qt, stride_qh, nq, c, s, eps, HALF, BLOCK_Q, BLOCK_F,
-                HAS_NORM)
-    _rope_heads(K, KO, KW, t, stride_kt, stride_kh, nk, c, s, eps, HALF, BLOCK_K, BLOCK_F,
-                HAS_NORM)
+    _rope_heads(Q, QO, QW, t, b * BLOCK_Q, stride_qt, stride_qh, nq, c, s, eps, HALF, BLOCK_Q,
+                BLOCK_F, HAS_NORM)
+    _rope_heads(K, KO, KW, t, b * BLOCK_K, stride_kt, stride_kh, nk, c, s, eps, HALF, BLOCK_K,
+                BLOCK_F, HAS_NORM)
+
+
+ROPE_HEADS_PER_PROGRAM = 4  # q heads of one program when a step has few tokens
+ROPE_PROGRAMS = 512  # head blocks are added until a step has about this many programs
+
+
+def rope_head_blocks(t: int, nq: int, nk: int) -> int:
+    """How many head blocks split each token's heads: enough programs for the SMs of a small
+    step (batch-1 decode: one per ROPE_HEADS_PER_PROGRAM q heads), one for a large one."""
+    return max(1, min(triton.cdiv(max(nq, nk), ROPE_HEADS_PER_PROGRAM),
+                      triton.cdiv(ROPE_PROGRAMS, max(1, t))))
 
 
 def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
            inv_freq: torch.Tensor, factor: float, q_norm_w: Optional[torch.Tensor] = None,
-           k_norm_w: Optional[torch.Tensor] = None, eps: float = 0.0
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           k_norm_w: Optional[torch.Tensor] = None, eps: float = 0.0,
+           head_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope of q and k at positions (neox halves), after a per-head RMSNorm of each when
-    their weights are given; returns new contiguous tensors."""
+    their weights are given; returns new contiguous tensors. Each token's heads are split
+    into `head_blocks` programs (rope_head_blocks by default; 1: one program per token)."""
     t, nq, d = q_TND.shape
     nk = k_TKD.shape[1]
     half = inv_freq.shape[0]
@@ -152,12 +168,18 @@ def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
     qo, ko = torch.empty(q_TND.shape, dtype=q_TND.dtype, device=q_TND.device), \
         torch.empty(k_TKD.shape, dtype=k_TKD.dtype, device=k_TKD.device)
     if t:
-        _rope_kernel[(t,)](positions_T, inv_freq, q_TND, k_TKD, qo, ko,
-                           q_norm_w if has_norm else inv_freq, k_norm_w if has_norm else inv_freq,
-                           q_TND.stride(0), q_TND.stride(1), k_TKD.stride(0), k_TKD.stride(1),
-                           nq, nk, factor, eps, HALF=half, BLOCK_F=_pow2(half),
-                           BLOCK_Q=_pow2(nq), BLOCK_K=_pow2(nk), HAS_NORM=has_norm,
-                           num_warps=4)
+        blocks = head_blocks or rope_head_blocks(t, nq, nk)
+        block_q, block_k = _pow2(triton.cdiv(nq, blocks)), _pow2(triton.cdiv(nk, blocks))
+        blocks = max(triton.cdiv(nq, block_q), triton.cdiv(nk, block_k))
+        block_f = _pow2(half)
+        _rope_kernel[(t, blocks)](positions_T, inv_freq, q_TND, k_TKD, qo, ko,
+                                  q_norm_w if has_norm else inv_freq,
+                                  k_norm_w if has_norm else inv_freq,
+                                  q_TND.stride(0), q_TND.stride(1), k_TKD.stride(0),
+                                  k_TKD.stride(1), nq, nk, factor, eps, HALF=half,
+                                  BLOCK_F=block_f, BLOCK_Q=block_q, BLOCK_K=block_k,
+                                  HAS_NORM=has_norm,
+                                  num_warps=max(1, min(4, block_q * block_f // 128)))
     return qo, ko
 
 
