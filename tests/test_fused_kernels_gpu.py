@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from moe_cases import tiny_spec
+from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, _rms
 from moeserve.layers.rotary import RotaryEmbedding, rotate_half
-from moeserve.moe.router import RoutingConfig, select_experts
+from moeserve.moe.router import Router, RoutingConfig, select_experts
+from moeserve.parallel.groups import single_process_state
+from test_decode_kernels import check_add_rms_norm, check_rope_head_blocks, check_skinny_linear
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -132,3 +137,52 @@ def check_store_kv(device: str, dtype: torch.dtype) -> None:
 def test_qk_norm_rope_and_kv_store(dtype):
     check_rotary_with_qk_norm("cuda", dtype)
     check_store_kv("cuda", dtype)
+
+
+# --- the decode kernels: skinny linear, add + RMSNorm, rope over head blocks ---------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernels(dtype):
+    check_skinny_linear("cuda", dtype)
+    for n, k in [(5120, 2048), (2048, 4096), (128, 2048), (1536, 2048)]:  # Qwen3-30B-A3B
+        check_skinny_linear("cuda", dtype, n=n, k=k, tiles=(None, (32, 128, 8)))
+    check_add_rms_norm("cuda", dtype)
+    check_add_rms_norm("cuda", dtype, d=2048)
+    check_rope_head_blocks("cuda", dtype)
+    check_rope_head_blocks("cuda", dtype, nq=32, nk=4, d=128, blocks=(1, 2, 8, 32, None))
+
+
+def test_layers_take_the_decode_kernels_on_cuda():
+    """Linear layers and the router go through the skinny kernel up to 4 rows (F.linear
+    beyond), the decoder's add + norm through add_rms_norm; all match the torch results."""
+    from moeserve.layers.skinny_gemm import skinny_linear
+
+    gen = torch.Generator().manual_seed(5)
+    axis = single_process_state().attn_tp
+    col = ColumnParallelLinear(256, 200, bias=True, axis=axis, dtype=torch.bfloat16).cuda()
+    row = RowParallelLinear(200, 256, bias=False, axis=axis, dtype=torch.bfloat16).cuda()
+    for layer in (col, row):
+        for p in layer.parameters():
+            p.data = (torch.randn(p.shape, generator=gen) * 0.1).to("cuda", p.dtype)
+        k = layer.weight.shape[1]
+        for m in (1, 3, 4, 9):
+            x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+            y = layer(x)
+            assert rel_err(y, F.linear(x.double(), layer.weight.double(),
+                                       None if layer.bias is None else layer.bias.double())) < 1e-2
+            if m <= 4:
+                assert torch.equal(y, skinny_linear(x, layer.weight, layer.bias))
+    for kind, fp32 in (("deepseek_v3", True), ("qwen3", False)):
+        router = Router(tiny_spec(kind), torch.bfloat16).cuda()
+        router.weight.data = torch.randn(router.weight.shape, generator=gen).to(
+            "cuda", torch.bfloat16)
+        x = torch.randn(2, router.hidden, generator=gen).to("cuda", torch.bfloat16)
+        want = (F.linear(x.float(), router.weight.float()) if fp32
+                else F.linear(x, router.weight).float())
+        assert rel_err(router.logits(x), want) < (1e-5 if fp32 else 1e-2)
+    norm = RMSNorm(2048, 1e-6, torch.bfloat16)
+    norm.weight.data.uniform_(0.7, 1.3)
+    x, a = torch.randn(3, 2048).bfloat16(), torch.randn(3, 2048).bfloat16()
+    cpu_out, cpu_total = norm.add_forward(x, a)
+    gpu_out, gpu_total = norm.cuda().add_forward(x.cuda(), a.cuda())
+    assert torch.equal(gpu_total.cpu(), cpu_total) and rel_err(gpu_out.cpu(), cpu_out) < 1e-2

@@ -1,0 +1,204 @@
+"""The decode-path kernels against their torch formulations: the skinny linear
+(layers/skinny_gemm.py), add + RMSNorm and the rope split over head blocks
+(layers/fused_kernels.py). The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a
+subprocess, in fp32 and fp16 (the interpreter's numpy bf16 does not round to nearest even);
+tests/test_fused_kernels_gpu.py runs the same checks on a GPU in bf16 and fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.layers.linear import ColumnParallelLinear, linear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.parallel.groups import single_process_state
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton not installed")
+# relative error allowed against an fp64 reference of the same (rounded) inputs
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-6}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None) -> bool:
+    """got = x @ w.T + b accumulated in fp32 and rounded once to got's dtype: each element
+    within an ulp of the exact value, plus the fp32 summation error (a few 2^-24 of the sum of
+    the terms' magnitudes)."""
+    x, w = x.double(), w.double()
+    want = F.linear(x, w, None if b is None else b.double())
+    terms = F.linear(x.abs(), w.abs(), None if b is None else b.double().abs())
+    bound = torch.finfo(got.dtype).eps * want.abs() + 2 ** -24 * 8 * terms
+    return bool(((got.double() - want).abs() <= bound).all())
+
+
+# --- checks shared with the interpreter script and the GPU tests ---------------------------
+
+def check_skinny_linear(device: str, dtype: torch.dtype, n: int = 37, k: int = 200,
+                        tiles=((8, 64, 4), None)) -> None:
+    """M = 1..4 rows (and 6: two row groups), with and without bias, N and K off the block
+    sizes; strided rows and a 3-dim x; bf16 inputs with an fp32 output (DeepSeek's router)."""
+    from moeserve.layers.skinny_gemm import skinny_linear
+
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, k + 24, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    for tile in tiles:
+        for m in (1, 2, 3, 4, 6):
+            x = wide[:m, 5:5 + k]  # rows with a stride, as a slice of a fused projection
+            for bias in (None, b):
+                y = skinny_linear(x, w, bias, tiles=tile)
+                assert y.shape == (m, n) and y.dtype == dtype
+                assert close_to_exact(y, x, w, bias), (tile, m, bias is not None)
+    x3 = torch.randn(2, 2, k, generator=gen).to(device, dtype)
+    y3 = skinny_linear(x3, w, b)
+    assert y3.shape == (2, 2, n)
+    assert rel_err(y3, F.linear(x3.double(), w.double(), b.double())) < TOL[dtype]
+    x = wide[:3, :k]
+    y32 = skinny_linear(x, w, out_dtype=torch.float32)  # = F.linear(x.float(), w.float())
+    assert y32.dtype == torch.float32
+    assert rel_err(y32, F.linear(x.float(), w.float())) < 1e-6
+
+
+def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
+    """The sum as torch rounds it; the norm as RMSNorm computes it from that sum."""
+    from moeserve.layers.fused_kernels import add_rms_norm
+
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(d, 1e-6, dtype).to(device)
+    norm.weight.data = (1 + 0.3 * torch.rand(d, generator=gen)).to(device, dtype)
+    for rows in (1, 3, 5):
+        wide = torch.randn(rows, d + 8, generator=gen).to(device, dtype)
+        x, a = wide[:, 8:], torch.randn(rows, d, generator=gen).to(device, dtype)
+        out, total = add_rms_norm(x, a, norm.weight, norm.eps)
+        want_total = x + a
+        assert torch.equal(total, want_total)
+        x32 = want_total.float()
+        want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True)
+                                                + norm.eps)).to(dtype)
+        assert out.dtype == want.dtype and rel_err(out, want) < TOL[dtype]
+        # the statistics may be summed in another order: a rounding apart at most
+        ulps = (8 if dtype == torch.float32 else 2) * torch.finfo(dtype).eps
+        assert ((out.double() - want.double()).abs() <= ulps * want.double().abs()).all()
+
+
+def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,
+                           d: int = 16, blocks=(1, 2, 3, 8, None)) -> None:
+    """Any split of the heads gives the one-program-per-token result (blocks=1, the former
+    kernel), with and without Qwen3's per-head q/k norm, and matches the torch path."""
+    from moeserve.layers.fused_kernels import rotary
+
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(d, 1e6, {"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 64}, 256)
+    inv_freq = rope._inv_freq_cpu.to(device)
+    norms = [RMSNorm(d, 1e-6, dtype).to(device) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (1 + 0.3 * torch.rand(d, generator=gen)).to(device, dtype)
+    for t in (1, 3):
+        pos = torch.randint(0, 256, (t,), generator=gen).to(device)
+        qkv = torch.randn(t, (nq + 2 * nk) * d, generator=gen).to(device, dtype)
+        q = qkv[:, : nq * d].view(t, nq, d)
+        k = qkv[:, nq * d: (nq + nk) * d].view(t, nk, d)
+        for with_norm in (False, True):
+            extra = (norms[0].weight, norms[1].weight, 1e-6) if with_norm else ()
+            one_q, one_k = rotary(pos, q, k, inv_freq, rope.attention_factor, *extra,
+                                  head_blocks=1)
+            for nb in blocks:
+                got_q, got_k = rotary(pos, q, k, inv_freq, rope.attention_factor, *extra,
+                                      head_blocks=nb)
+                if device == "cpu":  # the same arithmetic per head, whatever the split
+                    assert torch.equal(got_q, one_q) and torch.equal(got_k, one_k), nb
+                else:  # a GPU may sum a head's squares in another order
+                    assert rel_err(got_q, one_q) < TOL[dtype], nb
+                    assert rel_err(got_k, one_k) < TOL[dtype], nb
+            qn, kn = (norms[0](q), norms[1](k)) if with_norm else (q, k)
+            cos, sin = rope.cos_sin(pos)
+            cos, sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
+            half = d // 2
+            rot = lambda x: torch.cat((-x[..., half:], x[..., :half]), -1)  # noqa: E731
+            assert rel_err(one_q, qn * cos + rot(qn) * sin) < TOL[dtype]
+            assert rel_err(one_k, kn * cos + rot(kn) * sin) < TOL[dtype]
+
+
+# --- the Triton kernels on the CPU --------------------------------------------------------
+
+_INTERPRETER_SCRIPT = r"""
+import torch
+import triton.runtime.interpreter as ti
+if hasattr(ti, "_patch_lang_tensor"):  # triton 3.6's interpreter calls int() on 1-element arrays,
+    _orig = ti._patch_lang_tensor      # which numpy >= 2.3 refuses
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    ti._patch_lang_tensor = _patched
+from test_decode_kernels import check_add_rms_norm, check_rope_head_blocks, check_skinny_linear
+
+for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
+    check_skinny_linear("cpu", dtype)
+    check_add_rms_norm("cpu", dtype)
+    check_rope_head_blocks("cpu", dtype)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.timeout(200)
+@needs_triton
+def test_decode_kernels_under_the_interpreter():
+    """The skinny linear, add + RMSNorm and head-block rope kernels on the CPU
+    (TRITON_INTERPRET=1: numpy semantics)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-4000:]
+
+
+# --- the torch paths and the tile table ---------------------------------------------------
+
+def test_add_forward_on_cpu_is_add_then_norm():
+    torch.manual_seed(3)
+    norm = RMSNorm(64, 1e-6, torch.bfloat16)
+    norm.weight.data.uniform_(0.7, 1.3)
+    x, a = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    out, total = norm.add_forward(x, a)
+    assert torch.equal(total, x + a) and torch.equal(out, norm(x + a))
+
+
+def test_linear_on_cpu_is_f_linear():
+    torch.manual_seed(4)
+    layer = ColumnParallelLinear(32, 24, bias=True, axis=single_process_state().attn_tp,
+                                 dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(2, 32)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(linear(x, layer.weight), F.linear(x, layer.weight))
+
+
+@needs_triton
+def test_skinny_tiles_stay_within_the_register_budget():
+    from moeserve.layers.skinny_gemm import MAX_ROWS, TILE_BUDGET, tiles_for
+
+    for m in (1, 2, 3, 4, 8, 100):
+        for n, k in [(128, 2048), (2048, 4096), (5120, 2048), (1536, 2048), (37, 40)]:
+            rows, bn, bk, warps = tiles_for(m, n, k)
+            assert rows == min(m, MAX_ROWS) and bk & (bk - 1) == 0
+            assert 16 <= bk < 2 * max(k, 16)
+            assert rows * bn * bk <= TILE_BUDGET * 32 * warps or bk == 16
+    assert tiles_for(1, 5120, 2048, (32, 128, 8)) == (1, 32, 128, 8)
+    assert tiles_for(4, 5120, 2048, (16, 1024, 4)) == (4, 16, 128, 4)
