@@ -72,21 +72,25 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k,
                            num_local, num_pairs, ws13_ptr, hs_ptr, inter_sh,
                            ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Programs [0, P): one pair each; [P, P + N): the shared expert of row pid - P."""
+    """With a shared expert, programs [0, N) run it for row pid (first: they are as long as
+    the pairs' and the shared weights are read by every row); then one program per pair."""
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid < num_pairs:
+    if HAS_SHARED:
+        num_rows = num_pairs // top_k
+        if pid < num_rows:
+            if pid_n * BLOCK_N < inter_sh:
+                row = pid.to(tl.int64)
+                _gate_up_row(x_ptr + row * hidden, ws13_ptr, hs_ptr + row * inter_sh, hidden,
+                             inter_sh, pid_n, ACT, BLOCK_N, BLOCK_K, EVEN_K)
+        pid -= num_rows
+    if pid >= 0:
         expert = tl.load(ids_ptr + pid) - first_expert  # id -1 gives < 0: first_expert >= 0
         if (expert >= 0) & (expert < num_local) & (pid_n * BLOCK_N < inter):
             token = (pid // top_k).to(tl.int64)
             w_base = w13_ptr + expert.to(tl.int64) * 2 * inter * hidden
             _gate_up_row(x_ptr + token * hidden, w_base, h_ptr + pid.to(tl.int64) * inter,
                          hidden, inter, pid_n, ACT, BLOCK_N, BLOCK_K, EVEN_K)
-    elif HAS_SHARED:
-        row = (pid - num_pairs).to(tl.int64)
-        if pid_n * BLOCK_N < inter_sh:
-            _gate_up_row(x_ptr + row * hidden, ws13_ptr, hs_ptr + row * inter_sh, hidden,
-                         inter_sh, pid_n, ACT, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit(do_not_specialize=_ARGS)
