@@ -36,9 +36,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_common import capture, ceilings  # noqa: E402
 from moeserve.layers.fused_kernels import add_rms_norm, rms_norm, rotary  # noqa: E402
-from moeserve.layers.linear import SKINNY_MAX_ROWS  # noqa: E402
 from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from moeserve.layers.skinny_gemm import skinny_linear, tiles_for  # noqa: E402
+from moeserve.layers.skinny_gemm import skinny_linear  # noqa: E402
+from moeserve.layers.skinny_tiles import beats_cublas, tiles_for  # noqa: E402
 
 DEVICE, DTYPE = "cuda", torch.bfloat16
 CALLS = 20
@@ -204,14 +204,17 @@ def fmt_row(r: dict) -> str:
 
 def step_summary(rows_out: list[dict], rows: list[int]) -> list[str]:
     """Per decode step (48 layers): qkv + o_proj + router, the add + norm, the rope; the
-    layers keep cuBLAS above SKINNY_MAX_ROWS rows."""
+    layers keep cuBLAS where skinny_tiles.beats_cublas says so."""
+    def skinny_taken(r: dict, m: int) -> bool:
+        k, n = (int(v) for v in r["shape"].split()[1].split("->"))
+        return r["kernel"] != "linear" or beats_cublas(m, n, k)
+
     lines = []
     for m in rows:
         pick = [r for r in rows_out if r["rows"] == m and (
             r["kernel"] != "linear" or r["shape"].split()[0] in ("qkv", "o_proj", "router"))]
         old = LAYERS * sum(r["old_us"] for r in pick)
-        new = LAYERS * sum(r["old_us" if r["kernel"] == "linear" and m > SKINNY_MAX_ROWS
-                            else "new_us"] for r in pick)
+        new = LAYERS * sum(r["new_us" if skinny_taken(r, m) else "old_us"] for r in pick)
         lines.append(f"rows {m}: these kernels per step (48 layers) {old:.0f} -> {new:.0f} us")
     return lines
 

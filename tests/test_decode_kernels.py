@@ -192,7 +192,7 @@ def test_linear_on_cpu_is_f_linear():
 
 @needs_triton
 def test_skinny_tiles_stay_within_the_register_budget():
-    from moeserve.layers.skinny_gemm import MAX_ROWS, TILE_BUDGET, tiles_for
+    from moeserve.layers.skinny_tiles import MAX_ROWS, TILE_BUDGET, tiles_for
 
     for m in (1, 2, 3, 4, 8, 100):
         for n, k in [(128, 2048), (2048, 4096), (5120, 2048), (1536, 2048), (37, 40)]:
@@ -202,3 +202,12 @@ def test_skinny_tiles_stay_within_the_register_budget():
             assert rows * bn * bk <= TILE_BUDGET * 32 * warps or bk == 16
     assert tiles_for(1, 5120, 2048, (32, 128, 8)) == (1, 32, 128, 8)
     assert tiles_for(4, 5120, 2048, (16, 1024, 4)) == (4, 16, 128, 4)
+
+
+def test_linear_takes_the_skinny_kernel_only_where_it_was_measured_faster():
+    from moeserve.layers.skinny_tiles import beats_cublas
+
+    assert beats_cublas(1, 5120, 2048) and not beats_cublas(2, 5120, 2048)  # qkv
+    assert beats_cublas(2, 2048, 4096) and not beats_cublas(4, 2048, 4096)  # o_proj
+    assert beats_cublas(4, 128, 2048) and beats_cublas(4, 1536, 2048)  # router, dense
+    assert not beats_cublas(0, 128, 2048) and not beats_cublas(5, 128, 2048)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.layers.fast_path import fused
+from moeserve.layers.skinny_tiles import beats_cublas
 from moeserve.parallel.groups import Axis
 
 SKINNY_MAX_ROWS = 4  # up to this many rows, a GPU projection is a GEMV: the skinny kernel
@@ -79,8 +80,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); a decode step's few rows on a GPU by the skinny kernel."""
-    y = skinny(x, weight, bias)
+    """F.linear(x, weight, bias); a decode step's few rows on a GPU by the skinny kernel where
+    its measurements beat cuBLAS's (skinny_gemm.TILES)."""
+    y = None
+    if x.is_cuda and x.dim() and beats_cublas(x.numel() // max(1, x.shape[-1]), *weight.shape):
+        y = skinny(x, weight, bias)
     return y if y is not None else nn.functional.linear(x, weight, bias)
 
 

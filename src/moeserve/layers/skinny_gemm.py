@@ -12,8 +12,9 @@ Any of bf16/fp16/fp32 for x and W (they may differ: DeepSeek's router reads bf16
 F.linear(x.float(), W.float())), fp32 accumulation, the output in `out_dtype` (x's by default,
 rounded once after the bias is added, as cuBLAS's epilogue does).
 
-Tiles: TILES maps (N, K) ranges to (BLOCK_N, BLOCK_K, num_warps) for one row; more rows shrink
-BLOCK_K so that the product tiles stay within TILE_BUDGET fp32 registers per thread.
+Tiles: TILES maps (N, K) ranges to (BLOCK_N, BLOCK_K, num_warps) for one row and to the most
+rows at which the kernel beats cuBLAS (`beats_cublas`); more rows shrink BLOCK_K so that the
+product tiles stay within TILE_BUDGET fp32 registers per thread.
 benchmarks/bench_decode_kernels.py --try-tiles measures the alternatives.
 """
 
@@ -25,33 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (largest N, largest K) -> (BLOCK_N, BLOCK_K, num_warps); the first range that holds (N, K)
-# wins. A wide BLOCK_K keeps many bytes in flight per program (the loop is not pipelined) and
-# few iterations on the latency path; a narrow BLOCK_N spreads a small N (a router) over SMs.
-TILES: tuple[tuple[int, int, tuple[int, int, int]], ...] = (
-    (512, 1 << 62, (1, 2048, 4)),
-    (1 << 62, 1 << 62, (4, 1024, 4)),
-)
-TILE_BUDGET = 64  # fp32 products per thread held across the K loop
-MAX_ROWS = 4  # rows per program; more rows take more row groups, each streaming W again
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
-def tiles_for(m: int, n: int, k: int, tiles: Optional[tuple[int, int, int]] = None
-              ) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product: `tiles` or the
-    table's, with BLOCK_K cut to the register budget and to K."""
-    if tiles is None:
-        tiles = next(t for max_n, max_k, t in TILES if n <= max_n and k <= max_k)
-    block_n, block_k, warps = tiles
-    rows = min(m, MAX_ROWS)
-    budget = TILE_BUDGET * 32 * warps // (rows * block_n)
-    block_k = max(16, min(block_k, _pow2(budget + 1) // 2, _pow2(k)))
-    return rows, block_n, block_k, warps
-
+from moeserve.layers.skinny_tiles import tiles_for
 
 @triton.jit
 def _row_product(acc, w, x_row, k, mask_k, valid):
