@@ -179,13 +179,22 @@ class DecoderLayer(nn.Module):
         self.comm = comm
 
     def forward(self, positions_T: torch.Tensor, x_TH: torch.Tensor, fb: ForwardBatch,
-                step: Any) -> torch.Tensor:
-        a = self.self_attn(positions_T, self.input_layernorm(x_TH), fb)
+                step: Any, residual: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(x, None), or (y, r) with x = r + y left unsummed when the rows need no gather:
+        the next layer's input norm (or the final norm) adds them in its own launch."""
+        if residual is None:
+            h = self.input_layernorm(x_TH)
+        else:
+            h, x_TH = self.input_layernorm.add_forward(x_TH, residual)
+        a = self.self_attn(positions_T, h, fb)
         a = self.comm.reduce_attn_output(a, step)
         # r = local_rows(x) + a and its norm, in one launch on a GPU
         h, r = self.post_attention_layernorm.add_forward(self.comm.local_rows(x_TH, step), a)
         y = self.mlp(h, step)
-        return self.comm.gather_rows(r + y, step)
+        if self.comm.scattered:
+            return self.comm.gather_rows(r + y, step), None
+        return y, r  # gather_rows is the identity here
 
 
 MLPFactory = Callable[[int], nn.Module]  # layer id -> MoELayer or DenseMLP
@@ -254,12 +263,15 @@ class MoECausalLM(nn.Module):
         """Logits [rows, V] in fp32: every token's with fb.return_all_logits, else each
         request's last new token's."""
         x_TH = self.embed_tokens(input_ids_T)
+        residual = None
         for layer in self.layers:
-            x_TH = layer(positions_T, x_TH, fb, step)
+            x_TH, residual = layer(positions_T, x_TH, fb, step, residual)
         rows = fb.logit_rows
         if rows is not None:
             x_TH = x_TH[rows]
-        return self.lm_head(self.norm(x_TH)).float()
+            residual = None if residual is None else residual[rows]
+        h = self.norm(x_TH) if residual is None else self.norm.add_forward(x_TH, residual)[0]
+        return self.lm_head(h).float()
 
     # --- weights (canonical names) ------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
