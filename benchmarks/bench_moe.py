@@ -70,9 +70,10 @@ class Layer:
     def __call__(self, x):
         """As MoELayer.forward on one rank (local dispatcher: rows unchanged)."""
         ids, w = self.router(x)
+        y = self.experts(x, ids, w)
         if self.shared is not None:
-            return self.experts.forward_with_shared(x, ids, w, self.shared)
-        return self.experts(x, ids, w)
+            y = y + self.shared.partial(x)
+        return y
 
 
 def make_weights(spec) -> dict[str, torch.Tensor]:

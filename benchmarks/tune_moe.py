@@ -160,9 +160,9 @@ def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
               torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
               torch.rand(n, k, device=DEVICE)) for _ in range(4)]
     t_up, up = best_in_graph("decode gate_up", lambda c: [
-        lambda x=x, i=i: decode_gate_up(x, w13, i.view(-1), k, 0, "silu", c)[0]
+        lambda x=x, i=i: decode_gate_up(x, w13, i.view(-1), k, 0, "silu", c)
         for x, i, _ in calls], gemv_candidates("gate_up", k))
-    hs = [decode_gate_up(x, w13, i.view(-1), k, 0, "silu", up)[0] for x, i, _ in calls]
+    hs = [decode_gate_up(x, w13, i.view(-1), k, 0, "silu", up) for x, i, _ in calls]
     t_down, dn = best_in_graph("decode down", lambda c: [
         lambda hb=hb, i=i, w=w: decode_down(hb, w2, i.view(-1), w.view(-1), n, k, 0, c)
         for hb, (_, i, w) in zip(hs, calls)], gemv_candidates("down", k))

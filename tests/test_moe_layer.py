@@ -201,9 +201,9 @@ def test_wrong_components_are_refused_with_the_flag():
 @pytest.mark.parametrize("kind", list(HF_CLASSES))
 @pytest.mark.parametrize("n", [1, 3, 29])
 def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
-    """bf16 layer on the triton runner (at 1-3 rows the GEMV kernels, with DeepSeek's shared
-    expert fused into them) against the same bf16 layer on the reference runner: the same
-    router code, so the same experts; only the expert arithmetic differs."""
+    """bf16 layer on the triton runner (at 1-3 rows the GEMV kernels) against the same bf16
+    layer on the reference runner: the same router code, so the same experts; only the expert
+    arithmetic differs."""
     spec, plan, state = _single(kind)
     weights = full_weights(spec, seed=47)
     layers = {}

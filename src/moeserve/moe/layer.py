@@ -78,10 +78,6 @@ class MoELayer(nn.Module):
                              f"this rank {step.num_rows(self.scattered)}")
         topk_ids_MK, topk_weights_MK = self.gate(x_MH, step.valid_rows(self.scattered))
         tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
-        if self.shared_with_experts:  # the runner may fuse it into its kernels
-            y_NH = self.experts.forward_with_shared(tokens.x_NH, tokens.topk_ids_NK,
-                                                    tokens.topk_weights_NK, self.shared_expert)
-            return self.dispatcher.combine(y_NH, handle)
         y_NH = self.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)
         if self.shared_on_dispatched:
             y_NH = y_NH + self._shared(tokens.x_NH)
@@ -89,13 +85,6 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None and not self.shared_on_dispatched:
             y_MH = y_MH + self._shared(x_MH)
         return y_MH
-
-    @property
-    def shared_with_experts(self) -> bool:
-        """An ungated shared expert on the very rows the experts get: split over tp (its
-        partial sums ride the combine), or one rank (the local dispatcher changes no row)."""
-        return (self.shared_expert is not None and self.shared_expert_gate is None
-                and (self.shared_on_dispatched or self.dispatcher.name == "local"))
 
     def _shared(self, x_NH: torch.Tensor) -> torch.Tensor:
         assert self.shared_expert is not None

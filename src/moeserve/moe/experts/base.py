@@ -63,12 +63,6 @@ class Experts(nn.Module, ABC):
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
         ...
 
-    def forward_with_shared(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                            topk_weights_NK: torch.Tensor, shared: nn.Module) -> torch.Tensor:
-        """forward() plus an ungated shared expert on the same rows (a DenseMLP: its partial
-        sum). Runners that can fuse the two override this."""
-        return self(x_NH, topk_ids_NK, topk_weights_NK) + shared.partial(x_NH)
-
     def load_expert(self, expert: int, proj: str, src: Any) -> None:
         """Read this rank's shard of experts.{expert}.{proj}.weight (a full HF tensor or a
         safetensors slice)."""

@@ -12,10 +12,9 @@ triton is imported on the first forward, so that `import moeserve` works without
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.experts.base import Experts, register_experts
@@ -51,28 +50,13 @@ class TritonFusedExperts(Experts):
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        return self._run(x_NH, topk_ids_NK, topk_weights_NK, None)
-
-    def forward_with_shared(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                            topk_weights_NK: torch.Tensor, shared: nn.Module) -> torch.Tensor:
-        """At the sizes that take the GEMV kernels, the shared expert runs inside them (no
-        launches of its own); elsewhere as the base class does."""
-        return self._run(x_NH, topk_ids_NK, topk_weights_NK, shared)
-
-    def _run(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
-             shared: Optional[nn.Module]) -> torch.Tensor:
         if not x_NH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton expert runner needs CUDA tensors; on a CPU use "
                              "--moe-runner-backend reference")
         if x_NH.shape[0] == 0:
             return x_NH.new_zeros(0, self.hidden)
-        from moeserve.moe.kernels.fused_moe import fused_experts, fuses_shared
+        from moeserve.moe.kernels.fused_moe import fused_experts
 
         cfg = self.config_for(x_NH.shape[0], x_NH.device)
-        fuse = shared is not None and fuses_shared(cfg)
-        y = fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
-                          self.first_expert, self.kernel_act, cfg,
-                          (shared.gate_up.weight, shared.down.weight) if fuse else None)
-        if shared is not None and not fuse:
-            y = y + shared.partial(x_NH)
-        return y
+        return fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
+                             self.first_expert, self.kernel_act, cfg)

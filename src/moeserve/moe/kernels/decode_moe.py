@@ -9,9 +9,7 @@ Legend: N rows, K top-k, P = N K pairs, E local experts, H hidden, I intermediat
               experts together; the top-k sum happens in fp32 registers, then one rounding;
               no atomics, no [P, H] buffer, no separate pass
 
-A shared expert (DeepSeek's, unless gated) rides along: gate_up runs it as N more programs
-over its own weights, and down adds it to each row's sum, its I_sh split into TOP_K segments
-that load together like the experts' tiles. Pairs of other ranks and ids of -1 read nothing. Each pair streams its expert's weights once,
+Pairs of other ranks and ids of -1 read nothing. Each pair streams its expert's weights once,
 so two pairs of one expert read it twice: the path wins when the pairs of a step rarely share
 an expert (one row never does: a row's top-k ids are distinct), and loses to the aligned
 grouped GEMMs of fused_moe.py once they often do. kernels/configs.py chooses between them
@@ -24,7 +22,7 @@ loaded weight tile busy for all its bytes, where a 16-row MMA tile wastes 15/16 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import triton
@@ -33,18 +31,24 @@ import triton.language as tl
 from moeserve.moe.kernels.act import ACT_CODES, _act
 
 # runtime ints that change with the step or the rank are not specialised
-_ARGS = ["top_k", "first_expert", "num_local", "num_pairs"]
+_ARGS = ["top_k", "first_expert", "num_local"]
 
 
-@triton.jit
-def _gate_up_row(x_row, w_base, h_row, hidden, inter, pid_n, ACT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """h_row[n] = act(x_row . w[n]) * (x_row . w[inter + n]) for this program's BLOCK_N n."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit(do_not_specialize=_ARGS)
+def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
+                           num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
+    if (expert < 0) | (expert >= num_local):
+        return
+    token = (pair // top_k).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_row + offs_k
-    g_ptrs = w_base + offs_n[:, None].to(tl.int64) * hidden + offs_k[None, :]
+    x_ptrs = x_ptr + token * hidden + offs_k
+    g_ptrs = (w13_ptr + expert.to(tl.int64) * 2 * inter * hidden
+              + offs_n[:, None].to(tl.int64) * hidden + offs_k[None, :])
     u_ptrs = g_ptrs + inter * hidden
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -64,40 +68,14 @@ def _gate_up_row(x_row, w_base, h_row, hidden, inter, pid_n, ACT: tl.constexpr,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1)
-    tl.store(h_row + offs_n, h.to(h_row.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit(do_not_specialize=_ARGS)
-def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
-                           num_local, num_pairs, ws13_ptr, hs_ptr, inter_sh,
-                           ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """With a shared expert, programs [0, N) run it for row pid (first: they are as long as
-    the pairs' and the shared weights are read by every row); then one program per pair."""
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if HAS_SHARED:
-        num_rows = num_pairs // top_k
-        if pid < num_rows:
-            if pid_n * BLOCK_N < inter_sh:
-                row = pid.to(tl.int64)
-                _gate_up_row(x_ptr + row * hidden, ws13_ptr, hs_ptr + row * inter_sh, hidden,
-                             inter_sh, pid_n, ACT, BLOCK_N, BLOCK_K, EVEN_K)
-        pid -= num_rows
-    if pid >= 0:
-        expert = tl.load(ids_ptr + pid) - first_expert  # id -1 gives < 0: first_expert >= 0
-        if (expert >= 0) & (expert < num_local) & (pid_n * BLOCK_N < inter):
-            token = (pid // top_k).to(tl.int64)
-            w_base = w13_ptr + expert.to(tl.int64) * 2 * inter * hidden
-            _gate_up_row(x_ptr + token * hidden, w_base, h_ptr + pid.to(tl.int64) * inter,
-                         hidden, inter, pid_n, ACT, BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, h.to(h_ptr.dtype.element_ty),
+             mask=n_ok)
 
 
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
-                        first_expert, num_local, hs_ptr, ws2_ptr, inter_sh,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        first_expert, num_local, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Each K chunk loads the tiles of all the row's experts at once ([TOP_K, BLOCK_N,
     BLOCK_K]): top_k times the bytes in flight of a loop over the experts, a third of the
     round trips at Qwen3's I = 768."""
@@ -128,20 +106,6 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
         acc += w.to(tl.float32) * hw[:, None, :]
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_SHARED:  # the shared expert's K split in TOP_K segments, loaded together
-        seg = tl.cdiv(inter_sh, TOP_K)
-        start = offs_j * seg
-        hs_ptrs = hs_ptr + row * inter_sh + start[:, None] + offs_k[None, :]
-        ws_ptrs = (ws2_ptr + (offs_n.to(tl.int64) * inter_sh)[None, :, None]
-                   + start[:, None, None] + offs_k[None, None, :])
-        for k0 in range(0, seg, BLOCK_K):
-            kk = k0 + offs_k
-            ok = (kk[None, :] < seg) & (start[:, None] + kk[None, :] < inter_sh)
-            h = tl.load(hs_ptrs, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(ws_ptrs, mask=ok[:, None, :] & n_ok[None, :, None], other=0.0)
-            acc += w.to(tl.float32) * h[:, None, :]
-            hs_ptrs += BLOCK_K
-            ws_ptrs += BLOCK_K
     y = tl.sum(tl.sum(acc, 2), 0)
     tl.store(out_ptr + row * hidden + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -153,57 +117,37 @@ def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
             "num_stages": cfg.get("num_stages", 3)}
 
 
-Shared = Optional[tuple[torch.Tensor, torch.Tensor]]  # (gate_up [2 I_sh, H], down [H, I_sh])
-
-
 def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, top_k: int,
-                   first_expert: int, act: str, cfg: dict[str, Any], shared: Shared = None
-                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(h [P, I], the shared expert's h [N, I_sh] or None); rows of pairs this rank does not
-    own are left unwritten (down skips them)."""
+                   first_expert: int, act: str, cfg: dict[str, Any]) -> torch.Tensor:
+    """h [P, I]; rows of pairs this rank does not own are left unwritten (down skips them)."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    pairs, rows = ids_P.shape[0], x_NH.shape[0]
+    pairs = ids_P.shape[0]
     h = torch.empty(pairs, inter, dtype=x_NH.dtype, device=x_NH.device)
-    hs = None
-    inter_sh, ws13 = 0, w13
-    if shared is not None:
-        ws13 = shared[0]
-        inter_sh = ws13.shape[0] // 2
-        hs = torch.empty(rows, inter_sh, dtype=x_NH.dtype, device=x_NH.device)
-    programs = pairs + (rows if shared is not None else 0)
-    if programs:
-        grid = (programs, triton.cdiv(max(inter, inter_sh), cfg["BLOCK_N"]))
+    if pairs:
+        grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
         _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
-                                     num_local, pairs, ws13, h if hs is None else hs, inter_sh,
-                                     ACT=ACT_CODES[act], HAS_SHARED=shared is not None,
-                                     **_opts(cfg, hidden))
-    return h, hs
+                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden))
+    return h
 
 
 def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
                 weights_P: torch.Tensor, num_rows: int, top_k: int, first_expert: int,
-                cfg: dict[str, Any], shared: Shared = None,
-                hs_NI: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cfg: dict[str, Any]) -> torch.Tensor:
     num_local, hidden, inter = w2.shape
     out = torch.empty(num_rows, hidden, dtype=h_PI.dtype, device=h_PI.device)
-    ws2 = w2 if shared is None else shared[1]
-    inter_sh = 0 if shared is None else ws2.shape[1]
     if num_rows:
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
-                                  first_expert, num_local, h_PI if hs_NI is None else hs_NI,
-                                  ws2, inter_sh, TOP_K=triton.next_power_of_2(top_k),
-                                  HAS_SHARED=shared is not None, **_opts(cfg, inter))
+                                  first_expert, num_local, TOP_K=triton.next_power_of_2(top_k),
+                                  **_opts(cfg, inter))
     return out
 
 
 def decode_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    ids_P: torch.Tensor, weights_P: torch.Tensor, top_k: int, first_expert: int,
-                   act: str, cfg: dict[str, Any], shared: Shared = None) -> torch.Tensor:
-    """sum_k w_k expert_k(x) (+ the shared expert) over this rank's pairs; ids_P int32 and
-    weights_P float32, both contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N,
-    BLOCK_K, num_warps, optional num_stages)."""
-    h, hs = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"], shared)
-    return decode_down(h, w2, ids_P, weights_P, x_NH.shape[0], top_k, first_expert,
-                       cfg["down"], shared, hs)
+                   act: str, cfg: dict[str, Any]) -> torch.Tensor:
+    """sum_k w_k expert_k(x) over this rank's pairs; ids_P int32 and weights_P float32, both
+    contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N, BLOCK_K, num_warps)."""
+    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"])
+    return decode_down(h, w2, ids_P, weights_P, x_NH.shape[0], top_k, first_expert, cfg["down"])

@@ -21,7 +21,7 @@ the same input gives the same bits.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import triton
@@ -233,11 +233,8 @@ def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tens
 
 def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
-                  first_expert: int, act: str, config: dict[str, Any],
-                  shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """sum_k w_k expert_k(x) over the pairs whose expert is in [first_expert, first + E).
-    `shared` (gate_up [2 I_sh, H], down [H, I_sh]): a shared expert added to every row, only
-    with a "decode" config (the GEMV kernels fuse it); callers check `fuses_shared(config)`."""
+                  first_expert: int, act: str, config: dict[str, Any]) -> torch.Tensor:
+    """sum_k w_k expert_k(x) over the pairs whose expert is in [first_expert, first + E)."""
     num_local = w13.shape[0]
     n, k = topk_ids_NK.shape
     x_NH = x_NH.contiguous()
@@ -245,16 +242,8 @@ def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights_NK.to(torch.float32).contiguous().view(-1)
     if "decode" in config:  # a few rows: two GEMV launches (decode_moe.py)
         return decode_experts(x_NH, w13, w2, ids.view(-1), weights, k, first_expert, act,
-                              config["decode"], shared)
-    if shared is not None:
-        raise ValueError("the aligned grouped GEMMs do not fuse a shared expert; check "
-                         "fuses_shared(config) first")
+                              config["decode"])
     blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"])
     h = gate_up(x_NH, w13, blocks, k, act, config["gate_up"])
     y = down(h, w2, blocks, weights, n * k, config["down"])
     return topk_sum(y, ids, first_expert, num_local)
-
-
-def fuses_shared(config: dict[str, Any]) -> bool:
-    """Whether fused_experts with this config can add a shared expert in its kernels."""
-    return "decode" in config
