@@ -66,13 +66,14 @@ def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
 # The product itself.
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+           out_dtype: Optional[torch.dtype] = None,
+           max_rows: int = SKINNY_MAX_ROWS) -> Optional[torch.Tensor]:
     """x @ weight.T (+ bias) in out_dtype (x's by default) by the skinny-GEMM kernel, with fp32
-    accumulation, for a CUDA x of 1..SKINNY_MAX_ROWS rows with a contiguous last dim; None
-    where it does not apply (the caller computes it in torch)."""
+    accumulation, for a CUDA x of 1..max_rows rows with a contiguous last dim; None where it
+    does not apply (the caller computes it in torch)."""
     if (x.device.type != "cuda" or x.dim() == 0 or x.stride(-1) != 1
             or weight.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1)
-            or not 0 < x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]):
+            or not 0 < x.numel() <= max_rows * x.shape[-1]):
         return None
     kernel = fused("skinny_linear", x.device)
     return None if kernel is None else kernel(x, weight, bias, out_dtype)

@@ -31,6 +31,7 @@ from moeserve.models.spec import ModelSpec
 from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
 
 SCORINGS = ("softmax", "sigmoid")
+FP32_SKINNY_ROWS = 64
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -129,9 +130,10 @@ class Router(nn.Module):
     def logits(self, x_MH: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, E]: from fp32 products (DeepSeek), or rounded to the model dtype."""
         if self.fp32_logits:
-            # a decode step's rows: the skinny kernel reads the model-dtype x and W and
-            # accumulates in fp32, which is the fp32 product up to the order of summation
-            out = skinny(x_MH, self.weight, out_dtype=torch.float32)
+            # up to FP32_SKINNY_ROWS rows the skinny kernel reads the model-dtype x and W and
+            # accumulates in fp32: the fp32 product up to the order of summation, without the
+            # casts of x and W and the fp32 GEMM (its row groups re-read W, 0.5 MB, from L2)
+            out = skinny(x_MH, self.weight, out_dtype=torch.float32, max_rows=FP32_SKINNY_ROWS)
             return out if out is not None else F.linear(x_MH.float(), self.weight.float())
         return linear(x_MH, self.weight).float()
 
