@@ -8,7 +8,9 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
                    Qwen3's per-head q/k RMSNorm before it when given its weights; a token's
-                   heads are split over several programs when the step has few tokens
+                   heads are split over several programs when the step has few tokens; with
+                   `kv_cache` it also writes the rotated k and v into their KV-cache slots
+                   (the store_kv below, without its own launch)
   store_kv         the new tokens' K and V into their KV-cache slots in one launch
   topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
                    renormalisation, scaling, rounding of the weights to the model dtype,
@@ -99,8 +101,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _rope_heads(X, Out, W, t, h0, stride_t, stride_h, n, c, s, eps, HALF: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_heads(X, Out, W, Cache, t, h0, stride_t, stride_h, n, c, s, eps, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_NORM: tl.constexpr,
+                STORE: tl.constexpr):
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_f = tl.arange(0, BLOCK_F)
     mask = (offs_h[:, None] < n) & (offs_f[None, :] < HALF)
@@ -115,17 +118,24 @@ def _rope_heads(X, Out, W, t, h0, stride_t, stride_h, n, c, s, eps, HALF: tl.con
         y2 = (x2 * r[:, None]).to(Out.dtype.element_ty).to(tl.float32)
         x1 = (w1[None, :] * y1).to(Out.dtype.element_ty).to(tl.float32)
         x2 = (w2[None, :] * y2).to(Out.dtype.element_ty).to(tl.float32)
-    dst = Out + (t * n + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
-    tl.store(dst, (x1 * c[None, :] - x2 * s[None, :]).to(Out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c[None, :] + x1 * s[None, :]).to(Out.dtype.element_ty), mask=mask)
+    o1 = (x1 * c[None, :] - x2 * s[None, :]).to(Out.dtype.element_ty)
+    o2 = (x2 * c[None, :] + x1 * s[None, :]).to(Out.dtype.element_ty)
+    head = offs_h[:, None] * (2 * HALF) + offs_f[None, :]
+    tl.store(Out + t * n * (2 * HALF) + head, o1, mask=mask)
+    tl.store(Out + t * n * (2 * HALF) + head + HALF, o2, mask=mask)
+    if STORE:  # Cache: this token's slot row [n, 2 HALF]; the k output cast as store_kv does
+        tl.store(Cache + head, o1.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(Cache + head + HALF, o2.to(Cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, stride_qt, stride_qh, stride_kt,
-                 stride_kh, nq, nk, factor, eps, HALF: tl.constexpr, BLOCK_F: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, Loc, V, Cache, stride_qt, stride_qh,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, v_offset, nq, nk,
+                 factor, eps, HALF: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr):
     # program (token t, head block b): q heads [b BLOCK_Q, (b + 1) BLOCK_Q) and k heads
-    # [b BLOCK_K, (b + 1) BLOCK_K), masked where a block runs past the heads
+    # [b BLOCK_K, (b + 1) BLOCK_K), masked where a block runs past the heads; with STORE_KV
+    # also those k heads, rotated, and the same v heads into the token's KV-cache slot
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs_f = tl.arange(0, BLOCK_F)
@@ -134,10 +144,22 @@ def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, stride_qt, stride_qh, strid
     # cos/sin rounded to the activations' dtype, as the torch path multiplies in that dtype
     c = (tl.cos(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
     s = (tl.sin(angle) * factor).to(QO.dtype.element_ty).to(tl.float32)
-    _rope_heads(Q, QO, QW, t, b * BLOCK_Q, stride_qt, stride_qh, nq, c, s, eps, HALF, BLOCK_Q,
-                BLOCK_F, HAS_NORM)
-    _rope_heads(K, KO, KW, t, b * BLOCK_K, stride_kt, stride_kh, nk, c, s, eps, HALF, BLOCK_K,
-                BLOCK_F, HAS_NORM)
+    _rope_heads(Q, QO, QW, Cache, t, b * BLOCK_Q, stride_qt, stride_qh, nq, c, s, eps, HALF,
+                BLOCK_Q, BLOCK_F, HAS_NORM, False)
+    k_row = Cache
+    if STORE_KV:
+        k_row = Cache + tl.load(Loc + t).to(tl.int64) * stride_cs
+    _rope_heads(K, KO, KW, k_row, t, b * BLOCK_K, stride_kt, stride_kh, nk, c, s, eps, HALF,
+                BLOCK_K, BLOCK_F, HAS_NORM, STORE_KV)
+    if STORE_KV:  # v as it is, cast to the cache dtype
+        offs_h = b * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_h[:, None] < nk) & (offs_f[None, :] < HALF)
+        src = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_f[None, :]
+        dst = k_row + v_offset + offs_h[:, None] * (2 * HALF) + offs_f[None, :]
+        v1 = tl.load(src, mask=mask)
+        v2 = tl.load(src + HALF, mask=mask)
+        tl.store(dst, v1.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, v2.to(Cache.dtype.element_ty), mask=mask)
 
 
 ROPE_HEADS_PER_PROGRAM = 4  # q heads of one program when a step has few tokens
@@ -151,13 +173,39 @@ def rope_head_blocks(t: int, nq: int, nk: int) -> int:
                       triton.cdiv(ROPE_PROGRAMS, max(1, t))))
 
 
+def kv_cache_offset(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[int]:
+    """Elements from k_cache to v_cache when they are contiguous [S, K, D] views of one
+    buffer, the layout the KV stores write (slot s, head h at s K D + h D); else None."""
+    ok = (k_cache.dim() == 3 and k_cache.is_contiguous() and v_cache.is_contiguous()
+          and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+          and (v_cache.data_ptr() - k_cache.data_ptr()) % k_cache.element_size() == 0)
+    return (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size() if ok else None
+
+
+def rotary_stores_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
+                     k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> bool:
+    """Whether rotary(..., kv_cache=(k_cache, v_cache, loc_T, v_TKD)) takes this layout: the
+    caches as store_kv takes them, one slot per token, v [T, K, D] with unit stride in D."""
+    t, heads, d = k_TKD.shape
+    return (kv_cache_offset(k_cache, v_cache) is not None
+            and tuple(k_cache.shape[1:]) == (heads, d) and v_TKD.shape == k_TKD.shape
+            and v_TKD.stride(-1) == 1 and loc_T.shape == (t,)
+            and loc_T.device == k_cache.device == v_TKD.device)
+
+
 def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
            inv_freq: torch.Tensor, factor: float, q_norm_w: Optional[torch.Tensor] = None,
            k_norm_w: Optional[torch.Tensor] = None, eps: float = 0.0,
-           head_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           head_blocks: Optional[int] = None,
+           kv_cache: Optional[tuple[torch.Tensor, ...]] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope of q and k at positions (neox halves), after a per-head RMSNorm of each when
     their weights are given; returns new contiguous tensors. Each token's heads are split
-    into `head_blocks` programs (rope_head_blocks by default; 1: one program per token)."""
+    into `head_blocks` programs (rope_head_blocks by default; 1: one program per token).
+
+    kv_cache = (k_cache, v_cache, loc_T, v_TKD): also k_cache[loc] = the returned k and
+    v_cache[loc] = v, cast to the cache dtype, as store_kv writes them, in the same launch;
+    the layout must be one rotary_stores_kv accepts."""
     t, nq, d = q_TND.shape
     nk = k_TKD.shape[1]
     half = inv_freq.shape[0]
@@ -167,6 +215,12 @@ def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
     assert has_norm == (k_norm_w is not None)
     qo, ko = torch.empty(q_TND.shape, dtype=q_TND.dtype, device=q_TND.device), \
         torch.empty(k_TKD.shape, dtype=k_TKD.dtype, device=k_TKD.device)
+    if kv_cache is not None:
+        k_cache, v_cache, loc_T, v_TKD = kv_cache
+        assert rotary_stores_kv(k_cache, v_cache, loc_T, k_TKD, v_TKD), "KV layout"
+        v_offset, v_strides = kv_cache_offset(k_cache, v_cache), v_TKD.stride()[:2]
+    else:  # unused pointers and strides (STORE_KV=False compiles their uses away)
+        k_cache, loc_T, v_TKD, v_offset, v_strides = ko, positions_T, k_TKD, 0, (0, 0)
     if t:
         blocks = head_blocks or rope_head_blocks(t, nq, nk)
         block_q, block_k = _pow2(triton.cdiv(nq, blocks)), _pow2(triton.cdiv(nk, blocks))
@@ -174,11 +228,12 @@ def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
         block_f = _pow2(half)
         _rope_kernel[(t, blocks)](positions_T, inv_freq, q_TND, k_TKD, qo, ko,
                                   q_norm_w if has_norm else inv_freq,
-                                  k_norm_w if has_norm else inv_freq,
+                                  k_norm_w if has_norm else inv_freq, loc_T, v_TKD, k_cache,
                                   q_TND.stride(0), q_TND.stride(1), k_TKD.stride(0),
-                                  k_TKD.stride(1), nq, nk, factor, eps, HALF=half,
+                                  k_TKD.stride(1), v_strides[0], v_strides[1],
+                                  k_cache.stride(0), v_offset, nq, nk, factor, eps, HALF=half,
                                   BLOCK_F=block_f, BLOCK_Q=block_q, BLOCK_K=block_k,
-                                  HAS_NORM=has_norm,
+                                  HAS_NORM=has_norm, STORE_KV=kv_cache is not None,
                                   num_warps=max(1, min(4, block_q * block_f // 128)))
     return qo, ko
 
@@ -209,14 +264,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
     def rows_contiguous(x: torch.Tensor) -> bool:  # each row's [K, D] is one run
         return x.stride(2) == 1 and (heads == 1 or x.stride(1) == d)
 
-    ok = (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-          and rows_contiguous(k_TKD) and rows_contiguous(v_TKD)
-          and k_cache.shape[1] * k_cache.shape[2] == width
-          and (v_cache.data_ptr() - k_cache.data_ptr()) % k_cache.element_size() == 0)
+    v_offset = kv_cache_offset(k_cache, v_cache)
+    ok = (v_offset is not None and rows_contiguous(k_TKD) and rows_contiguous(v_TKD)
+          and k_cache.shape[1] * k_cache.shape[2] == width)
     if not ok:
         return False
     if t:
-        v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
         _store_kv_kernel[(t,)](loc_T, k_TKD, v_TKD, k_cache, k_TKD.stride(0), v_TKD.stride(0),
                                k_cache.stride(0), v_offset, WIDTH=width, BLOCK=_pow2(width),
                                num_warps=4)
