@@ -4,12 +4,14 @@ Legend: T new tokens of the forward, N query heads (local), K KV heads (local), 
 S a request's cached tokens (prefix + new).
 
 PagedAttention writes the new tokens' K/V into the pool at `out_cache_loc`, then asks an
-attention backend for the output. Backends share one small contract (AttentionBackend) and are
-chosen by name from a registry; "torch" is the reference that runs anywhere: per request it
-gathers the request's K/V through req_to_token and computes causal softmax attention in fp32.
-It serves extend (new tokens after an already cached prefix) and decode alike. It reads
-the host copies of the lengths, so a CUDA graph cannot replay it. The GPU backend, "triton"
-(attention_triton.py), registers itself when first asked for.
+attention backend for the output. On a GPU the rope kernel can do that write in its own
+launch (`kv_write`: the decoder hands it to the rope, then tells forward the K/V are stored).
+Backends share one small contract (AttentionBackend) and are chosen by name from a registry;
+"torch" is the reference that runs anywhere: per request it gathers the request's K/V through
+req_to_token and computes causal softmax attention in fp32. It serves extend (new tokens after
+an already cached prefix) and decode alike. It reads the host copies of the lengths, so a CUDA
+graph cannot replay it. The GPU backend, "triton" (attention_triton.py), registers itself when
+first asked for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import torch
 from torch import nn
 
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.runtime.kv_cache import KVWrite
+
+# False: the rope never stores K/V, PagedAttention.forward always does (a switch for tests)
+FUSE_ROPE_KV_STORE = True
 
 
 class AttentionBackend(ABC):
@@ -98,8 +104,17 @@ class PagedAttention(nn.Module):
         self.head_dim, self.scaling, self.sliding_window = head_dim, scaling, sliding_window
         self.backend = backend
 
+    def kv_write(self, v_TKD: torch.Tensor, fb: ForwardBatch) -> Optional[KVWrite]:
+        """This step's K/V store for the rope kernel to do (its GPU kernel writes the rotated
+        k and v into their slots), or None: forward stores them."""
+        if not FUSE_ROPE_KV_STORE or v_TKD.shape[0] == 0:
+            return None
+        make = getattr(fb.kv_pool, "fused_write", None)  # KVCachePool's; not MLA's
+        return None if make is None else make(self.layer_id, fb.out_cache_loc, v_TKD)
+
     def forward(self, q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        if q_TND.shape[0]:
+                fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: the new K/V are in the pool already (the rope took kv_write)."""
+        if q_TND.shape[0] and not kv_stored:
             fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
         return self.backend.forward(q_TND, self, fb)

@@ -9,12 +9,15 @@ at each forward, in fp32, as transformers does.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from moeserve.layers.fast_path import fused
+
+if TYPE_CHECKING:
+    from moeserve.runtime.kv_cache import KVWrite
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -114,8 +117,11 @@ class RotaryEmbedding(nn.Module):
         return emb_TD.cos() * self.attention_factor, emb_TD.sin() * self.attention_factor
 
     def forward(self, positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
-                norms: Optional[tuple[Any, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """norms: per-head RMSNorm modules (q_norm, k_norm) to apply first (Qwen3-MoE)."""
+                norms: Optional[tuple[Any, Any]] = None, kv_write: Optional["KVWrite"] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norms: per-head RMSNorm modules (q_norm, k_norm) to apply first (Qwen3-MoE).
+        kv_write: the layer's K/V store; when given, the rotated k and v are in the KV cache
+        on return, written by the rope kernel in its launch or else by the pool's set_kv."""
         kernel = fused("rotary", q_TND.device)
         if (kernel is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
                 and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1
@@ -125,12 +131,15 @@ class RotaryEmbedding(nn.Module):
                 self._inv_freq[dev] = self._inv_freq_cpu.to(dev)
             extra = () if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
             out = kernel(positions_T, q_TND, k_TKD, self._inv_freq[dev], self.attention_factor,
-                         *extra)
+                         *extra, kv_cache=None if kv_write is None else kv_write.kernel_args())
             if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
                 return out
         if norms is not None:
             q_TND, k_TKD = norms[0](q_TND), norms[1](k_TKD)
         cos, sin = self.cos_sin(positions_T)
         cos, sin = cos[:, None, :].to(q_TND.dtype), sin[:, None, :].to(q_TND.dtype)
-        return (q_TND * cos + rotate_half(q_TND) * sin,
-                k_TKD * cos + rotate_half(k_TKD) * sin)
+        q_TND, k_TKD = (q_TND * cos + rotate_half(q_TND) * sin,
+                        k_TKD * cos + rotate_half(k_TKD) * sin)
+        if kv_write is not None:
+            kv_write.write(k_TKD)
+        return q_TND, k_TKD

@@ -99,8 +99,10 @@ class DecoderAttention(nn.Module):
         if self.opts.clip_qkv is not None:
             c = self.opts.clip_qkv
             q_TND, k_TKD, v_TKD = q_TND.clamp(-c, c), k_TKD.clamp(-c, c), v_TKD.clamp(-c, c)
-        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms)
-        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb)
+        # on a GPU the rope kernel also writes k and v into the KV cache (one launch less)
+        kv_write = self.attn.kv_write(v_TKD, fb)
+        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
+        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None)
         return self.o_proj(o_TND.reshape(t, n * d))
 
     # --- weights (names relative to "self_attn.") ----------------------------------------

@@ -6,6 +6,9 @@ in pages of `page_size` consecutive slots (PagedKVPool); page 0 is reserved, so 
 dummy slot that padded rows (CUDA-graph padding, idle ranks) write to without touching any
 request's cache. `create_kv_pool(plan)` picks the pool the model needs.
 
+KVWrite is one layer's store of the new tokens' K/V, handed to the rope so that its GPU kernel
+writes the rotated K and V into their slots in the same launch (KVCachePool.fused_write).
+
 ReqToTokenPool is the [rows, context_length] table mapping a request's token position to its KV
 slot; row 0 is reserved for the dummy request of padded graph rows.
 
@@ -15,6 +18,7 @@ Both are sized from the capacity plan ("kv_cache" and "req_to_token" records), n
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -145,6 +149,42 @@ class KVCachePool(PagedKVPool):
             return  # one launch on a GPU
         self.kv_LSKD[layer, 0].index_copy_(0, loc_T, k_TKD.to(self.dtype))
         self.kv_LSKD[layer, 1].index_copy_(0, loc_T, v_TKD.to(self.dtype))
+
+    def fused_write(self, layer: int, loc_T: torch.Tensor, v_TKD: torch.Tensor
+                    ) -> Optional["KVWrite"]:
+        """This layer's K/V store for the rope kernel to do (layers/fused_kernels.rotary with
+        kv_cache): a KVWrite on a GPU whose rope kernel takes this layout, else None (then
+        set_kv stores them)."""
+        from moeserve.layers.fast_path import fused
+
+        if loc_T.shape[0] == 0 or fused("rotary", self.device) is None:
+            return None
+        from moeserve.layers.fused_kernels import rotary_stores_kv
+
+        k_cache, v_cache = self.k_cache(layer), self.v_cache(layer)
+        if not rotary_stores_kv(k_cache, v_cache, loc_T, v_TKD, v_TKD):  # k has v's shape
+            return None
+        return KVWrite(self, layer, loc_T, v_TKD)
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """The store of one layer's new K/V: v_TKD into the v cache and the k that the rope gives
+    into the k cache, at slots loc_T. Whoever takes it (RotaryEmbedding.forward) leaves both
+    in the cache: its kernel writes them, or `write` does."""
+
+    pool: KVCachePool
+    layer: int
+    loc_T: torch.Tensor
+    v_TKD: torch.Tensor
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """(k_cache, v_cache, loc_T, v_TKD): fused_kernels.rotary's kv_cache."""
+        return (self.pool.k_cache(self.layer), self.pool.v_cache(self.layer), self.loc_T,
+                self.v_TKD)
+
+    def write(self, k_TKD: torch.Tensor) -> None:
+        self.pool.set_kv(self.layer, self.loc_T, k_TKD, self.v_TKD)
 
 
 class MLAKVCachePool(PagedKVPool):
