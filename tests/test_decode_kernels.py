@@ -1,8 +1,9 @@
 """The decode-path kernels against their torch formulations: the skinny linear
-(layers/skinny_gemm.py), add + RMSNorm and the rope split over head blocks
-(layers/fused_kernels.py). The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a
-subprocess, in fp32 and fp16 (the interpreter's numpy bf16 does not round to nearest even);
-tests/test_fused_kernels_gpu.py runs the same checks on a GPU in bf16 and fp32.
+(layers/skinny_gemm.py), add + RMSNorm, the rope split over head blocks and the rope that
+also stores K/V into the cache (layers/fused_kernels.py). The Triton kernels run on the CPU
+under TRITON_INTERPRET=1 in a subprocess, in fp32 and fp16 (the interpreter's numpy bf16 does
+not round to nearest even); tests/test_fused_kernels_gpu.py runs the same checks on a GPU in
+bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -134,6 +135,50 @@ def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int
             assert rel_err(one_k, kn * cos + rot(kn) * sin) < TOL[dtype]
 
 
+def check_rope_store_kv(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,
+                       d: int = 16, blocks=(1, 2, 3, None), slots: int = 40) -> None:
+    """The rope that writes k and v into their cache slots == the rope, then store_kv: the
+    same q and k, bit-equal cache contents (slots in any order, the dummy slot 0 written by
+    several padding rows, a cache in the model dtype and one in fp32)."""
+    from moeserve.layers.fused_kernels import rotary, rotary_stores_kv, store_kv
+
+    gen = torch.Generator().manual_seed(6)
+    rope = RotaryEmbedding(d, 1e6, None, 4096)
+    inv_freq = rope._inv_freq_cpu.to(device)
+    qn, kn = ((1 + 0.3 * torch.rand(d, generator=gen)).to(device, dtype) for _ in range(2))
+    for t, cache_dtype in ((1, dtype), (3, dtype), (5, torch.float32)):
+        pos = torch.randint(0, 4096, (t,), generator=gen).to(device)
+        qkv = torch.randn(t, (nq + 2 * nk) * d, generator=gen).to(device, dtype)
+        q = qkv[:, : nq * d].view(t, nq, d)
+        k = qkv[:, nq * d: (nq + nk) * d].view(t, nk, d)
+        v = qkv[:, (nq + nk) * d:].view(t, nk, d)
+        loc = torch.randperm(slots - 1, generator=gen)[:t] + 1
+        if t == 5:
+            loc[3:] = 0  # two padding rows of a graph bucket: both to the dummy slot
+        loc = loc.to(device)
+        cache0 = torch.randn(3, 2, slots, nk, d, generator=gen).to(device, cache_dtype)
+        for with_norm in (False, True):
+            extra = (qn, kn, 1e-6) if with_norm else ()
+            for nb in blocks:
+                want = cache0.clone()
+                want_q, want_k = rotary(pos, q, k, inv_freq, 1.0, *extra, head_blocks=nb)
+                assert store_kv(want[1, 0], want[1, 1], loc, want_k, v)
+                got = cache0.clone()
+                assert rotary_stores_kv(got[1, 0], got[1, 1], loc, k, v)
+                got_q, got_k = rotary(pos, q, k, inv_freq, 1.0, *extra, head_blocks=nb,
+                                      kv_cache=(got[1, 0], got[1, 1], loc, v))
+                assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), nb
+                if t == 5:  # the dummy slot: whichever padding row wrote last
+                    got[:, :, 0], want[:, :, 0] = 0, 0
+                assert torch.equal(got, want), (t, with_norm, nb)
+    cache = torch.zeros(2, slots, nk, d, device=device, dtype=dtype)
+    k = torch.randn(2, nk, d, generator=gen).to(device, dtype)
+    loc = torch.tensor([3, 4], device=device)
+    assert not rotary_stores_kv(cache[0], cache[1], loc, k, k[:, :1])  # v of other heads
+    assert not rotary_stores_kv(cache[0, :, :1], cache[1, :, :1], loc, k[:, :1], k[:, :1])
+    assert not rotary_stores_kv(cache[0], cache[1], loc[:1], k, k)  # a slot per token
+
+
 # --- the Triton kernels on the CPU --------------------------------------------------------
 
 _INTERPRETER_SCRIPT = r"""
@@ -145,12 +190,14 @@ if hasattr(ti, "_patch_lang_tensor"):  # triton 3.6's interpreter calls int() on
         _orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
     ti._patch_lang_tensor = _patched
-from test_decode_kernels import check_add_rms_norm, check_rope_head_blocks, check_skinny_linear
+from test_decode_kernels import (check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
+                                check_skinny_linear)
 
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
     check_add_rms_norm("cpu", dtype)
     check_rope_head_blocks("cpu", dtype)
+    check_rope_store_kv("cpu", dtype)
 print("interpreter ok")
 """
 
@@ -158,8 +205,8 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm and head-block rope kernels on the CPU
-    (TRITON_INTERPRET=1: numpy semantics)."""
+    """The skinny linear, add + RMSNorm, head-block rope and rope + KV store kernels on the
+    CPU (TRITON_INTERPRET=1: numpy semantics)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
@@ -188,6 +235,31 @@ def test_linear_on_cpu_is_f_linear():
     x = torch.randn(2, 32)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert torch.equal(linear(x, layer.weight), F.linear(x, layer.weight))
+
+
+def test_rope_with_a_kv_write_on_cpu_stores_through_the_pool():
+    """The torch rope (no kernel) that is handed a layer's KV write leaves k and v in the
+    cache as set_kv does; a CPU pool hands out no KV write, so the CPU path is unchanged."""
+    from moeserve.layers.attention import PagedAttention, create_attention_backend
+    from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+    from moeserve.runtime.kv_cache import KVCachePool, KVWrite
+
+    torch.manual_seed(5)
+    rope = RotaryEmbedding(16, 1e6, None, 512)
+    pos, loc = torch.tensor([5, 9, 300]), torch.tensor([7, 2, 11])
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    want_q, want_k = rope(pos, q, k)
+    want = KVCachePool(2, 16, 2, 16, torch.bfloat16)
+    want.set_kv(1, loc, want_k, v)
+    pool = KVCachePool(2, 16, 2, 16, torch.bfloat16)
+    got_q, got_k = rope(pos, q, k, None, KVWrite(pool, 1, loc, v))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(pool.kv_LSKD, want.kv_LSKD)
+    attn = PagedAttention(1, 4, 2, 16, 0.25, create_attention_backend("torch"))
+    fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(3, dtype=torch.int64), pos, loc,
+                      *(torch.zeros(3, dtype=torch.int64) for _ in range(4)),
+                      torch.zeros(4, 512, dtype=torch.int32), pool)
+    assert attn.kv_write(v, fb) is None and pool.fused_write(1, loc, v) is None
 
 
 @needs_triton

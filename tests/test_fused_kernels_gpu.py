@@ -7,12 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from moe_cases import tiny_spec
+from moeserve.layers.attention import create_attention_backend
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, _rms
 from moeserve.layers.rotary import RotaryEmbedding, rotate_half
+from moeserve.models.decoder import AttentionOptions, DecoderAttention
 from moeserve.moe.router import Router, RoutingConfig, select_experts
 from moeserve.parallel.groups import single_process_state
-from test_decode_kernels import check_add_rms_norm, check_rope_head_blocks, check_skinny_linear
+from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
+from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from test_decode_kernels import (check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
+                                check_skinny_linear)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -186,3 +191,66 @@ def test_layers_take_the_decode_kernels_on_cuda():
     cpu_out, cpu_total = norm.add_forward(x, a)
     gpu_out, gpu_total = norm.cuda().add_forward(x.cuda(), a.cuda())
     assert torch.equal(gpu_total.cpu(), cpu_total) and rel_err(gpu_out.cpu(), cpu_out) < 1e-2
+
+
+# --- the rope that stores K/V into the cache ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_store_kv_is_rope_then_store_kv(dtype):
+    check_rope_store_kv("cuda", dtype)
+    check_rope_store_kv("cuda", dtype, nq=32, nk=4, d=128, blocks=(1, 2, 8, 32, None),
+                        slots=300)  # Qwen3-30B-A3B's heads
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("qk_norm", ["per_head", "none"])
+def test_decoder_attention_same_with_and_without_the_rope_kv_store(monkeypatch, backend,
+                                                                  qk_norm):
+    """A Qwen3 attention block over prompts, a chunk after a prefix and decode steps: the
+    same outputs and the same cache, bit for bit, whether the rope kernel stores K/V (no
+    set_kv at all) or PagedAttention.forward does (one set_kv per forward)."""
+    import moeserve.layers.attention as attention_mod
+
+    spec, dtype = tiny_spec("qwen3"), torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling_dict,
+                           spec.max_position_embeddings)
+    block = DecoderAttention(spec, single_process_state(), 1, dtype,
+                             AttentionOptions(qk_norm=qk_norm), rope,
+                             create_attention_backend(backend)).cuda()
+    for prm in block.parameters():
+        prm.data = (1 + 0.2 * torch.randn(prm.shape, generator=gen) if prm.dim() == 1 else
+                    0.1 * torch.randn(prm.shape, generator=gen)).to("cuda", dtype)
+    lens, split = [9, 2, 14], [4, 1, 10]
+    h = [torch.randn(n, spec.hidden_size, generator=gen).to("cuda", dtype) for n in lens]
+    stores = []
+    real_set_kv = KVCachePool.set_kv
+    monkeypatch.setattr(KVCachePool, "set_kv",
+                        lambda self, *a: (stores.append(1), real_set_kv(self, *a))[1])
+
+    def run(fuse: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        monkeypatch.setattr(attention_mod, "FUSE_ROPE_KV_STORE", fuse)
+        kv_heads = block.qkv_proj.kv_heads_local
+        pool = KVCachePool(2, 64, kv_heads, spec.head_dim, dtype, "cuda")
+        pool.kv_LSKD.normal_(generator=torch.Generator("cuda").manual_seed(8))
+        rows = ReqToTokenPool(4, 32, "cuda")
+        req_rows = [rows.alloc() for _ in lens]
+        outs = []
+        steps = [(ForwardMode.EXTEND, [0] * 3, split),
+                 (ForwardMode.EXTEND, split, [n - 2 for n in lens]),
+                 (ForwardMode.DECODE, [n - 2 for n in lens], [n - 1 for n in lens]),
+                 (ForwardMode.DECODE, [n - 1 for n in lens], lens)]
+        stores.clear()
+        for mode, starts, ends in steps:
+            new = [list(range(e - s)) for s, e in zip(starts, ends)]
+            fb = prepare_batch(mode, new, starts, req_rows, rows, pool)
+            x = torch.cat([h[r][s:e] for r, (s, e) in enumerate(zip(starts, ends))])
+            outs.append(block(fb.positions, x, fb))
+        assert len(stores) == (0 if fuse else len(steps))  # never twice, never skipped
+        return outs, pool.kv_LSKD
+
+    fused_outs, fused_cache = run(True)
+    outs, cache = run(False)
+    assert torch.equal(fused_cache, cache)
+    for a, b in zip(fused_outs, outs):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
