@@ -1,7 +1,8 @@
 """The small kernels of a decode step (Qwen3-30B-A3B, bf16, tp = 1) at 1..8 rows: the skinny
 linear against F.linear (cuBLAS), add + RMSNorm in one kernel against the add and the RMSNorm
 kernel, the rope over head blocks against one program per token (head_blocks=1, the former
-kernel), with the device's copy bandwidth from the same run.
+kernel), the rope that writes K/V into their cache slots against the rope, then store_kv (two
+launches), with the device's copy bandwidth from the same run.
 
     PYTHONPATH=src python benchmarks/bench_decode_kernels.py --out DIR [--rows 1 2 4 8] \
         [--try-tiles]
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_common import capture, ceilings  # noqa: E402
-from moeserve.layers.fused_kernels import add_rms_norm, rms_norm, rotary  # noqa: E402
+from moeserve.layers.fused_kernels import add_rms_norm, rms_norm, rotary, store_kv  # noqa: E402
 from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from moeserve.layers.skinny_gemm import skinny_linear  # noqa: E402
 from moeserve.layers.skinny_tiles import beats_cublas, tiles_for  # noqa: E402
@@ -49,6 +50,7 @@ SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
           "dense": (1536, 2048)}
 TRY_BLOCK_N, TRY_BLOCK_K, TRY_WARPS = (1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)
 TRY_HEAD_BLOCKS = (1, 2, 4, 8, 16, 32)
+KV_SLOTS = 1 << 16  # one layer's KV cache [2, slots, KV_HEADS, HEAD_DIM]
 
 
 def graphs_us(calls: list[Callable[[], object]], reps: int = 60) -> float:
@@ -145,6 +147,31 @@ def bench_norm_and_rope(rows: list[int], say) -> list[dict]:
              "err": max(rel(new[0], old[0]), rel(new[1], old[1]))}
         say(fmt_row(r))
         out.append(r)
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(m, KV_HEADS, HEAD_DIM)
+        kv = torch.randn(2, KV_SLOTS, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        loc = torch.randperm(KV_SLOTS, device=DEVICE)[:m]
+
+        def rope_then_store():  # the engine's two launches before the fusion
+            qo, ko = rotary(pos, q, k, inv_freq, 1.0, qn, kn, 1e-6)
+            store_kv(kv[0], kv[1], loc, ko, v)
+            return qo, ko
+
+        def rope_store():
+            return rotary(pos, q, k, inv_freq, 1.0, qn, kn, 1e-6,
+                          kv_cache=(kv[0], kv[1], loc, v))
+
+        old = rope_then_store()
+        want = kv[:, loc].clone()
+        kv[:, loc] = 0
+        new = rope_store()
+        same = torch.equal(kv[:, loc], want) and torch.equal(new[1], old[1])
+        r = {"kernel": "rope_store_kv",
+             "shape": f"q/k norm + rope + KV store {HEADS}+{KV_HEADS} heads", "rows": m,
+             "new_us": graphs_us([rope_store] * CALLS),
+             "old_us": graphs_us([rope_then_store] * CALLS),
+             "err": max(rel(new[0], old[0]), 0.0 if same else float("inf"))}
+        say(fmt_row(r))
+        out.append(r)
     return out
 
 
@@ -203,15 +230,15 @@ def fmt_row(r: dict) -> str:
 
 
 def step_summary(rows_out: list[dict], rows: list[int]) -> list[str]:
-    """Per decode step (48 layers): qkv + o_proj + router, the add + norm, the rope; the
-    layers keep cuBLAS where skinny_tiles.beats_cublas says so."""
+    """Per decode step (48 layers): qkv + o_proj + router, the add + norm, the rope with the
+    KV store; the layers keep cuBLAS where skinny_tiles.beats_cublas says so."""
     def skinny_taken(r: dict, m: int) -> bool:
         k, n = (int(v) for v in r["shape"].split()[1].split("->"))
         return r["kernel"] != "linear" or beats_cublas(m, n, k)
 
     lines = []
     for m in rows:
-        pick = [r for r in rows_out if r["rows"] == m and (
+        pick = [r for r in rows_out if r["rows"] == m and r["kernel"] != "rope" and (
             r["kernel"] != "linear" or r["shape"].split()[0] in ("qkv", "o_proj", "router"))]
         old = LAYERS * sum(r["old_us"] for r in pick)
         new = LAYERS * sum(r["new_us" if skinny_taken(r, m) else "old_us"] for r in pick)
