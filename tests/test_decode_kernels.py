@@ -9,15 +9,12 @@ bf16 and fp32.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from interpreter import run_interpreted
 from moeserve.layers.linear import ColumnParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
@@ -183,13 +180,6 @@ def check_rope_store_kv(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 
 
 _INTERPRETER_SCRIPT = r"""
 import torch
-import triton.runtime.interpreter as ti
-if hasattr(ti, "_patch_lang_tensor"):  # triton 3.6's interpreter calls int() on 1-element arrays,
-    _orig = ti._patch_lang_tensor      # which numpy >= 2.3 refuses
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
 from test_decode_kernels import (check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
                                 check_skinny_linear)
 
@@ -207,12 +197,7 @@ print("interpreter ok")
 def test_decode_kernels_under_the_interpreter():
     """The skinny linear, add + RMSNorm, head-block rope and rope + KV store kernels on the
     CPU (TRITON_INTERPRET=1: numpy semantics)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-4000:]
+    run_interpreted(_INTERPRETER_SCRIPT, timeout=180)
 
 
 # --- the torch paths and the tile table ---------------------------------------------------

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreter import run_interpreted
 from moe_cases import fake_state
 from moeserve.models.spec import spec_from_hf_config
 from moeserve.moe.experts import create_experts
@@ -184,13 +181,6 @@ def test_shipped_tile_configs_are_complete():
 
 _INTERPRETER_SCRIPT = r"""
 import torch
-import triton.runtime.interpreter as ti
-if hasattr(ti, "_patch_lang_tensor"):  # triton 3.6's interpreter calls int() on 1-element arrays,
-    _orig = ti._patch_lang_tensor      # which numpy >= 2.3 refuses
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
 from test_moe_triton import check_aligned, make_experts, make_spec, rel_err, routing
 from moeserve.moe.kernels.align import SMALL_PAIRS, align_triton
 from moeserve.moe.kernels.align_torch import align_torch
@@ -252,12 +242,7 @@ print("interpreter ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_kernels_under_the_interpreter():
     """The Triton align and GEMM kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-4000:]
+    run_interpreted(_INTERPRETER_SCRIPT, timeout=280)
 
 
 # --- GPU ----------------------------------------------------------------------------------
