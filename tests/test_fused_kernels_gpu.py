@@ -62,7 +62,7 @@ def check_rotary(device: str, dtype: torch.dtype) -> None:
 
 
 def check_topk_softmax(device: str) -> None:
-    from moeserve.moe.kernels.router_decode import topk_softmax
+    from moeserve.layers.fused_kernels import topk_softmax
 
     gen = torch.Generator().manual_seed(2)
     for e, k, renorm, scale in [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)]:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from hf_blocks import HF_CLASSES, hf_router
-from interpreter import run_interpreted
 from moe_cases import full_weights, tiny_spec
 from moeserve.moe.router import Router, RoutingConfig, select_experts
 
@@ -73,66 +70,3 @@ def test_unsupported_routing_is_refused(change, message):
     base = RoutingConfig(8, 2, "softmax", "greedy", 1, 1, False, 1.0)
     with pytest.raises(ValueError, match=message):
         RoutingConfig(**{**base.__dict__, **change}).validate()
-
-
-_ROUTER_SCRIPT = r"""
-import torch
-from moeserve.moe.kernels.router_decode import router_topk, topk_softmax
-from moeserve.moe.router import RoutingConfig, select_experts
-
-gen = torch.Generator().manual_seed(0)
-arrivals = torch.zeros(1, dtype=torch.int32)
-for e, k, h, renorm, scale in [(16, 4, 96, True, 1.0), (12, 2, 40, False, 2.5), (8, 8, 64, True, 1.0)]:
-    cfg = RoutingConfig(e, k, "softmax", "greedy", 1, 1, renorm, scale)
-    w = torch.randn(e, h, generator=gen)
-    for m, valid in [(1, 1), (3, 3), (4, 2)]:
-        for dtype, fp32 in [(torch.float32, False), (torch.float16, False), (torch.float16, True)]:
-            x = torch.randn(m, h, generator=gen).to(dtype)
-            ids, ws = router_topk(x, w.to(dtype), arrivals, k, renorm, scale, valid, fp32)
-            assert int(arrivals) == 0  # the last program set it back
-            logits = x.float() @ w.to(dtype).float().T
-            if not fp32:
-                logits = logits.to(dtype).float()
-            want_ids, want_ws = select_experts(logits, cfg, None, valid)
-            if not fp32:
-                want_ws = want_ws.to(dtype).float()
-            for got in (ids, ws), topk_softmax(logits, k, renorm, scale, valid,
-                                               torch.float32 if fp32 else dtype):
-                order, want_order = got[0].sort(dim=1)[1], want_ids.sort(dim=1)[1]
-                assert torch.equal(got[0].gather(1, order), want_ids.gather(1, want_order))
-                assert torch.allclose(got[1].gather(1, order), want_ws.gather(1, want_order),
-                                      atol=1e-6, rtol=1e-5), (got, want_ws)
-print("interpreter ok")
-"""
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_router_kernels_under_the_interpreter():
-    """router_topk (logits + top-k in one launch, the last program to arrive does the top-k)
-    and topk_softmax against select_experts, on the CPU under Triton's interpreter."""
-    run_interpreted(_ROUTER_SCRIPT)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "deepseek_v2"])
-@pytest.mark.parametrize("m", [1, 3, 4, 16])
-def test_router_on_gpu_matches_the_router_on_cpu(kind, m):
-    """Up to 4 rows one router_topk launch, above them logits + topk_softmax (DeepSeek's fp32
-    logits by the skinny kernel up to 64 rows): the CPU router's choice and weights."""
-    spec = tiny_spec(kind)
-    cpu = Router(spec, torch.bfloat16)
-    cpu.weight.data = torch.randn(cpu.weight.shape, generator=torch.Generator().manual_seed(m)
-                                  ).bfloat16()
-    gpu = Router(spec, torch.bfloat16).cuda()
-    gpu.weight.data = cpu.weight.data.cuda()
-    x = torch.randn(m, spec.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
-    valid = max(1, m - 1)
-    for _ in range(2):  # the second call finds the arrival counter back at 0
-        ids, w = gpu(x.cuda(), valid)
-        want_ids, want_w = cpu(x, valid)
-        order, want_order = ids.cpu().sort(dim=1)[1], want_ids.sort(dim=1)[1]
-        assert torch.equal(ids.cpu().gather(1, order), want_ids.gather(1, want_order))
-        assert torch.allclose(w.cpu().gather(1, order), want_w.gather(1, want_order), atol=1e-2)
-    assert all(int(a) == 0 for a in gpu._arrivals.values())

@@ -1,5 +1,4 @@
-"""Where the layers reach the fused GPU kernels (layers/fused_kernels.py, layers/skinny_gemm.py,
-moe/kernels/router_decode.py).
+"""Where the layers reach the fused GPU kernels (layers/fused_kernels.py, layers/skinny_gemm.py).
 
 `fused(name, device)` returns the kernel wrapper `name` (one of KERNELS) for CUDA tensors, or
 None (CPU tensors, Triton absent, or a kernel that failed to build here: then the layer keeps
@@ -16,11 +15,10 @@ from typing import Any, Callable, Optional
 import torch
 
 log = logging.getLogger(__name__)
-# kernel name -> the module (under moeserve) that defines it
-KERNELS = {"rms_norm": "layers.fused_kernels", "add_rms_norm": "layers.fused_kernels",
-           "rotary": "layers.fused_kernels", "topk_softmax": "moe.kernels.router_decode",
-           "store_kv": "layers.fused_kernels", "skinny_linear": "layers.skinny_gemm",
-           "router_topk": "moe.kernels.router_decode"}
+# kernel name -> the module (under moeserve.layers) that defines it
+KERNELS = {"rms_norm": "fused_kernels", "add_rms_norm": "fused_kernels",
+           "rotary": "fused_kernels", "topk_softmax": "fused_kernels",
+           "store_kv": "fused_kernels", "skinny_linear": "skinny_gemm"}
 _broken: set[str] = set()
 _wrappers: dict[str, Callable[..., Any]] = {}
 
@@ -31,7 +29,7 @@ def fused(name: str, device: torch.device) -> Optional[Callable[..., Any]]:
     if name in _wrappers:
         return _wrappers[name]
     try:
-        module = importlib.import_module(f"moeserve.{KERNELS[name]}")
+        module = importlib.import_module(f"moeserve.layers.{KERNELS[name]}")
     except ImportError as exc:  # no Triton: the torch formulation everywhere
         log.warning("fused GPU kernels unavailable (%s); using the torch layers", exc)
         _broken.update(KERNELS)

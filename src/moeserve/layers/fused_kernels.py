@@ -12,7 +12,9 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
                    `kv_cache` it also writes the rotated k and v into their KV-cache slots
                    (the store_kv below, without its own launch)
   store_kv         the new tokens' K and V into their KV-cache slots in one launch
-  (the router's top-k kernels are in moe/kernels/router_decode.py)
+  topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
+                   renormalisation, scaling, rounding of the weights to the model dtype,
+                   ids -1 / weights 0 for padding rows
 
 A decode step of a 48-layer model launches each of them 48 to 192 times; at batch 1 the
 launches, not the bytes, are the cost, and a CUDA graph only removes their host side.
@@ -272,3 +274,52 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
                                k_cache.stride(0), v_offset, WIDTH=width, BLOCK=_pow2(width),
                                num_warps=4)
     return True
+
+
+@triton.jit
+def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, E, num_valid, scale,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         ROUND_F16: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(Logits + row.to(tl.int64) * stride_l + offs, mask=offs < E,
+                other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    ws = tl.zeros([BLOCK_K], tl.float32)
+    work = tl.where(offs < E, p, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(work, 0)
+        ids = tl.where(offs_k == j, best, ids)
+        ws = tl.where(offs_k == j, tl.max(work, 0), ws)
+        work = tl.where(offs == best, -1.0, work)
+    if RENORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    ws = ws * scale
+    if ROUND_BF16:
+        ws = ws.to(tl.bfloat16).to(tl.float32)
+    if ROUND_F16:
+        ws = ws.to(tl.float16).to(tl.float32)
+    pad = row >= num_valid
+    kmask = offs_k < TOP_K
+    tl.store(Ids + row * TOP_K + offs_k, tl.where(pad, -1, ids), mask=kmask)
+    tl.store(Weights + row * TOP_K + offs_k, tl.where(pad, 0.0, ws), mask=kmask)
+
+
+def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                 num_valid: int, round_to: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router."""
+    m, e = logits_ME.shape
+    assert logits_ME.stride(-1) == 1
+    ids = torch.empty(m, top_k, dtype=torch.int32, device=logits_ME.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=logits_ME.device)
+    if m:
+        _topk_softmax_kernel[(m,)](logits_ME, ids, weights, logits_ME.stride(0), e, num_valid,
+                                   scale, TOP_K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
+                                   RENORM=renormalize, ROUND_BF16=round_to == torch.bfloat16,
+                                   ROUND_F16=round_to == torch.float16, num_warps=1)
+    return ids, weights

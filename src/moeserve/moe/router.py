@@ -32,7 +32,6 @@ from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
 
 SCORINGS = ("softmax", "sigmoid")
 FP32_SKINNY_ROWS = 64
-ROUTER_ROWS = 4  # up to this many rows: logits and top-k in one launch (router_decode.MAX_ROWS)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -123,7 +122,6 @@ class Router(nn.Module):
         # DeepSeek computes router logits in fp32; the Qwen/Mixtral/OLMoE blocks in the model dtype
         self.fp32_logits = spec.architecture.startswith("Deepseek")
         self.weight = empty_param(spec.num_experts, spec.hidden_size, dtype=dtype)
-        self._arrivals: dict[torch.device, torch.Tensor] = {}  # see router_decode.py
         if self.cfg.uses_correction_bias:
             self.e_score_correction_bias = empty_param(spec.num_experts, dtype=torch.float32)
         else:
@@ -142,22 +140,15 @@ class Router(nn.Module):
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        greedy = (cfg.scoring, cfg.topk_method) == ("softmax", "greedy")
-        valid = x_MH.shape[0] if num_valid is None else num_valid
-        if greedy and 0 < x_MH.shape[0] <= ROUTER_ROWS and x_MH.stride(-1) == 1:
-            kernel = fused("router_topk", x_MH.device)  # a decode step: logits and top-k in
-            if kernel is not None:                       # one launch (moe/kernels/router_decode)
-                out = kernel(x_MH, self.weight, self._arrivals_on(x_MH.device), cfg.top_k,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor, valid,
-                             self.fp32_logits)
-                if out is not None:
-                    return out
-        kernel = fused("topk_softmax", x_MH.device) if greedy else None
+        kernel = (fused("topk_softmax", x_MH.device)
+                  if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") else None)
         if kernel is not None:  # one launch on a GPU (layers/fused_kernels.py)
             # model-dtype logits go in as they are: the kernel upcasts them, as .float() would
             logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
-            out = kernel(logits, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                         valid, torch.float32 if self.fp32_logits else x_MH.dtype)
+            out = kernel(logits, cfg.top_k, cfg.norm_topk_prob,
+                         cfg.routed_scaling_factor,
+                         x_MH.shape[0] if num_valid is None else num_valid,
+                         torch.float32 if self.fp32_logits else x_MH.dtype)
             if out is not None:
                 return out
         ids, weights = select_experts(self.logits(x_MH), self.cfg,
@@ -165,12 +156,6 @@ class Router(nn.Module):
         if not self.fp32_logits:  # HF rounds these blocks' weights to the model dtype
             weights = weights.to(x_MH.dtype).float()
         return ids, weights
-
-    def _arrivals_on(self, device: torch.device) -> torch.Tensor:
-        """router_topk's arrival counter on `device` (one int32, 0 between launches)."""
-        if device not in self._arrivals:
-            self._arrivals[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._arrivals[device]
 
     def checkpoint_names(self) -> list[str]:
         names = ["weight"]
