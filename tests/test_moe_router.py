@@ -70,3 +70,25 @@ def test_unsupported_routing_is_refused(change, message):
     base = RoutingConfig(8, 2, "softmax", "greedy", 1, 1, False, 1.0)
     with pytest.raises(ValueError, match=message):
         RoutingConfig(**{**base.__dict__, **change}).validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+def test_router_on_gpu_matches_the_router_on_cpu(kind, m):
+    """Logits by the skinny kernel (DeepSeek's fp32 ones up to 64 rows) and the top-k kernel:
+    the CPU router's choice and weights."""
+    spec = tiny_spec(kind)
+    cpu = Router(spec, torch.bfloat16)
+    cpu.weight.data = torch.randn(cpu.weight.shape, generator=torch.Generator().manual_seed(m)
+                                  ).bfloat16()
+    gpu = Router(spec, torch.bfloat16).cuda()
+    gpu.weight.data = cpu.weight.data.cuda()
+    x = torch.randn(m, spec.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
+    valid = max(1, m - 1)
+    ids, w = gpu(x.cuda(), valid)
+    want_ids, want_w = cpu(x, valid)
+    order, want_order = ids.cpu().sort(dim=1)[1], want_ids.sort(dim=1)[1]
+    assert torch.equal(ids.cpu().gather(1, order), want_ids.gather(1, want_order))
+    assert torch.allclose(w.cpu().gather(1, order), want_w.gather(1, want_order), atol=1e-2)
