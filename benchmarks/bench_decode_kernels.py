@@ -233,8 +233,10 @@ def step_summary(rows_out: list[dict], rows: list[int]) -> list[str]:
     """Per decode step (48 layers): qkv + o_proj + router, the add + norm, the rope with the
     KV store; the layers keep cuBLAS where skinny_tiles.beats_cublas says so."""
     def skinny_taken(r: dict, m: int) -> bool:
+        if r["kernel"] != "linear":
+            return True
         k, n = (int(v) for v in r["shape"].split()[1].split("->"))
-        return r["kernel"] != "linear" or beats_cublas(m, n, k)
+        return beats_cublas(m, n, k)
 
     lines = []
     for m in rows:
