@@ -129,7 +129,7 @@ def rel(a, b) -> float:
 
 def bench_model(name: str, tokens, ceil, log) -> list[dict]:
     spec = model_spec(name)
-    e, k, h, i = spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size
+    k, h, i = spec.top_k, spec.hidden_size, spec.moe_intermediate_size
     weights = make_weights(spec)
     layers = {r: Layer(spec, r, weights) for r in RUNNERS}
     block, config = hf_block(name, weights)
