@@ -46,6 +46,15 @@ def _tile_ids(num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M):
 
 
 @triton.jit
+def _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """A block's row offsets, which of them hold a pair, and those pairs' ids."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tl.load(block_rows_ptr + pid_m)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0)
+    return offs_m, row_ok, pair
+
+
+@triton.jit
 def _weight_tile(w, ptrs, expert, row0, k0, k_left, n_ok, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] MMA operand of rows row0.. of expert's weight, columns k0..: a TMA
@@ -79,10 +88,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = tl.load(block_rows_ptr + pid_m)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0)
+    offs_m, row_ok, pair = _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M)
     token = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -120,10 +126,7 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = tl.load(block_rows_ptr + pid_m)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0)
+    offs_m, row_ok, pair = _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
