@@ -192,8 +192,8 @@ def _a2a_main(rank: int, world: int, port: int, sizes: list[int], path: str) -> 
 
 
 def bench_configs(n: int) -> dict[str, dict]:
-    configs = {"ep1 (1 GPU)": dict(tp_size=1)}  # ep 1 with N GPUs is plain TP: not run
-    for ep in range(2, n + 1):
+    configs = {"ep1 (1 GPU)": dict(tp_size=1)}  # the baseline; ep 1 with N GPUs is plain TP
+    for ep in range(1, n + 1):
         if n % ep == 0:
             configs[f"ep{ep} tp{n}"] = dict(tp_size=n, ep_size=ep)
             configs[f"ep{ep} tp{n} dp-attn"] = dict(tp_size=n, ep_size=ep, dp_size=n,
