@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_gate
+
 NEG_INIT = tl.constexpr(-1.0e20)  # a global a kernel reads must be a constexpr
 
 
@@ -42,7 +44,8 @@ def decode_partial_kernel(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         scale_log2, window, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,7 +100,9 @@ def decode_partial_kernel(
 def decode_combine_kernel(
         PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         stride_xt, stride_xh, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_gate(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

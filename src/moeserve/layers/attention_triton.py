@@ -87,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
                 fb: ForwardBatch) -> torch.Tensor:
         from moeserve.layers import attention_kernels as K
+        from moeserve.layers.pdl import pdl_args
 
         out_TND = torch.empty_like(q_TND)
         t, n, d = q_TND.shape
@@ -109,6 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             po, pl = meta.part_o, meta.part_lse
+            pdl = pdl_args(q_TND.device)
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
                 q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -116,11 +118,12 @@ class TritonAttentionBackend(AttentionBackend):
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                 scale, window, meta.splits,
                 GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_N=DECODE_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2)
+                BLOCK_N=DECODE_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2, **pdl)
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(MAX_SPLITS, 2), num_warps=4)
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(MAX_SPLITS, 2), num_warps=4,
+                **pdl)
             return out_TND
         if meta.max_extend == 0:
             return out_TND

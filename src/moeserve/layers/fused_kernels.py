@@ -28,13 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_args, pdl_gate
 
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_xa, stride_xb, nb, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, stride_xa, stride_xb, nb, D, eps, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     a = (row // nb).to(tl.int64)
     b = row % nb
@@ -62,12 +65,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows:
         block = _pow2(d)
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), stride_b, nb, d, eps,
-                                  BLOCK_D=block, num_warps=max(1, min(8, block // 256)))
+                                  BLOCK_D=block, num_warps=max(1, min(8, block // 256)),
+                                  **pdl_args(x.device))
     return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr):
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -96,7 +102,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         block = _pow2(d)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
                                       residual.stride(0), d, eps, BLOCK_D=block,
-                                      num_warps=max(1, min(8, block // 256)))
+                                      num_warps=max(1, min(8, block // 256)),
+                                      **pdl_args(x.device))
     return out, total
 
 
@@ -132,7 +139,9 @@ def _rope_heads(X, Out, W, Cache, t, h0, stride_t, stride_h, n, c, s, eps, HALF:
 def _rope_kernel(Pos, InvFreq, Q, K, QO, KO, QW, KW, Loc, V, Cache, stride_qt, stride_qh,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, v_offset, nq, nk,
                  factor, eps, HALF: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr):
+                 BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_gate(PDL)
     # program (token t, head block b): q heads [b BLOCK_Q, (b + 1) BLOCK_Q) and k heads
     # [b BLOCK_K, (b + 1) BLOCK_K), masked where a block runs past the heads; with STORE_KV
     # also those k heads, rotated, and the same v heads into the token's KV-cache slot
@@ -234,13 +243,15 @@ def rotary(positions_T: torch.Tensor, q_TND: torch.Tensor, k_TKD: torch.Tensor,
                                   k_cache.stride(0), v_offset, nq, nk, factor, eps, HALF=half,
                                   BLOCK_F=block_f, BLOCK_Q=block_q, BLOCK_K=block_k,
                                   HAS_NORM=has_norm, STORE_KV=kv_cache is not None,
-                                  num_warps=max(1, min(4, block_q * block_f // 128)))
+                                  num_warps=max(1, min(4, block_q * block_f // 128)),
+                                  **pdl_args(q_TND.device))
     return qo, ko
 
 
 @triton.jit
 def _store_kv_kernel(Loc, K, V, Cache, stride_kt, stride_vt, stride_cs, v_offset,
-                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -272,7 +283,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
     if t:
         _store_kv_kernel[(t,)](loc_T, k_TKD, v_TKD, k_cache, k_TKD.stride(0), v_TKD.stride(0),
                                k_cache.stride(0), v_offset, WIDTH=width, BLOCK=_pow2(width),
-                               num_warps=4)
+                               num_warps=4, **pdl_args(k_TKD.device))
     return True
 
 
@@ -280,7 +291,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
 def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, E, num_valid, scale,
                          TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         ROUND_F16: tl.constexpr):
+                         ROUND_F16: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(Logits + row.to(tl.int64) * stride_l + offs, mask=offs < E,
@@ -321,5 +333,6 @@ def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: 
         _topk_softmax_kernel[(m,)](logits_ME, ids, weights, logits_ME.stride(0), e, num_valid,
                                    scale, TOP_K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
                                    RENORM=renormalize, ROUND_BF16=round_to == torch.bfloat16,
-                                   ROUND_F16=round_to == torch.float16, num_warps=1)
+                                   ROUND_F16=round_to == torch.float16, num_warps=1,
+                                   **pdl_args(logits_ME.device))
     return ids, weights

@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.layers.skinny_tiles import tiles_for
+
 
 @triton.jit
 def _row_product(acc, w, x_row, k, mask_k, valid):
@@ -42,9 +44,11 @@ def _row_store(acc, y_row, offs_n, mask_n, bias, valid):
 
 @triton.jit
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
     # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
+    pdl_gate(PDL)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rows = M - pid_m * ROWS
     X += pid_m * ROWS * stride_xm
@@ -99,5 +103,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         _skinny_kernel[grid](x_MK, weight, weight if bias is None else bias, y, m, n, k,
                              x_MK.stride(0), weight.stride(0), y.stride(0),
                              HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=warps)
+                             BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
     return y.view(*x.shape[:-1], n)

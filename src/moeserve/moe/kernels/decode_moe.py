@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
 
 # runtime ints that change with the step or the rank are not specialised
@@ -37,7 +38,8 @@ _ARGS = ["top_k", "first_expert", "num_local"]
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
                            num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
     if (expert < 0) | (expert >= num_local):
@@ -75,10 +77,11 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k,
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
                         first_expert, num_local, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Each K chunk loads the tiles of all the row's experts at once ([TOP_K, BLOCK_N,
     BLOCK_K]): top_k times the bytes in flight of a loop over the experts, a third of the
     round trips at Qwen3's I = 768."""
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOP_K)
     pair = row * top_k + offs_j
@@ -127,7 +130,8 @@ def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, t
     if pairs:
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
         _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
-                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden))
+                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden),
+                                     **pdl_args(x_NH.device))
     return h
 
 
@@ -140,7 +144,7 @@ def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, TOP_K=triton.next_power_of_2(top_k),
-                                  **_opts(cfg, inter))
+                                  **_opts(cfg, inter), **pdl_args(h_PI.device))
     return out
 
 

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the small kernels of a decode step (sm90+).
+
+A batch-1 decode step is some 540 kernels of a few microseconds each. Launched the plain way,
+each one starts only after the one before it has finished and flushed its memory, so every
+boundary costs a launch latency plus the new grid's ramp-up. With PDL (`launch_pdl=True`)
+the next kernel may start while this one runs: its programs are placed as soon as every
+program of this kernel has passed `gdc_launch_dependents`, and they hold at `gdc_wait` until
+this kernel has finished and its writes are visible. The launch and the ramp-up of the next
+kernel then hide behind the tail of this one. Inside a CUDA graph the launch attribute becomes
+a programmatic edge, so graphs keep the overlap.
+
+The contract every kernel launched with `pdl_args` keeps: `pdl_gate(PDL)` comes first, before
+any load of another kernel's output and before any store, on every path through the kernel.
+Then no kernel can finish before the one before it has, so a kernel that waits on its
+predecessor also waits, transitively, on everything launched before.
+
+MOESERVE_PDL=0 in the environment turns it off (for A/B measurements); it is also off on
+CPUs, under Triton's interpreter and on GPUs below compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def enabled() -> bool:
+    return os.environ.get("MOESERVE_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keyword arguments: the kernel's PDL constexpr, and Triton's launch flag when on."""
+    on = (device.type == "cuda" and enabled() and not os.environ.get("TRITON_INTERPRET")
+          and _device_supports(device.index if device.index is not None
+                               else torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_gate(PDL: tl.constexpr):
+    """Wait for the kernel before this one, then let the next one be placed."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
