@@ -51,17 +51,3 @@ def pdl_gate(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask for the nbytes at ptr (16-byte aligned; nbytes a multiple of 16) to be brought into
-    L2: one bulk request (sm90's cp.async.bulk.prefetch) from thread 0 of the program. A hint:
-    nothing waits on it and it changes no result. With PDL a kernel issues it for bytes no
-    kernel writes (weights) before pdl_gate, so they stream in while the kernel before it
-    finishes."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.layers.pdl import pdl_args, pdl_gate, prefetch_l2
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.layers.skinny_tiles import tiles_for
 
 
@@ -45,17 +45,11 @@ def _row_store(acc, y_row, offs_n, mask_n, bias, valid):
 @triton.jit
 def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PDL: tl.constexpr):
     # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
     # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    if PREFETCH:  # W's rows are one contiguous run: into L2 while the kernel before finishes
-        if pid_m == 0:
-            n0 = pid_n * BLOCK_N
-            prefetch_l2(W + n0.to(tl.int64) * K,
-                        tl.minimum(BLOCK_N, N - n0) * K * W.dtype.element_ty.primitive_bitwidth
-                        // 8)
     pdl_gate(PDL)
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rows = M - pid_m * ROWS
     X += pid_m * ROWS * stride_xm
     Y += pid_m * ROWS * stride_ym
@@ -105,13 +99,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m and n:
         rows, block_n, block_k, warps = tiles_for(m, n, k, tiles)
-        pdl = pdl_args(x.device)
-        row_bytes = k * weight.element_size()
-        prefetch = (pdl["PDL"] and weight.stride(0) == k and row_bytes % 16 == 0
-                    and weight.data_ptr() % 16 == 0 and block_n * row_bytes < 2 ** 31)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
         _skinny_kernel[grid](x_MK, weight, weight if bias is None else bias, y, m, n, k,
                              x_MK.stride(0), weight.stride(0), y.stride(0),
                              HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=warps, PREFETCH=prefetch, **pdl)
+                             BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
     return y.view(*x.shape[:-1], n)

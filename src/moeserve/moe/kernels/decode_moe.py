@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.layers.pdl import pdl_args, pdl_gate, prefetch_l2
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
 
 # runtime ints that change with the step or the rank are not specialised
@@ -77,27 +77,12 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k,
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
                         first_expert, num_local, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Each K chunk loads the tiles of all the row's experts at once ([TOP_K, BLOCK_N,
     BLOCK_K]): top_k times the bytes in flight of a loop over the experts, a third of the
-    round trips at Qwen3's I = 768.
-
-    PREFETCH (with PDL): the row's ids come from the router's top-k, two kernels back, which
-    had finished before gate_up passed its gate and so before this kernel was placed; the
-    tiles of the row's experts go into L2 while gate_up still runs. Only a hint: the loads
-    after the gate read the ids again."""
-    row = tl.program_id(0).to(tl.int64)
-    if PREFETCH:
-        n0 = tl.program_id(1) * BLOCK_N
-        nbytes = tl.minimum(BLOCK_N, hidden - n0) * inter * (
-            w2_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        for j in tl.static_range(TOP_K):
-            if j < top_k:
-                e = tl.load(ids_ptr + row * top_k + j) - first_expert
-                if (e >= 0) & (e < num_local):
-                    prefetch_l2(w2_ptr + (e.to(tl.int64) * hidden + n0) * inter, nbytes)
+    round trips at Qwen3's I = 768."""
     pdl_gate(PDL)
+    row = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOP_K)
     pair = row * top_k + offs_j
     expert = tl.load(ids_ptr + pair, mask=offs_j < top_k, other=-1) - first_expert
@@ -155,14 +140,11 @@ def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
                 cfg: dict[str, Any]) -> torch.Tensor:
     num_local, hidden, inter = w2.shape
     out = torch.empty(num_rows, hidden, dtype=h_PI.dtype, device=h_PI.device)
-    pdl = pdl_args(h_PI.device)
-    prefetch = (pdl["PDL"] and w2.is_contiguous() and inter * w2.element_size() % 16 == 0
-                and w2.data_ptr() % 16 == 0)
     if num_rows:
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, TOP_K=triton.next_power_of_2(top_k),
-                                  **_opts(cfg, inter), PREFETCH=prefetch, **pdl)
+                                  **_opts(cfg, inter), **pdl_args(h_PI.device))
     return out
 
 
