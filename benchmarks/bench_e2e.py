@@ -325,11 +325,13 @@ def section(res: dict[str, Any], command: str) -> str:
 
 
 def splice(results_md: Path, body: str) -> None:
-    """Replace the body of the '## End to end' section, leaving every other section as is."""
+    """Replace the body of the '## End to end' section up to its first subsection (or the
+    next section), leaving every other section and subsection as is."""
     text = results_md.read_text()
     head = text.index("## End to end")
     start = text.index("\n", head) + 1
-    nxt = text.find("\n## ", start)
+    found = [i for i in (text.find("\n## ", start), text.find("\n### ", start)) if i >= 0]
+    nxt = min(found) if found else -1
     end = len(text) if nxt < 0 else nxt + 1
     results_md.write_text(text[:start] + "\n" + body + ("\n" if nxt >= 0 else "") + text[end:])
 
