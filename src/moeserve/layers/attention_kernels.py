@@ -38,6 +38,29 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, stride_vs,
+                 stride_vh, kvh, k_pos, n_mask, visible, offs_d, d_mask, m_i, l_i, acc,
+                 scale_log2, IEEE: tl.constexpr):
+    """Fold one block of keys into the online softmax of q's rows: the keys at positions k_pos
+    of request table row `row` (n_mask: inside the range), scores kept where `visible`
+    ([rows, BLOCK_N], or [1, BLOCK_N] for all rows). Returns the new (m_i, l_i, acc)."""
+    slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    qk = _dot(q, tl.trans(k), IEEE) * scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_partial_kernel(
         Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -72,20 +95,10 @@ def decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        slot = tl.load(ReqToToken + row * stride_rt + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
+                                     stride_kh, stride_vs, stride_vh, kvh, pos, n_mask,
+                                     n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
+                                     scale_log2, IEEE)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -156,22 +169,11 @@ def extend_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         k_pos = n0 + offs_n
         n_mask = k_pos < hi
-        slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * scale_log2
         visible = (n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
                    & (k_pos[None, :] > q_pos[:, None] - window))
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
+                                     stride_kh, stride_vs, stride_vh, kvh, k_pos, n_mask,
+                                     visible, offs_d, d_mask, m_i, l_i, acc, scale_log2, IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q0 + offs_m)[:, None] * stride_xt + h * stride_xh + offs_d[None, :],

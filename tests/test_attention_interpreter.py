@@ -1,0 +1,28 @@
+"""The "triton" paged attention kernels (layers/attention_kernels.py) on the CPU under Triton's
+interpreter, against the torch backend: the same cases as tests/test_attention_gpu.py runs on
+a GPU, in fp32 (extend after a prefix, then decode steps; paged and unpaged, GQA groups of 4
+and 1, a sliding window)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from interpreter import run_interpreted
+
+SCRIPT = r"""
+import torch
+from test_attention_gpu import run_case
+cases = [(torch.float32, 16, 8, 2, 64, None, [20, 37], [10, 20]),
+         (torch.float32, 1, 4, 4, 32, 7, [9, 30], [4, 12])]
+for case in cases:
+    errors = run_case("cpu", *case)
+    assert max(errors) < 1e-5, (case, errors)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_attention_under_the_interpreter():
+    run_interpreted(SCRIPT)
