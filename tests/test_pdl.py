@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.layers.pdl import pdl_args
+pytest.importorskip("triton")
+from moeserve.layers.pdl import pdl_args  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
