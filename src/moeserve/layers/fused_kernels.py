@@ -30,6 +30,7 @@ import triton.language as tl
 
 from moeserve.layers.pdl import pdl_args, pdl_gate
 
+
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
