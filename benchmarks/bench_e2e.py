@@ -60,28 +60,10 @@ def decode_bytes(spec: Any, batch: int, ctx: int, elem: int = 2) -> dict[str, fl
 # --- parts (each runs in its own process) -----------------------------------------------------
 
 def part_ceilings(args: argparse.Namespace) -> dict[str, Any]:
-    def timed(fn, reps: int = 20) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from moe_common import ceilings  # the same ceilings bench_moe.py measures
 
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src))
-    del src, dst
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_mm = timed(lambda: x @ y)
-    return {"copy_GBps": 2 * (1 << 30) / t_copy / 1e9, "bf16_TFLOPs": 2 * 8192 ** 3 / t_mm / 1e12,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    return {**ceilings(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda}
 
 

@@ -49,12 +49,15 @@ def capture(fn: Callable[[], object]) -> Callable[[], None]:
 def ceilings() -> dict[str, float]:
     """Copy bandwidth (1 GiB device-to-device, read + write counted) and bf16 matmul rate
     (8192^3), on random data."""
-    src = torch.randn(2 ** 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_us = time_us(lambda: dst.copy_(src), reps=30)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = time_us(lambda: a @ b, reps=30)
-    return {"copy_GBps": 2 * 2 ** 30 / copy_us / 1e3,
-            "bf16_TFLOPs": 2 * 8192 ** 3 / mm_us / 1e6}
+    def copy_us() -> float:  # its 2 GiB are freed on return, before the matmul's operands
+        src = torch.randn(2 ** 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+        dst = torch.empty_like(src)
+        return time_us(lambda: dst.copy_(src), reps=30)
+
+    def mm_us() -> float:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        return time_us(lambda: a @ b, reps=30)
+
+    return {"copy_GBps": 2 * 2 ** 30 / copy_us() / 1e3,
+            "bf16_TFLOPs": 2 * 8192 ** 3 / mm_us() / 1e6}
