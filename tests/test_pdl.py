@@ -71,3 +71,10 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(rows, monkeypatch):
         torch.cuda.synchronize()
         for got, want in zip(out, plain):
             assert torch.equal(got, want)
+
+
+def test_cuda_versions_read_as_the_driver_numbers_them():
+    from moeserve.layers.pdl import _as_int
+
+    assert _as_int("12.4") == 12040 and _as_int("13.0") == 13000 and _as_int("12") == 12000
+    assert _as_int(None) == 0 and _as_int("12.2") < 12030 <= _as_int("12.3")

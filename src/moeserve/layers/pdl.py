@@ -34,7 +34,21 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _device_supports(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """sm90+, and a CUDA that captures PDL launches into graphs (12.3+): the driver's version
+    where torch exposes it, else the runtime's torch was built with."""
+    try:
+        version = int(torch._C._cuda_getDriverVersion())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        version = _as_int(torch.version.cuda)
+    return torch.cuda.get_device_capability(index)[0] >= 9 and version >= 12030
+
+
+def _as_int(cuda: str | None) -> int:
+    """"12.4" -> 12040, as the CUDA driver API numbers versions."""
+    if not cuda:
+        return 0
+    major, minor = (cuda.split(".") + ["0"])[:2]
+    return int(major) * 1000 + int(minor) * 10
 
 
 def pdl_args(device: torch.device) -> dict:
