@@ -78,6 +78,7 @@ def correct_fp32_qwen3(n: int, model: str = MODEL) -> dict:
     """fp32 tokens of the Qwen3-30B-A3B shape. Its 122 GB of fp32 weights fit one H200 only
     just: try the whole model, and if one GPU cannot hold it, the same shape cut to 24 layers
     (a config.json in a temporary folder, read as a checkpoint folder with dummy weights)."""
+    import gc
     import tempfile
 
     from moeserve.models.spec import load_hf_config
@@ -87,8 +88,6 @@ def correct_fp32_qwen3(n: int, model: str = MODEL) -> dict:
                                                 **FP32_PORTABLE)}
     except Exception as exc:  # noqa: BLE001 - report why, then run the cut shape
         whole = f"{type(exc).__name__}: {str(exc)[:600]}"
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -244,7 +243,6 @@ def main() -> None:
              "correct": lambda: correctness(args.gpus),
              # DeepSeek-V2-Lite runs the portable torch MLA backend (no GPU kernel yet): short
              "correct_v2lite": lambda: correctness(args.gpus, "preset:deepseek-v2-lite", 4, 8),
-             # fp32 with the portable backends: no bf16 near-ties, so tokens should agree exactly
              **{f"correct_fp32_{m}": (lambda m=m: correctness(
                  args.gpus, f"preset:{m}", 4, 12, **FP32_PORTABLE))
                 for m in ("olmoe-1b-7b", "qwen1.5-moe-a2.7b")},

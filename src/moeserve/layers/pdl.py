@@ -51,12 +51,17 @@ def _as_int(cuda: str | None) -> int:
     return int(major) * 1000 + int(minor) * 10
 
 
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+
+
 def pdl_args(device: torch.device) -> dict:
-    """Launch keyword arguments: the kernel's PDL constexpr, and Triton's launch flag when on."""
-    on = (device.type == "cuda" and enabled() and not os.environ.get("TRITON_INTERPRET")
-          and _device_supports(device.index if device.index is not None
-                               else torch.cuda.current_device()))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    """Launch keyword arguments (spread them, do not change them): the kernel's PDL
+    constexpr, and Triton's launch flag when on."""
+    if device.type != "cuda" or not enabled() or os.environ.get("TRITON_INTERPRET"):
+        return _OFF
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _ON if _device_supports(index) else _OFF
 
 
 @triton.jit
