@@ -3,7 +3,7 @@ its grouped_mm runner and transformers' own MoE block, with the device's ceiling
 run.
 
     PYTHONPATH=src python benchmarks/bench_moe.py [--models ...] [--tokens ...] \
-        [--out DIR] [--write-results benchmarks/RESULTS.md]
+        [--out DIR] [--write-results benchmarks/RESULTS.md] [--profile-from N]
 
 Per size: R input batches of fresh random hidden states (R = 4 up to 512 tokens, so that
 consecutive layer calls route to different experts and the L2 cache holds no weights of the
@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_common import MODELS, TOKENS, capture, ceilings, model_spec, time_us  # noqa: E402
+from moe_common import (MODELS, TOKENS, capture, ceilings, kernel_us, model_spec,  # noqa: E402
+                        time_us)
 from moeserve.layers.mlp import DenseMLP  # noqa: E402
 from moeserve.moe.experts import create_experts  # noqa: E402
 from moeserve.moe.router import Router  # noqa: E402
@@ -127,7 +128,7 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def bench_model(name: str, tokens, ceil, log) -> list[dict]:
+def bench_model(name: str, tokens, ceil, log, profile_from: int = 0) -> list[dict]:
     spec = model_spec(name)
     k, h, i = spec.top_k, spec.hidden_size, spec.moe_intermediate_size
     weights = make_weights(spec)
@@ -160,6 +161,10 @@ def bench_model(name: str, tokens, ceil, log) -> list[dict]:
                 replay = fn
             row[f"{r}_us"] = time_us(replay, reps=20 if n <= 1024 else 8) / reps
             del replay
+        if profile_from and n >= profile_from:
+            layer = layers["triton"]
+            log(f"{name} N={n} triton layer by kernel (eager, µs): " + "; ".join(
+                f"{k} {us:.1f}" for k, us in kernel_us(lambda: layer(xs[0]))))
         hf_best = None
         with torch.no_grad():
             for impl in hf_impls():
@@ -237,6 +242,8 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--write-results", default=None, help="RESULTS.md to update")
+    ap.add_argument("--profile-from", type=int, default=0, metavar="N",
+                    help="print the triton layer's time by kernel at N tokens and more")
     args = ap.parse_args()
     import transformers
     import triton
@@ -252,7 +259,8 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for name in args.models:
-            rows += bench_model(name, args.tokens, ceil, lambda s: print(s, flush=True))
+            rows += bench_model(name, args.tokens, ceil, lambda s: print(s, flush=True),
+                                args.profile_from)
     out = Path(args.out)
     (out / "bench_moe.json").write_text(json.dumps({"meta": meta, "ceilings": ceil,
                                                     "rows": rows}, indent=1))

@@ -61,3 +61,22 @@ def ceilings() -> dict[str, float]:
 
     return {"copy_GBps": 2 * 2 ** 30 / copy_us() / 1e3,
             "bf16_TFLOPs": 2 * 8192 ** 3 / mm_us() / 1e6}
+
+
+def kernel_us(fn: Callable[[], object], calls: int = 3) -> list[tuple[str, float]]:
+    """Device µs per call of each kernel that fn() launches (eagerly), under torch.profiler,
+    largest first: where a layer's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            name = ev.name[:60]
+            totals[name] = totals.get(name, 0.0) + ev.device_time / calls
+    return sorted(totals.items(), key=lambda t: -t[1])

@@ -176,15 +176,34 @@ def check_rope_store_kv(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 
     assert not rotary_stores_kv(cache[0], cache[1], loc[:1], k, k)  # a slot per token
 
 
+def check_act_and_mul(device: str, dtype: torch.dtype) -> None:
+    """act(gate) * up of a fused [R, 2 I] projection (I not a power of two, a strided row
+    view) against the torch activations in fp64."""
+    from moeserve.layers.fused_kernels import act_and_mul
+    from moeserve.layers.mlp import ACTIVATIONS, KERNEL_ACTS
+
+    gen = torch.Generator().manual_seed(6)
+    for rows, inter in [(1, 1408), (7, 40), (300, 2816)]:
+        wide = (2 * torch.randn(rows, 2 * inter + 8, generator=gen)).to(device, dtype)
+        gate_up = wide[:, : 2 * inter]  # rows of stride 2 I + 8
+        for name in ("silu", "gelu", "gelu_pytorch_tanh"):
+            g, u = gate_up[:, :inter].double(), gate_up[:, inter:].double()
+            want = ACTIVATIONS[name](g) * u
+            got = act_and_mul(gate_up, KERNEL_ACTS[name])
+            assert got.shape == (rows, inter) and got.is_contiguous()
+            assert rel_err(got, want) < TOL[dtype], (rows, inter, name)
+
+
 # --- the Triton kernels on the CPU --------------------------------------------------------
 
 _INTERPRETER_SCRIPT = r"""
 import torch
-from test_decode_kernels import (check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
-                                check_skinny_linear)
+from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
+                                check_rope_store_kv, check_skinny_linear)
 
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
+    check_act_and_mul("cpu", dtype)
     check_add_rms_norm("cpu", dtype)
     check_rope_head_blocks("cpu", dtype)
     check_rope_store_kv("cpu", dtype)
@@ -195,8 +214,8 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm, head-block rope and rope + KV store kernels on the
-    CPU (TRITON_INTERPRET=1: numpy semantics)."""
+    """The skinny linear, add + RMSNorm, act-and-mul, head-block rope and rope + KV store
+    kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
     run_interpreted(_INTERPRETER_SCRIPT, timeout=180)
 
 

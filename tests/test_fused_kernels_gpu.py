@@ -16,7 +16,7 @@ from moeserve.moe.router import Router, RoutingConfig, select_experts
 from moeserve.parallel.groups import single_process_state
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
-from test_decode_kernels import (check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
+from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
                                 check_skinny_linear)
 
 pytestmark = [pytest.mark.gpu,
@@ -153,6 +153,7 @@ def test_decode_kernels(dtype):
         check_skinny_linear("cuda", dtype, n=n, k=k, tiles=(None, (32, 128, 8)))
     check_add_rms_norm("cuda", dtype)
     check_add_rms_norm("cuda", dtype, d=2048)
+    check_act_and_mul("cuda", dtype)
     check_rope_head_blocks("cuda", dtype)
     check_rope_head_blocks("cuda", dtype, nq=32, nk=4, d=128, blocks=(1, 2, 8, 32, None))
 
@@ -254,3 +255,26 @@ def test_decoder_attention_same_with_and_without_the_rope_kv_store(monkeypatch, 
     assert torch.equal(fused_cache, cache)
     for a, b in zip(fused_outs, outs):
         assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_dense_mlp_and_fp32_router_take_the_gpu_path():
+    """A dense MLP on CUDA (its act-and-mul kernel) and DeepSeek's fp32 router logits at more
+    rows than the skinny kernel takes (one bf16 GEMM with fp32 sums and output) give the CPU
+    modules' results."""
+    from moeserve.layers.mlp import DenseMLP
+
+    spec = tiny_spec("deepseek_v2")
+    state = single_process_state()
+    mlp = DenseMLP(spec, state, torch.bfloat16, tp_size=1)
+    mlp.gate_up.weight.data.normal_(0, spec.hidden_size ** -0.5)
+    mlp.down.weight.data.normal_(0, mlp.i_local ** -0.5)
+    router = Router(spec, torch.bfloat16)
+    assert router.fp32_logits
+    router.weight.data.normal_(0, spec.hidden_size ** -0.5)
+    x = torch.randn(300, spec.hidden_size).bfloat16()
+    want_y, want_logits = mlp.partial(x), router.logits(x)
+    mlp.cuda(), router.cuda()
+    got_logits = router.logits(x.cuda())
+    assert got_logits.dtype == torch.float32
+    assert rel_err(got_logits.cpu(), want_logits) < 1e-5
+    assert rel_err(mlp.partial(x.cuda()).cpu(), want_y) < 1e-2

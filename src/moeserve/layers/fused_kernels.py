@@ -12,6 +12,8 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
                    `kv_cache` it also writes the rotated k and v into their KV-cache slots
                    (the store_kv below, without its own launch)
   store_kv         the new tokens' K and V into their KV-cache slots in one launch
+  act_and_mul      a gated MLP's act(gate) * up from its fused [R, 2 I] projection, in fp32
+                   with one rounding, to a contiguous [R, I]
   topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
                    renormalisation, scaling, rounding of the weights to the model dtype,
                    ids -1 / weights 0 for padding rows
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moeserve.layers.pdl import pdl_args, pdl_gate
+from moeserve.moe.kernels.act import ACT_CODES, _act
 
 
 def _pow2(n: int) -> int:
@@ -337,3 +340,30 @@ def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: 
                                    ROUND_F16=round_to == torch.float16, num_warps=1,
                                    **pdl_args(logits_ME.device))
     return ids, weights
+
+
+@triton.jit
+def _act_and_mul_kernel(X, Y, stride_x, inter, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_gate(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * inter + offs, (_act(g, ACT) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate_up[:, :I]) * gate_up[:, I:] of [R, 2 I] rows (last dim contiguous) -> [R, I];
+    `act` is a kernel activation (moe/kernels/act.py: silu, gelu, gelu_tanh)."""
+    rows, two_i = gate_up.shape
+    assert gate_up.stride(-1) == 1 and two_i % 2 == 0
+    inter = two_i // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, _pow2(inter))
+        _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block,
+            num_warps=4, **pdl_args(gate_up.device))
+    return out

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.fast_path import fused
 from moeserve.layers.linear import linear
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.weights import WeightError, copy_into, empty_param, expect_shape, read
@@ -34,6 +35,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+# hidden_act -> the activation code of the Triton kernels (moe/kernels/act.py)
+KERNEL_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -73,6 +78,7 @@ class DenseMLP(nn.Module):
         self.tp_rank = state.world.rank if self.tp_size > 1 else 0
         self.i_local = self.intermediate // self.tp_size
         self.act = activation(spec.hidden_act)
+        self.hidden_act = spec.hidden_act
         self.scattered = layer_scatters(lay, moe=False)
         self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
         self.down = _Proj(self.hidden, self.i_local, dtype)
@@ -80,8 +86,11 @@ class DenseMLP(nn.Module):
     def partial(self, x_NH: torch.Tensor) -> torch.Tensor:
         """This rank's share of the MLP output (the whole output when replicated)."""
         gate_up = linear(x_NH, self.gate_up.weight)
-        return linear(self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:],
-                      self.down.weight)
+        act_and_mul = fused("act_and_mul", gate_up.device)
+        h = act_and_mul(gate_up, KERNEL_ACTS[self.hidden_act]) if act_and_mul else None
+        if h is None:
+            h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
+        return linear(h, self.down.weight)
 
     def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""

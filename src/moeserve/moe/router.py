@@ -134,7 +134,13 @@ class Router(nn.Module):
             # accumulates in fp32: the fp32 product up to the order of summation, without the
             # casts of x and W and the fp32 GEMM (its row groups re-read W, 0.5 MB, from L2)
             out = skinny(x_MH, self.weight, out_dtype=torch.float32, max_rows=FP32_SKINNY_ROWS)
-            return out if out is not None else F.linear(x_MH.float(), self.weight.float())
+            if out is not None:
+                return out
+            if x_MH.is_cuda and x_MH.dtype in (torch.bfloat16, torch.float16) \
+                    and self.weight.dtype == x_MH.dtype:  # model-dtype operands, fp32 sums
+                # and output: the fp32 GEMM of the casts up to summation order, in one GEMM
+                return torch.mm(x_MH, self.weight.t(), out_dtype=torch.float32)
+            return F.linear(x_MH.float(), self.weight.float())
         return linear(x_MH, self.weight).float()
 
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None

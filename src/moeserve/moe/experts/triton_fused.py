@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
+from moeserve.layers.mlp import KERNEL_ACTS
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.experts.base import Experts, register_experts
 from moeserve.moe.kernels.configs import get_config
 from moeserve.parallel.groups import ParallelState
 
-# hidden_act -> the kernel's activation
-KERNEL_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-               "gelu_new": "gelu_tanh"}
 
 
 @register_experts("triton")
