@@ -105,6 +105,10 @@ def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:
             timed.append((do_bench(lambda: fn(cfg)), cfg))
         except Exception as err:  # out of shared memory or registers: not a candidate
             print(f"  skip {name} {cfg}: {type(err).__name__}", flush=True)
+    for kind in sorted({bool(c.get("TMA")) for _, c in timed}):
+        t = min(t for t, c in timed if bool(c.get("TMA")) == kind)
+        print(f"    {name} best with weights by {'TMA' if kind else 'pointers'}: "
+              f"{t * 1e3:.1f} us", flush=True)
     return min(timed, key=lambda t: t[0])
 
 

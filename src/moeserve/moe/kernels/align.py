@@ -3,7 +3,8 @@
 Small steps (P <= SMALL_PAIRS, the decode sizes) run in one program, one launch: count pairs per
 expert, place the blocks, then scatter each pair to its slot (its rank among the same expert's
 pairs, from a one-hot prefix sum). Large steps use three launches over chunks of pairs: count
-(histogram + atomic add), place the blocks (one program), scatter (an atomic cursor per expert;
+(histogram + atomic add), place the blocks (up to 64 programs, each over its chunks of the
+block map), scatter (an atomic cursor per expert;
 the order inside an expert's segment is then arbitrary, which changes no result: every row of
 a GEMM tile is computed independently and the top-k sum is taken per pair slot).
 No launch reads a count back to the host.
@@ -19,6 +20,7 @@ from moeserve.moe.kernels.align_torch import AlignedBlocks, max_blocks
 
 SMALL_PAIRS = 512
 _COUNT_CHUNK = 1024
+_PLACE_PROGRAMS = 64  # the block map of a large step in parallel chunks
 
 
 @triton.jit
@@ -31,13 +33,14 @@ def _local_of(ids_ptr, offs, num_pairs, first_expert, num_local):
 
 @triton.jit
 def _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr, num_blocks,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Write the block map from per-expert counts [E_PAD]; return each expert's first row."""
+                  b_first, b_step, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the block map's chunks b_first, b_first + b_step, ... from per-expert counts
+    [E_PAD]; return each expert's first row."""
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(nblk, 0)
     blk_start = blk_end - nblk
     end_key = tl.where(e_idx < num_local, blk_end, 1 << 30)
-    for b0 in range(0, num_blocks, CHUNK):
+    for b0 in range(b_first, num_blocks, b_step):
         b = b0 + tl.arange(0, CHUNK)
         e_b = tl.sum((end_key[None, :] <= b[:, None]).to(tl.int32), axis=1)
         sel = e_idx[None, :] == e_b[:, None]
@@ -65,7 +68,7 @@ def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
                                num_local)
         counts += tl.histogram(local, E_PAD, mask=own)
     cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
-                           num_blocks, BLOCK_M, CHUNK)
+                           num_blocks, 0, CHUNK, BLOCK_M, CHUNK)
     for p0 in range(0, num_pairs, CHUNK):
         offs = p0 + tl.arange(0, CHUNK)
         local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
@@ -89,11 +92,15 @@ def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr,
 @triton.jit(do_not_specialize=_STEP_ARGS[2:])
 def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_rows_ptr,
                   num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i writes the block map's chunks i, i + PROGRAMS, ... (each program redoes the
+    prefix sum over E_PAD counts, which is cheap); program 0 also the experts' cursors."""
     e_idx = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + e_idx)
     cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
-                           num_blocks, BLOCK_M, CHUNK)
-    tl.store(cursor_ptr + e_idx, cursor)
+                           num_blocks, tl.program_id(0) * CHUNK, tl.num_programs(0) * CHUNK,
+                           BLOCK_M, CHUNK)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + e_idx, cursor)
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
@@ -131,8 +138,9 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
     _count_kernel[grid](ids, pairs, first_expert, num_local, counts, E_PAD=e_pad,
                         CHUNK=_COUNT_CHUNK, num_warps=4)
-    _place_kernel[(1,)](counts, cursor, num_local, block_expert, block_rows, nb,
-                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    _place_kernel[(min(triton.cdiv(nb, chunk), _PLACE_PROGRAMS),)](
+        counts, cursor, num_local, block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
+        CHUNK=chunk, num_warps=4)
     _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, sorted_pairs,
                           CHUNK=_COUNT_CHUNK, num_warps=4)
     return out
