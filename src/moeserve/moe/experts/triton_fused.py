@@ -23,7 +23,6 @@ from moeserve.moe.kernels.configs import get_config
 from moeserve.parallel.groups import ParallelState
 
 
-
 @register_experts("triton")
 class TritonFusedExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it

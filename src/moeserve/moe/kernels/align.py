@@ -4,9 +4,9 @@ Small steps (P <= SMALL_PAIRS, the decode sizes) run in one program, one launch:
 expert, place the blocks, then scatter each pair to its slot (its rank among the same expert's
 pairs, from a one-hot prefix sum). Large steps use three launches over chunks of pairs: count
 (histogram + atomic add), place the blocks (up to 64 programs, each over its chunks of the
-block map), scatter (an atomic cursor per expert;
-the order inside an expert's segment is then arbitrary, which changes no result: every row of
-a GEMM tile is computed independently and the top-k sum is taken per pair slot).
+block map), scatter (an atomic cursor per expert; the order inside an expert's segment is then
+arbitrary, which changes no result: every row of a GEMM tile is computed independently and
+the top-k sum is taken per pair slot).
 No launch reads a count back to the host.
 """
 
