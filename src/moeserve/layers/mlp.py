@@ -78,7 +78,7 @@ class DenseMLP(nn.Module):
         self.tp_rank = state.world.rank if self.tp_size > 1 else 0
         self.i_local = self.intermediate // self.tp_size
         self.act = activation(spec.hidden_act)
-        self.hidden_act = spec.hidden_act
+        self.kernel_act = KERNEL_ACTS.get(spec.hidden_act)  # None: the torch formulation
         self.scattered = layer_scatters(lay, moe=False)
         self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
         self.down = _Proj(self.hidden, self.i_local, dtype)
@@ -86,8 +86,8 @@ class DenseMLP(nn.Module):
     def partial(self, x_NH: torch.Tensor) -> torch.Tensor:
         """This rank's share of the MLP output (the whole output when replicated)."""
         gate_up = linear(x_NH, self.gate_up.weight)
-        act_and_mul = fused("act_and_mul", gate_up.device)
-        h = act_and_mul(gate_up, KERNEL_ACTS[self.hidden_act]) if act_and_mul else None
+        act_and_mul = fused("act_and_mul", gate_up.device) if self.kernel_act else None
+        h = act_and_mul(gate_up, self.kernel_act) if act_and_mul else None
         if h is None:
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
         return linear(h, self.down.weight)

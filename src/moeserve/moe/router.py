@@ -136,9 +136,10 @@ class Router(nn.Module):
             out = skinny(x_MH, self.weight, out_dtype=torch.float32, max_rows=FP32_SKINNY_ROWS)
             if out is not None:
                 return out
+            # past them, one GEMM of the model-dtype operands with fp32 sums and output
+            # computes the same (no fp32 copies of x and W)
             if x_MH.is_cuda and x_MH.dtype in (torch.bfloat16, torch.float16) \
-                    and self.weight.dtype == x_MH.dtype:  # model-dtype operands, fp32 sums
-                # and output: the fp32 GEMM of the casts up to summation order, in one GEMM
+                    and self.weight.dtype == x_MH.dtype:
                 return torch.mm(x_MH, self.weight.t(), out_dtype=torch.float32)
             return F.linear(x_MH.float(), self.weight.float())
         return linear(x_MH, self.weight).float()
