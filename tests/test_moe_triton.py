@@ -172,6 +172,23 @@ def test_default_config_takes_the_gemv_path_only_where_pairs_rarely_share_expert
     assert "decode" not in configs.default_config(64, 8, 128)
 
 
+@pytest.mark.parametrize("device,shape,max_tokens", [
+    ("NVIDIA H200", (128, 2048, 768), 16384),  # a shipped table, max past its largest key
+    ("NVIDIA H200", (64, 2048, 1408), 3000),  # a shipped table, max between its keys
+    ("NVIDIA H100", (128, 2048, 768), 5000)])  # no table: the defaults
+def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tokens):
+    """The warm-up runs each distinct config once, at a size that takes it, within the bound:
+    after it, no step of 1..max_tokens rows meets an uncompiled config."""
+    e, h, i = shape
+    get = lambda n: json.dumps(configs.get_config(n, 8, e, h, i, torch.bfloat16, device),
+                               sort_keys=True)
+    sizes = configs.warm_up_sizes(max_tokens, 8, e, h, i, torch.bfloat16, device)
+    assert sizes == sorted(sizes) and 1 <= sizes[0] and sizes[-1] <= max_tokens
+    warmed = [get(n) for n in sizes]
+    assert len(set(warmed)) == len(warmed)  # no config twice
+    assert {get(n) for n in range(1, max_tokens + 1)} == set(warmed)
+
+
 def test_shipped_tile_configs_are_complete():
     for path in sorted(configs.CONFIG_DIR.glob("*.json")):
         for cfg in json.loads(path.read_text()).values():
@@ -379,3 +396,13 @@ def test_triton_every_block_m_and_tile(block_m, tma):
         ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")
         y = fused_experts(x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu", cfg)
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_warm_up_runs_each_config_once():
+    spec = make_spec(e=16, k=4, h=256, i=192)
+    fast, _ = _gpu_pair("triton", spec, 2, 1, seed=7)
+    want = configs.warm_up_sizes(3000, 4, 8, 256, 192, torch.bfloat16,
+                                 torch.cuda.get_device_name())
+    assert fast.warm_up(3000, torch.device("cuda")) == want and len(want) >= 3

@@ -3,20 +3,26 @@
 It executes what the scheduler decided; it decides nothing. The KV pool and the request table
 come from the capacity plan's records. Decode steps replay a CUDA graph of the plan's buckets
 when every rank of the step decodes (or idles) and the batch fits a bucket
-(runtime/cuda_graph.py); every other step runs eagerly.
+(runtime/cuda_graph.py); every other step runs eagerly. On a GPU the expert runners compile
+their kernels for every step size the plan admits before the graphs are captured, so that no
+request waits for a compile.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.moe.experts.base import Experts
 from moeserve.models.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.step import StepContext
+from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
 from moeserve.runtime.forward_batch import ForwardBatch
@@ -24,6 +30,7 @@ from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
@@ -42,8 +49,30 @@ class ModelRunner:
         self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
+        if self.device.type == "cuda":
+            self.warm_up_experts()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
             cfg, plan, self.model, state, self.kv_pool, self.req_pool)
+
+    @torch.inference_mode()
+    def warm_up_experts(self) -> dict[tuple[int, int, int], list[int]]:
+        """Each distinct expert runner (local experts, hidden, intermediate) runs once per
+        tile config that a step of up to the plan's runner rows takes (Experts.warm_up).
+        Returns the row counts run by runner shape."""
+        plan = self.plan
+        if plan.budget is None or plan.layout is None or not self.spec.num_experts:
+            return {}
+        rows, _ = moe_runner_rows(self.spec, plan.layout, plan.budget, plan.a2a_cap or 0)
+        t0 = time.perf_counter()
+        runs: dict[tuple[int, int, int], list[int]] = {}
+        for mod in self.model.modules():
+            key = (mod.num_local, mod.hidden, mod.i_local) if isinstance(mod, Experts) else None
+            if key is not None and key not in runs:
+                runs[key] = mod.warm_up(rows, self.device)
+        if any(runs.values()):
+            log.info("expert kernels warmed up for row counts %s in %.1f s",
+                     sorted({n for v in runs.values() for n in v}), time.perf_counter() - t0)
+        return runs
 
     def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
         if batch is None:

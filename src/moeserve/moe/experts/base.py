@@ -63,6 +63,11 @@ class Experts(nn.Module, ABC):
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
         ...
 
+    def warm_up(self, max_rows: int, device: torch.device) -> list[int]:
+        """Run what must be compiled before serving for steps of up to max_rows rows; returns
+        the row counts run (none: this runner compiles nothing)."""
+        return []
+
     def load_expert(self, expert: int, proj: str, src: Any) -> None:
         """Read this rank's shard of experts.{expert}.{proj}.weight (a full HF tensor or a
         safetensors slice)."""

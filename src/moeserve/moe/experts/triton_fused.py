@@ -19,7 +19,7 @@ import torch
 from moeserve.layers.mlp import KERNEL_ACTS
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.experts.base import Experts, register_experts
-from moeserve.moe.kernels.configs import get_config
+from moeserve.moe.kernels.configs import get_config, warm_up_sizes
 from moeserve.parallel.groups import ParallelState
 
 
@@ -44,6 +44,18 @@ class TritonFusedExperts(Experts):
             self._configs[key] = get_config(num_tokens, self.top_k, self.num_local, self.hidden,
                                             self.i_local, self.w13.dtype, name)
         return self._configs[key]
+
+    def warm_up(self, max_rows: int, device: torch.device) -> list[int]:
+        """Run the kernels once per tile config that a step of up to max_rows rows takes, on
+        random rows and routing, so that Triton compiles them at startup rather than during
+        the first prefills (a few seconds each). Returns the row counts run."""
+        sizes = warm_up_sizes(max_rows, self.top_k, self.num_local, self.hidden, self.i_local,
+                              self.w13.dtype, torch.cuda.get_device_name(device))
+        for n in sizes:
+            x = torch.randn(n, self.hidden, device=device, dtype=self.w13.dtype)
+            ids = torch.rand(n, self.num_experts, device=device).topk(self.top_k, dim=1).indices
+            self(x, ids.to(torch.int32), torch.rand(n, self.top_k, device=device))
+        return sizes
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:

@@ -111,3 +111,17 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
     if table:
         return nearest(table, num_tokens)
     return default_config(num_tokens, top_k, num_local)
+
+
+def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                  dtype: Any, device_name: str) -> list[int]:
+    """One token count per distinct config that a step of 1..max_tokens rows can take (the
+    smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
+    once at each compiles every config before the first request needs it."""
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name) or {}
+    sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
+    first: dict[str, int] = {}
+    for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
+        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name)
+        first.setdefault(json.dumps(cfg, sort_keys=True), n)
+    return sorted(first.values())
