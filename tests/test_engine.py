@@ -119,6 +119,21 @@ def test_cli_generate_json_equals_transformers(checkpoints, arch, layout):
     assert all(r["finish_reason"] == "length" for r in results)
 
 
+def test_startup_prefill_warm_up_leaves_no_trace(checkpoints):
+    """The dummy prefills that compile the prefill path at startup (run on GPUs; here called
+    directly) take no KV slot or request row and change no later token."""
+    folder, ref = checkpoints["Qwen3MoeForCausalLM"]
+    with Engine(folder, **BASE) as engine:
+        runner = engine._thread._args[0].runner
+        slots, rows = runner.kv_pool.available_slots, runner.req_pool.available_rows
+        assert runner.warm_up_prefill() == [127, 128]  # the budget allows both
+        assert runner.warm_up_prefill([5, 33]) == [5, 33]
+        assert runner.kv_pool.available_slots == slots
+        assert runner.req_pool.available_rows == rows
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["token_ids"] for o in outs] == ref
+
+
 def test_64_concurrent_requests_of_mixed_lengths_finish():
     import random
 

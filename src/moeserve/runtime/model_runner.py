@@ -3,9 +3,9 @@
 It executes what the scheduler decided; it decides nothing. The KV pool and the request table
 come from the capacity plan's records. Decode steps replay a CUDA graph of the plan's buckets
 when every rank of the step decodes (or idles) and the batch fits a bucket
-(runtime/cuda_graph.py); every other step runs eagerly. On a GPU the expert runners compile
-their kernels for every step size the plan admits before the graphs are captured, so that no
-request waits for a compile.
+(runtime/cuda_graph.py); every other step runs eagerly. On a GPU, before the graphs are
+captured, the expert runners compile their kernels for every step size the plan admits and two
+dummy prefills compile the rest of the prefill path, so that no request waits for a compile.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from moeserve.parallel.step import StepContext
 from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
-from moeserve.runtime.forward_batch import ForwardBatch
-from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.runtime.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
+                                       create_kv_pool)
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
         if self.device.type == "cuda":
             self.warm_up_experts()
+            self.warm_up_prefill()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
             cfg, plan, self.model, state, self.kv_pool, self.req_pool)
 
@@ -73,6 +75,29 @@ class ModelRunner:
             log.info("expert kernels warmed up for row counts %s in %.1f s",
                      sorted({n for v in runs.values() for n in v}), time.perf_counter() - t0)
         return runs
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, sizes: Optional[list[int]] = None) -> list[int]:
+        """Eager prefills of one dummy request (row DUMMY_REQ_ROW, every K/V to DUMMY_SLOT,
+        nothing else touched) of each size; by default 127 and 128 tokens as the budget allows
+        (Triton specialises integer arguments on divisibility by 16). Every rank runs the same
+        sizes in the same order, so their collectives pair up. Returns the sizes run."""
+        from moeserve.parallel.step import step_from_counts
+
+        plan, table = self.plan, self.req_pool.table
+        if plan.budget is None or plan.layout is None:
+            return []
+        limit = min(plan.budget.extend, table.shape[1])
+        sizes = sorted({n for n in (127, 128) if n <= limit} or {limit}) if sizes is None \
+            else sizes
+        for n in sizes:
+            table[DUMMY_REQ_ROW, :n] = DUMMY_SLOT
+            loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=self.device)
+            fb = ForwardBatch.from_requests(ForwardMode.EXTEND, [[0] * n], [0], [DUMMY_REQ_ROW],
+                                            loc, table, self.kv_pool)
+            step = step_from_counts([n] * plan.layout.tp, plan.layout, self.state.rank, plan)
+            self.model(fb.input_ids, fb.positions, fb, step)
+        return sizes
 
     def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
         if batch is None:
