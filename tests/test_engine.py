@@ -126,7 +126,8 @@ def test_startup_prefill_warm_up_leaves_no_trace(checkpoints):
     with Engine(folder, **BASE) as engine:
         runner = engine._thread._args[0].runner
         slots, rows = runner.kv_pool.available_slots, runner.req_pool.available_rows
-        assert runner.warm_up_prefill() == [127, 128]  # the budget allows both
+        # the powers of two and 127, up to the budget (128 tokens: the context length)
+        assert runner.warm_up_prefill() == [1, 2, 4, 8, 16, 32, 64, 127, 128]
         assert runner.warm_up_prefill([5, 33]) == [5, 33]
         assert runner.kv_pool.available_slots == slots
         assert runner.req_pool.available_rows == rows

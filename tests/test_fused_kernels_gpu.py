@@ -16,8 +16,8 @@ from moeserve.moe.router import Router, RoutingConfig, select_experts
 from moeserve.parallel.groups import single_process_state
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
-from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks, check_rope_store_kv,
-                                check_skinny_linear)
+from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
+                                check_rope_store_kv, check_skinny_linear)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

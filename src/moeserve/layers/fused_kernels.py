@@ -181,9 +181,12 @@ ROPE_PROGRAMS = 512  # head blocks are added until a step has about this many pr
 
 def rope_head_blocks(t: int, nq: int, nk: int) -> int:
     """How many head blocks split each token's heads: enough programs for the SMs of a small
-    step (batch-1 decode: one per ROPE_HEADS_PER_PROGRAM q heads), one for a large one."""
-    return max(1, min(triton.cdiv(max(nq, nk), ROPE_HEADS_PER_PROGRAM),
-                      triton.cdiv(ROPE_PROGRAMS, max(1, t))))
+    step (batch-1 decode: one per ROPE_HEADS_PER_PROGRAM q heads), one for a large one. A
+    power of two, so that the steps of a power-of-two token count (the runner's startup
+    warm-up) meet every block shape the kernel is compiled for."""
+    blocks = max(1, min(triton.cdiv(max(nq, nk), ROPE_HEADS_PER_PROGRAM),
+                        triton.cdiv(ROPE_PROGRAMS, max(1, t))))
+    return 1 << (blocks.bit_length() - 1)
 
 
 def kv_cache_offset(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[int]:

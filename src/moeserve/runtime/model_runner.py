@@ -32,6 +32,7 @@ from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
+PREFILL_WARM_UP_MAX = 1024  # past 2 x ROPE_PROGRAMS (layers/fused_kernels.py): one head block
 
 @dataclass
 class StepResult:
@@ -79,17 +80,20 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_prefill(self, sizes: Optional[list[int]] = None) -> list[int]:
         """Eager prefills of one dummy request (row DUMMY_REQ_ROW, every K/V to DUMMY_SLOT,
-        nothing else touched) of each size; by default 127 and 128 tokens as the budget allows
-        (Triton specialises integer arguments on divisibility by 16). Every rank runs the same
-        sizes in the same order, so their collectives pair up. Returns the sizes run."""
+        nothing else touched) of each size. By default, as far as the budget allows, every
+        power of two up to PREFILL_WARM_UP_MAX tokens (the kernels that pick a shape by the
+        token count pick it by powers of two: the rope's head blocks) and 127 (Triton
+        specialises integer arguments on divisibility by 16). Every rank runs the same sizes
+        in the same order, so their collectives pair up. Returns the sizes run."""
         from moeserve.parallel.step import step_from_counts
 
         plan, table = self.plan, self.req_pool.table
         if plan.budget is None or plan.layout is None:
             return []
         limit = min(plan.budget.extend, table.shape[1])
-        sizes = sorted({n for n in (127, 128) if n <= limit} or {limit}) if sizes is None \
-            else sizes
+        if sizes is None:
+            top = min(limit, PREFILL_WARM_UP_MAX)
+            sizes = sorted({1 << b for b in range(top.bit_length())} | {min(127, top)})
         for n in sizes:
             table[DUMMY_REQ_ROW, :n] = DUMMY_SLOT
             loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=self.device)
