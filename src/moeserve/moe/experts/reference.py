@@ -7,8 +7,10 @@ not use the expert) combines the results. That reads every expert's weights: a r
 a fast path (the grouped_mm and triton runners are). Forwards whose intermediates would be too
 large (big prefills) take the host-driven loop, outside any graph.
 
-It allocates its intermediates per call (sized by the step, which the runtime guard bounded
-by the plan); the fast GPU runners work in the plan's `moe.runner.*` buffers instead.
+It allocates its intermediates per call, sized by the step (which the runtime guard bounds by
+the plan); so do the fast GPU runners. The plan's `moe.runner.*` records reserve this
+formulation's worst case in the static budget; they are not yet handed to the runners as
+workspaces.
 Accumulation is in float32.
 """
 
