@@ -67,6 +67,25 @@ def test_graph_buffers_come_from_the_plan_and_pad_with_dummy_rows():
     assert fb.logit_rows is None  # every row of the bucket writes its logits
 
 
+def test_graph_inputs_are_staged_in_one_copy_and_spread_by_the_graph():
+    """A replay's host work: the rows' token, position and request row into `staging` (one
+    copy, dummy rows past the batch); the graph's head spreads them into its inputs."""
+    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
+                       max_running_requests=12, skip_tokenizer_init=True)
+    plan = build_plan(cfg, load_model_spec(cfg.model))
+    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"))
+    assert bufs.staging.shape == plan.buffer("graph.decode.staging").shape == (12, 3)
+    bufs.stage([7, 8, 9, 4, 4], [10, 20, 30, 5, 5], [3, 1, 2, 6, 6], 8)
+    bufs.stage([7, 8, 9], [10, 20, 30], [3, 1, 2], 8)  # a smaller batch in the same bucket
+    bufs.unpack(8)
+    pad = [0] * 5
+    assert bufs.input_ids[:8].tolist() == [7, 8, 9] + pad
+    assert bufs.positions[:8].tolist() == bufs.prefix_lens[:8].tolist() == [10, 20, 30] + pad
+    assert bufs.seq_lens[:8].tolist() == [11, 21, 31] + [1] * 5
+    assert bufs.req_pool_indices[:8].tolist() == [3, 1, 2] + [DUMMY_REQ_ROW] * 5
+    assert bufs.seq_lens.dtype == torch.int32
+
+
 def test_disable_cuda_graph_leaves_no_buckets_and_cpu_models_are_refused():
     cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
                        disable_cuda_graph=True)

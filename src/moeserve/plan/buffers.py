@@ -126,6 +126,8 @@ def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
                      GRAPH_KNOBS),
         BufferRecord("graph.decode.req_pool_indices", (bs,), "int64", "max bucket", GRAPH_KNOBS),
         BufferRecord("graph.decode.seq_lens", (bs,), "int32", "max bucket", GRAPH_KNOBS),
+        BufferRecord("graph.decode.staging", (bs, 3), "int64",
+                     "max bucket x (token, position, request row)", GRAPH_KNOBS),
         BufferRecord("graph.decode.logits", (t, spec.vocab_size), "float32",
                      "max bucket x tokens/request x vocab", GRAPH_KNOBS),
     ]

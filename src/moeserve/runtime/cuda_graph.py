@@ -5,7 +5,10 @@
     logits_BV = graphs.replay(batch, bucket)
 
 The static inputs and the logits are the plan's `graph.decode.*` records, allocated once
-(DecodeGraphBuffers); bucket bs uses their first bs rows. Graphs are captured largest bucket
+(DecodeGraphBuffers); bucket bs uses their first bs rows. A replay costs the host little: the
+rows' tokens, positions and request rows go to the device in one copy from pinned memory
+(`staging`), each graph spreads them into its inputs itself, and only the new tokens' KV slots
+(already on the device) are copied beside it. Graphs are captured largest bucket
 first into one shared memory pool (a smaller graph's temporaries fit in what the larger one
 freed). A decode batch of B requests replays the smallest bucket >= B: rows [B, bucket) are
 dummy requests (request row 0, KV slot 0, length 1), so they write only the dummy slot and
@@ -94,20 +97,49 @@ class DecodeGraphBuffers:
     prefix_lens: torch.Tensor  # [bs_max] int32 (same record as seq_lens): seq_lens - 1
     extend_lens: torch.Tensor  # [bs_max] int32 (same record): ones
     logits: torch.Tensor  # [T_graph, V] float32
+    staging: torch.Tensor  # [bs_max, 3] int64: each row's token, position, request row
+    host: torch.Tensor  # the same on the host (pinned on a GPU), filled by stage()
+    copied: Optional[torch.cuda.Event] = None  # after the last host-to-device copy
 
     @classmethod
     def from_plan(cls, plan: "CapacityPlan", device: torch.device) -> "DecodeGraphBuffers":
         def rec(name: str) -> Any:
             return plan.buffer(f"graph.decode.{name}")
 
-        seq = rec("seq_lens")
+        seq, staging = rec("seq_lens"), rec("staging")
+        host = torch.empty(staging.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
         bufs = cls(rec("input_ids").empty(device), rec("positions").empty(device),
                    rec("out_cache_loc").empty(device), rec("req_pool_indices").empty(device),
                    seq.empty(device), seq.empty(device), seq.empty(device),
-                   rec("logits").empty(device))
+                   rec("logits").empty(device), staging.empty(device), host,
+                   torch.cuda.Event() if device.type == "cuda" else None)
         bufs.extend_lens.fill_(1)
         bufs.pad(0, bufs.seq_lens.shape[0])
+        bufs.stage([], [], [], bufs.seq_lens.shape[0])
         return bufs
+
+    def stage(self, tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int],
+              bs: int) -> None:
+        """Rows [0, n) from the lists, rows [n, bs) dummy requests, to `staging` in one copy.
+        The host rows are rewritten only once the previous copy has read them."""
+        n = len(tokens)
+        if self.copied is not None:
+            self.copied.synchronize()
+        h = self.host.numpy()
+        h[:n, 0], h[:n, 1], h[:n, 2] = tokens, positions, rows
+        h[n:bs] = (0, 0, DUMMY_REQ_ROW)
+        self.staging[:bs].copy_(self.host[:bs], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def unpack(self, bs: int) -> None:
+        """The staged rows into the model's inputs (captured at the head of each graph)."""
+        s = self.staging[:bs]
+        self.input_ids[:bs].copy_(s[:, 0])
+        self.positions[:bs].copy_(s[:, 1])
+        self.prefix_lens[:bs].copy_(s[:, 1])
+        self.seq_lens[:bs].copy_(s[:, 1] + 1)
+        self.req_pool_indices[:bs].copy_(s[:, 2])
 
     def pad(self, start: int, end: int) -> None:
         """Rows [start, end) become dummy requests."""
@@ -177,11 +209,13 @@ class DecodeGraphRunner:
         for bs in reversed(self.buckets):
             step = self.step_for(bs)
             warm = self.bufs.batch(bs, table, self.kv_pool)
+            self.bufs.unpack(bs)
             self.model(warm.input_ids, warm.positions, warm, step)  # compile, fill caches
             # a new batch object: per-step metadata of the layers is allocated in the graph
             fb = self.bufs.batch(bs, table, self.kv_pool)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.bufs.unpack(bs)
                 logits = self.model(fb.input_ids, fb.positions, fb, step)
                 self.bufs.logits[:bs].copy_(logits)
             if self.pool is None:
@@ -201,16 +235,13 @@ class DecodeGraphRunner:
         b = self.bufs
         if n:
             assert batch is not None and batch.mode is ForwardMode.DECODE
-            host = torch.tensor([[t[0] for t in batch.new_tokens], batch.prefix_lens,
-                                 [r.row for r in batch.reqs]], dtype=torch.int64)
-            dev = host.to(b.input_ids.device, non_blocking=True)
-            b.input_ids[:n].copy_(dev[0])
-            b.positions[:n].copy_(dev[1])
-            b.prefix_lens[:n].copy_(dev[1])
-            b.seq_lens[:n].copy_(dev[1] + 1)
-            b.req_pool_indices[:n].copy_(dev[2])
             b.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
-        b.pad(n, bs)
+            b.stage([t[0] for t in batch.new_tokens], batch.prefix_lens,
+                    [r.row for r in batch.reqs], bs)
+        else:
+            b.stage([], [], [], bs)
+        if n < bs:
+            b.out_cache_loc[n:bs].fill_(DUMMY_SLOT)
         self.graphs[bs].replay()
         self.replays += 1
         return b.logits[:n]
