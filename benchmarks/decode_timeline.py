@@ -1,0 +1,120 @@
+"""Where a decode step's time goes: the kernels of one CUDA-graph decode step (Qwen3-30B-A3B
+shape, dummy bf16 weights, one GPU) in the order they ran, under torch.profiler, grouped by
+kernel name: launches per step, mean duration, and the mean gap between the end of the kernel
+before and its start (the time no kernel of the step ran).
+
+    PYTHONPATH=src python benchmarks/decode_timeline.py --out DIR [--batch 1] [--ctx 512]
+
+Each PDL setting runs in its own process (the decode graphs are captured at startup): with
+MOESERVE_PDL=0 every kernel starts after the one before has finished, so durations and gaps
+add up to the step; with PDL on, a kernel's duration includes the time its programs wait at
+their gate for the kernel before, and gaps can be negative (the overlap PDL buys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def timeline(batch: int, ctx: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_e2e import MODEL, decode_timing
+    from moeserve.runtime.engine import Engine
+
+    engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                    context_length=ctx + 64, max_running_requests=max(batch, 8))
+    runner = engine._thread._args[0].runner
+    runner.kv_pool.kv_LSKD.normal_(0, 0.5)
+    step_ms = decode_timing(runner, batch, ctx, True, 30)
+    replay_ms = replay_only_ms(runner, batch, ctx)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_timing(runner, batch, ctx, True, 1)  # 5 warm-up steps + 1, all profiled
+    engine.shutdown()
+
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                     if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0)
+    # a step ends with its LM head, the one GEMM of the step that cuBLAS runs: the last step
+    # is what follows the one before
+    heads = [i for i, k in enumerate(kernels) if k[2].startswith(("nvjet", "sm90_xmma"))
+             or "gemm" in k[2].lower()]
+    last = kernels[heads[-2] + 1:heads[-1] + 1]
+    by_name: dict[str, dict[str, float]] = {}
+    prev_end = last[0][0]
+    for start, end, name in last:
+        row = by_name.setdefault(name[:70], {"calls": 0, "us": 0.0, "gap_us": 0.0})
+        row["calls"] += 1
+        row["us"] += end - start
+        row["gap_us"] += start - prev_end
+        prev_end = max(prev_end, end)
+    t0 = last[0][0]
+    order = [(name[:50], round(s - t0, 2), round(e - s, 2)) for s, e, name in last]
+    return {"batch": batch, "ctx": ctx, "step_ms": step_ms, "replay_ms": replay_ms,
+            "kernels": len(last), "span_us": last[-1][1] - t0,
+            "head": order[:14], "tail": order[-6:],
+            "by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us"]))}
+
+
+def replay_only_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> float:
+    """The decode graph of `batch` replayed back to back, its inputs as the last step left
+    them: the device's time for a step when the host is ahead of it."""
+    graph = runner.graphs.graphs[runner.graphs.bucket_for([batch], True)]
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [f"PDL {res['pdl']}: step {res['step_ms']:.3f} ms (events around the runner's "
+             f"forward), graph replays back to back {res['replay_ms']:.3f} ms; "
+             f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
+             f"first kernels (name, start us, us): {res['head']}",
+             f"last kernels: {res['tail']}",
+             "| kernel | calls | mean us | sum us | mean gap before us | sum gap us |",
+             "|---|---|---|---|---|---|"]
+    for name, r in res["by_name"].items():
+        c = r["calls"]
+        lines.append(f"| `{name}` | {c} | {r['us'] / c:.2f} | {r['us']:.0f} | "
+                     f"{r['gap_us'] / c:.2f} | {r['gap_us']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="timeline_out")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--pdl", nargs="+", default=["0", "1"])
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        res = timeline(args.batch, args.ctx)
+        res["pdl"] = os.environ.get("MOESERVE_PDL", "1")
+        (out / f"timeline_pdl{res['pdl']}.json").write_text(json.dumps(res, indent=1))
+        print(table(res), flush=True)
+        return 0
+    for pdl in args.pdl:
+        env = dict(os.environ, MOESERVE_PDL=pdl)
+        subprocess.check_call([sys.executable, __file__, *sys.argv[1:], "--child"], env=env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
