@@ -9,10 +9,16 @@ this kernel has finished and its writes are visible. The launch and the ramp-up 
 kernel then hide behind the tail of this one. Inside a CUDA graph the launch attribute becomes
 a programmatic edge, so graphs keep the overlap.
 
-The contract every kernel launched with `pdl_args` keeps: `pdl_gate(PDL)` comes first, before
-any load of another kernel's output and before any store, on every path through the kernel.
-Then no kernel can finish before the one before it has, so a kernel that waits on its
-predecessor also waits, transitively, on everything launched before.
+The contract every kernel launched with `pdl_args` keeps: `pdl_gate(PDL)` comes before any
+store and before any load of what the kernel just before it may have written, on every path
+through the kernel. Then no kernel can finish before the one before it has, so a kernel that
+waits on its predecessor also waits, transitively, on everything launched before.
+
+Before the gate a kernel may read what no kernel of the chain writes (weights), and what was
+written two kernels back or earlier: the kernel before it passed its own gate, so that writer
+had finished, before this kernel could be placed. Such reads go through L2
+(`cache_modifier=".cg"`), never a stale L1 line. The weight GEMVs load their first weight
+tiles there, so that the weight stream starts while the kernel before them finishes.
 
 MOESERVE_PDL=0 in the environment turns it off (for A/B measurements); it is also off on
 CPUs, under Triton's interpreter and on GPUs below compute capability 9.0.

@@ -37,6 +37,20 @@ def _row_product(acc, w, x_row, k, mask_k, valid):
 
 
 @triton.jit
+def _rows_product(acc0, acc1, acc2, acc3, w, X, stride_xm, k, mask_k, rows,
+                  ROWS: tl.constexpr):
+    """The W tile's products with each of the group's rows (up to 4)."""
+    acc0 = _row_product(acc0, w, X, k, mask_k, rows > 0)
+    if ROWS > 1:
+        acc1 = _row_product(acc1, w, X + stride_xm, k, mask_k, rows > 1)
+    if ROWS > 2:
+        acc2 = _row_product(acc2, w, X + 2 * stride_xm, k, mask_k, rows > 2)
+    if ROWS > 3:
+        acc3 = _row_product(acc3, w, X + 3 * stride_xm, k, mask_k, rows > 3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _row_store(acc, y_row, offs_n, mask_n, bias, valid):
     y = tl.sum(acc, 1) + bias
     tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=mask_n & valid)
@@ -48,31 +62,31 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIA
                    PDL: tl.constexpr):
     # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
     # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
-    pdl_gate(PDL)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = M - pid_m * ROWS
-    X += pid_m * ROWS * stride_xm
-    Y += pid_m * ROWS * stride_ym
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    # the first W tile before the gate: no kernel writes W, so under PDL it streams in while
+    # the kernel before this one finishes
+    mask_k = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    pdl_gate(PDL)
+    rows = M - pid_m * ROWS
+    X += pid_m * ROWS * stride_xm
+    Y += pid_m * ROWS * stride_ym
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc0, acc1, acc2, acc3 = _rows_product(acc0, acc1, acc2, acc3, w.to(tl.float32), X,
+                                           stride_xm, offs_k, mask_k, rows, ROWS)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        w = w.to(tl.float32)
-        acc0 = _row_product(acc0, w, X, k, mask_k, rows > 0)
-        if ROWS > 1:
-            acc1 = _row_product(acc1, w, X + stride_xm, k, mask_k, rows > 1)
-        if ROWS > 2:
-            acc2 = _row_product(acc2, w, X + 2 * stride_xm, k, mask_k, rows > 2)
-        if ROWS > 3:
-            acc3 = _row_product(acc3, w, X + 3 * stride_xm, k, mask_k, rows > 3)
+        acc0, acc1, acc2, acc3 = _rows_product(acc0, acc1, acc2, acc3, w.to(tl.float32), X,
+                                               stride_xm, k, mask_k, rows, ROWS)
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)

@@ -80,15 +80,22 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Each K chunk loads the tiles of all the row's experts at once ([TOP_K, BLOCK_N,
     BLOCK_K]): top_k times the bytes in flight of a loop over the experts, a third of the
-    round trips at Qwen3's I = 768."""
-    pdl_gate(PDL)
+    round trips at Qwen3's I = 768.
+
+    The ids and top-k weights, and the first weight tiles, are read before the PDL gate, so
+    that the tiles stream in while gate_up finishes. The ids come from the router's top-k, two
+    kernels back: gate_up's programs pass their gate only once it has finished, and this
+    kernel is placed only after all of them have, so its writes are visible; they are read
+    from L2 (.cg), never from a stale L1 line. h, gate_up's output, is read after the gate."""
     row = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOP_K)
     pair = row * top_k + offs_j
-    expert = tl.load(ids_ptr + pair, mask=offs_j < top_k, other=-1) - first_expert
+    expert = tl.load(ids_ptr + pair, mask=offs_j < top_k, other=-1,
+                     cache_modifier=".cg") - first_expert
     mine = (offs_j < top_k) & (expert >= 0) & (expert < num_local)  # masked loads read nothing
     expert = tl.where(mine, expert, 0).to(tl.int64)
-    weight = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
+    weight = tl.load(weights_ptr + pair, mask=mine, other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -96,15 +103,24 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
     w_ptrs = (w2_ptr + ((expert[:, None] * hidden + offs_n[None, :]) * inter)[:, :, None]
               + offs_k[None, None, :])
     w_ok = mine[:, None, None] & n_ok[None, :, None]
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+    pdl_gate(PDL)
     acc = tl.zeros((TOP_K, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
+        if k0 > 0:
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=w_ok & (offs_k < inter - k0)[None, None, :],
+                            other=0.0)
         if EVEN_K:
             h = tl.load(h_ptrs, mask=mine[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         else:
-            k_ok = offs_k < inter - k0
-            h = tl.load(h_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
+            h = tl.load(h_ptrs, mask=mine[:, None] & (offs_k < inter - k0)[None, :],
+                        other=0.0)
         hw = h.to(tl.float32) * weight[:, None]
         acc += w.to(tl.float32) * hw[:, None, :]
         h_ptrs += BLOCK_K
@@ -144,7 +160,8 @@ def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, TOP_K=triton.next_power_of_2(top_k),
-                                  **_opts(cfg, inter), **pdl_args(h_PI.device))
+                                  **_opts(cfg, inter),
+                                  **pdl_args(h_PI.device))
     return out
 
 
