@@ -3,7 +3,8 @@ shape, dummy bf16 weights, one GPU) in the order they ran, under torch.profiler,
 kernel name: launches per step, mean duration, and the mean gap between the end of the kernel
 before and its start (the time no kernel of the step ran).
 
-    PYTHONPATH=src python benchmarks/decode_timeline.py --out DIR [--batch 1] [--ctx 512]
+    PYTHONPATH=src python benchmarks/decode_timeline.py --out DIR [--batch 1] [--ctx 512] \
+        [--more-batches 8 64 256]
 
 Each PDL setting runs in its own process (the decode graphs are captured at startup): with
 MOESERVE_PDL=0 every kernel starts after the one before has finished, so durations and gaps
@@ -26,18 +27,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def timeline(batch: int, ctx: int) -> dict[str, Any]:
+def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_e2e import MODEL, decode_timing
     from moeserve.runtime.engine import Engine
 
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                    context_length=ctx + 64, max_running_requests=max(batch, 8))
+                    context_length=ctx + 64, max_running_requests=max(batch, 8, *more))
     runner = engine._thread._args[0].runner
     runner.kv_pool.kv_LSKD.normal_(0, 0.5)
     step_ms = decode_timing(runner, batch, ctx, True, 30)
     replay_ms = replay_only_ms(runner, batch, ctx)
+    others = {b: {"step_ms": decode_timing(runner, b, ctx, True, 30),
+                  "replay_ms": replay_only_ms(runner, b, ctx)} for b in more}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_timing(runner, batch, ctx, True, 1)  # 5 warm-up steps + 1, all profiled
     engine.shutdown()
@@ -60,7 +63,7 @@ def timeline(batch: int, ctx: int) -> dict[str, Any]:
     t0 = last[0][0]
     order = [(name[:50], round(s - t0, 2), round(e - s, 2)) for s, e, name in last]
     return {"batch": batch, "ctx": ctx, "step_ms": step_ms, "replay_ms": replay_ms,
-            "kernels": len(last), "span_us": last[-1][1] - t0,
+            "kernels": len(last), "span_us": last[-1][1] - t0, "other_batches": others,
             "head": order[:14], "tail": order[-6:],
             "by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us"]))}
 
@@ -85,6 +88,8 @@ def table(res: dict[str, Any]) -> str:
              f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
              f"first kernels (name, start us, us): {res['head']}",
              f"last kernels: {res['tail']}",
+             *(f"batch {b}: step {r['step_ms']:.3f} ms, graph replays back to back "
+               f"{r['replay_ms']:.3f} ms" for b, r in res["other_batches"].items()),
              "| kernel | calls | mean us | sum us | mean gap before us | sum gap us |",
              "|---|---|---|---|---|---|"]
     for name, r in res["by_name"].items():
@@ -97,7 +102,9 @@ def table(res: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="timeline_out")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="the batch profiled")
+    p.add_argument("--more-batches", type=int, nargs="*", default=[],
+                   help="batches timed too (step and replays), not profiled")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--pdl", nargs="+", default=["0", "1"])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -105,7 +112,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        res = timeline(args.batch, args.ctx)
+        res = timeline(args.batch, args.ctx, args.more_batches)
         res["pdl"] = os.environ.get("MOESERVE_PDL", "1")
         (out / f"timeline_pdl{res['pdl']}.json").write_text(json.dumps(res, indent=1))
         print(table(res), flush=True)

@@ -222,12 +222,16 @@ for act, (ep, rank), n, h in [("silu", (1, 0), 5, 48), ("gelu", (2, 1), 70, 48),
         ids, w = routing(n, 2, 8, mode, seed=n)
         err = rel_err(tri(x, ids, w), ref(x, ids, w))
         assert err <= 1e-4, (act, ep, n, mode, err)
-# the GEMV decode path (decode_moe.py), forced at any row count; K and N not block multiples
+# the GEMV decode path (decode_moe.py), forced at any row count; K and N not block multiples;
+# the down GEMV with its first tiles read before the PDL gate (small tiles) and after (large)
 from moeserve.moe.kernels.fused_moe import fused_experts
-gemv = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
-for act, (ep, rank), n, h in [("silu", (1, 0), 1, 48), ("gelu", (2, 1), 4, 40),
-                              ("silu", (2, 0), 7, 64)]:
+small = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4},
+         "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
+large = {**small, "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1}}
+for gemv, act, (ep, rank), n, h in [(small, "silu", (1, 0), 1, 48),
+                                    (large, "silu", (1, 0), 1, 48),
+                                    (small, "gelu", (2, 1), 4, 40),
+                                    (large, "silu", (2, 0), 7, 64)]:
     spec = make_spec(e=8, k=2, h=h, i=40, act=act)
     ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=5)
     tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=5)
@@ -357,7 +361,7 @@ def test_triton_duplicate_ids_add_up():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("tiles", [(16, 256, 4, 16, 256, 4), (8, 128, 2, 4, 512, 4),
-                                   (32, 64, 8, 32, 128, 8)])
+                                   (32, 64, 8, 32, 128, 8), (16, 128, 8, 2, 128, 4)])
 def test_triton_decode_path_at_any_rows(tiles):
     """The GEMV kernels (decode_moe.py) with tiles the tuner may pick, forced at row counts
     where pairs share experts, on an EP rank (ids of the other rank skipped) and with -1s."""

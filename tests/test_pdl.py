@@ -30,8 +30,9 @@ def _chain(x, r, norm_w, w_qkv, w_router, w13, w2, top_k):
     q = skinny_linear(h, w_qkv, tiles=(16, 128, 4))
     logits = skinny_linear(h, w_router, tiles=(16, 128, 4))
     ids, weights = topk_softmax(logits, top_k, True, 1.0, h.shape[0], h.dtype)
+    # down's tiles small enough to be read before its gate (decode_moe.EARLY_TILE_PER_THREAD)
     cfg = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
-           "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}}
+           "down": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4}}
     y = decode_experts(h, w13, w2, ids.view(-1), weights.view(-1), top_k, 0, "silu", cfg)
     return q, y, s
 

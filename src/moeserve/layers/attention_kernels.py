@@ -38,20 +38,6 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fold_keys(q, k, v, visible, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
-    """Fold one block of loaded keys k and values v ([BLOCK_N, D]) into the online softmax of
-    q's rows, scores kept where `visible`. Returns the new (m_i, l_i, acc)."""
-    qk = _dot(q, tl.trans(k), IEEE) * scale_log2
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, stride_vs,
                  stride_vh, kvh, k_pos, n_mask, visible, offs_d, d_mask, m_i, l_i, acc,
                  scale_log2, IEEE: tl.constexpr):
@@ -62,9 +48,16 @@ def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, st
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                 mask=kv_mask, other=0.0)
+    qk = _dot(q, tl.trans(k), IEEE) * scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    return _fold_keys(q, k, v, visible, m_i, l_i, acc, scale_log2, IEEE)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -75,10 +68,7 @@ def decode_partial_kernel(
         scale_log2, window, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """The split's first block of cached keys and values is read before the PDL gate (the
-    lengths, request rows and table were written before the step's first kernel; the cached
-    K/V in earlier steps), all but the new token's, which the kernel just before this one
-    (the rope) stores: that row, and q, are read after the gate."""
+    pdl_gate(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,19 +84,6 @@ def decode_partial_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    pos = start + offs_n
-    n_mask = pos < end
-    slot = tl.load(ReqToToken + row * stride_rt + pos, mask=n_mask, other=0,
-                   cache_modifier=".cg").to(tl.int64)
-    k_rows = Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-    v_rows = Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
-    cached = (n_mask & (pos < seq_len - 1))[:, None] & d_mask[None, :]
-    k = tl.load(k_rows, mask=cached, other=0.0, cache_modifier=".cg")
-    v = tl.load(v_rows, mask=cached, other=0.0, cache_modifier=".cg")
-    pdl_gate(PDL)
-    new = (n_mask & (pos == seq_len - 1))[:, None] & d_mask[None, :]
-    k = tl.where(new, tl.load(k_rows, mask=new, other=0.0), k)
-    v = tl.where(new, tl.load(v_rows, mask=new, other=0.0), v)
     heads = kvh * GROUP + offs_g
     q = tl.load(Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
@@ -115,8 +92,7 @@ def decode_partial_kernel(
     m_i = tl.full([BLOCK_G], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _fold_keys(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IEEE)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
