@@ -39,6 +39,7 @@ def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
     runner.kv_pool.kv_LSKD.normal_(0, 0.5)
     step_ms = decode_timing(runner, batch, ctx, True, 30)
     replay_ms = replay_only_ms(runner, batch, ctx)
+    host = host_us(runner, batch, ctx)
     others = {b: {"step_ms": decode_timing(runner, b, ctx, True, 30),
                   "replay_ms": replay_only_ms(runner, b, ctx)} for b in more}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -62,10 +63,48 @@ def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
         prev_end = max(prev_end, end)
     t0 = last[0][0]
     order = [(name[:50], round(s - t0, 2), round(e - s, 2)) for s, e, name in last]
-    return {"batch": batch, "ctx": ctx, "step_ms": step_ms, "replay_ms": replay_ms,
+    return {"batch": batch, "ctx": ctx, "step_ms": step_ms, "replay_ms": replay_ms, **host,
             "kernels": len(last), "span_us": last[-1][1] - t0, "other_batches": others,
             "head": order[:14], "tail": order[-6:],
             "by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us"]))}
+
+
+def host_us(runner: Any, batch: int, ctx: int, reps: int = 30) -> dict[str, float]:
+    """Host time (µs, median) of one decode graph launch alone, and of the runner's whole
+    decode forward (input staging + launch), each followed by a synchronize outside the timed
+    region: the time the GPU waits for the host before a step can start."""
+    import time
+    from types import SimpleNamespace
+
+    from moeserve.parallel.step import step_from_counts
+    from moeserve.runtime.forward_batch import ForwardMode
+    from moeserve.runtime.scheduler import ScheduledBatch
+
+    graph = runner.graphs.graphs[runner.graphs.bucket_for([batch], True)]
+    rows = [runner.req_pool.alloc() for _ in range(batch)]
+    slots = [runner.kv_pool.alloc(ctx + 1) for _ in rows]
+    for r, sl in zip(rows, slots):
+        runner.req_pool.write(r, 0, sl)
+    sched = ScheduledBatch(ForwardMode.DECODE, [SimpleNamespace(row=r) for r in rows],
+                           [[1]] * batch, [ctx] * batch, torch.stack([sl[-1] for sl in slots]),
+                           [True] * batch)
+    lay = runner.plan.layout
+    step = step_from_counts([batch] * lay.tp, lay, 0, runner.plan)
+    launch, forward = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        graph.replay()
+        launch.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.forward(sched, step, all_decode=True)
+        forward.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    for r, sl in zip(rows, slots):
+        runner.kv_pool.free(sl)
+        runner.req_pool.free(r)
+    return {"launch_us": sorted(launch)[reps // 2] * 1e6,
+            "forward_us": sorted(forward)[reps // 2] * 1e6}
 
 
 def replay_only_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> float:
@@ -86,6 +125,8 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"PDL {res['pdl']}: step {res['step_ms']:.3f} ms (events around the runner's "
              f"forward), graph replays back to back {res['replay_ms']:.3f} ms; "
              f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
+             f"host: graph launch {res['launch_us']:.0f} us, whole decode forward "
+             f"{res['forward_us']:.0f} us (no synchronisation inside)",
              f"first kernels (name, start us, us): {res['head']}",
              f"last kernels: {res['tail']}",
              *(f"batch {b}: step {r['step_ms']:.3f} ms, graph replays back to back "
