@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: every request samples (top_p 0.95, a seed)")
     args = ap.parse_args()
     cfg = runtime_config(EngineConfig(
         model="preset:tiny", load_format="dummy", device="cpu", max_total_tokens=400_000,
@@ -42,7 +44,9 @@ def main() -> None:
 
     worker.runner.model = stand_in
     rng = random.Random(0)
-    params = SamplingParams(max_new_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.steps + 1, temperature=args.temperature,
+                            ignore_eos=True, **({"top_p": 0.95, "seed": 1}
+                                                if args.temperature > 0 else {}))
     worker.iteration([Message("add", RequestInput(
         f"r{i}", tuple(rng.randrange(256) for _ in range(args.prompt_len)), params, 0, True))
         for i in range(args.batch)])  # the prefill step
@@ -51,7 +55,7 @@ def main() -> None:
         start = time.perf_counter()
         worker.iteration([])
         times.append(time.perf_counter() - start)
-    print(f"decode step host work at batch {args.batch}: median "
+    print(f"decode step host work at batch {args.batch}, temperature {args.temperature}: median "
           f"{statistics.median(times) * 1000:.2f} ms over {args.steps} steps")
 
 

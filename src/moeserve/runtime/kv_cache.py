@@ -266,12 +266,13 @@ class ReqToTokenPool:
         self._free_set.add(row)
 
     def write_many(self, rows: Sequence[int], positions: Sequence[int],
-                   slots: Sequence[int]) -> None:
-        """One slot per (row, position), in one indexed write (a decode step)."""
-        idx = (torch.tensor(rows, dtype=torch.int64, device=self.table.device),
-               torch.tensor(positions, dtype=torch.int64, device=self.table.device))
-        self.table.index_put_(idx, torch.tensor(slots, dtype=self.table.dtype,
-                                                device=self.table.device))
+                   slots: Sequence[int]) -> torch.Tensor:
+        """One slot per (row, position), in one indexed write (a decode step); rows, positions
+        and slots go to the device in one copy. Returns the slots there (the table's dtype)."""
+        packed = torch.tensor([rows, positions, slots], dtype=self.table.dtype)
+        packed = packed.to(self.table.device).view(3, -1)
+        self.table.index_put_((packed[0], packed[1]), packed[2])
+        return packed[2]
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + len(slots)] = slots.to(self.table.dtype)

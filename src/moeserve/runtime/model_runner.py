@@ -143,7 +143,9 @@ class ModelRunner:
             params, [r.output_ids for r in reqs],
             [r.prompt_ids for r in reqs] if any(p.repetition_penalty != 1.0 for p in params)
             else None, logits_BV.shape[-1], self.device)
-        out = self.sampler(logits_BV[torch.tensor(rows, device=logits_BV.device)], sb)
+        if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
+            logits_BV = logits_BV[torch.tensor(rows, device=logits_BV.device)]
+        out = self.sampler(logits_BV, sb)
         sampled = out.token_ids_B.tolist()
         if out.logprobs_B is not None:
             logprobs = [None] * len(batch.reqs)

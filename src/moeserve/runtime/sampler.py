@@ -59,7 +59,8 @@ def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor,
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """The per-row parameters of one step as device tensors, built once per step by `build`."""
+    """The per-row parameters of one step as device tensors, built once per step by `build`
+    (the `_S` ones are views of two packed tensors: one copy per dtype)."""
 
     sample_rows_S: Optional[torch.Tensor]  # int64 rows that sample; None when all are greedy
     temperature_S: torch.Tensor  # float32
@@ -97,7 +98,6 @@ class SamplingBatch:
         greedy = [p.greedy for p in params]
         rows = [r for r in range(B) if not greedy[r]]
         sp = [params[r] for r in rows]
-        seeds = [(p.seed or 0) % 2**64 for p in sp]
 
         repetition = frequency = presence = counts = seen = None
         if any(p.has_penalties for p in params):
@@ -110,16 +110,25 @@ class SamplingBatch:
                     raise ValueError("prompt_ids are needed for a repetition penalty")
                 seen = (_token_counts(prompt_ids, V, device) > 0) | (counts > 0)
 
+        # the sampling rows' parameters in two host-to-device copies (one per dtype), none
+        # when every row is greedy: a decode step pays for each copy on the host
+        if rows:
+            seeds = [(p.seed or 0) % 2**64 for p in sp]
+            ints = t([rows, [min(p.top_k, V) if p.top_k > 0 else V for p in sp],
+                      [int(p.seed is not None) for p in sp], [s & _M32 for s in seeds],
+                      [s >> 32 for s in seeds], [len(output_ids[r]) for r in rows]],
+                     torch.int64)
+            floats = t([[p.temperature for p in sp], [p.top_p for p in sp],
+                        [p.min_p for p in sp]], torch.float32)
+            seeded = ints[2] != 0
+        else:
+            ints = torch.empty(6, 0, dtype=torch.int64, device=device)
+            floats = torch.empty(3, 0, device=device)
+            seeded = torch.empty(0, dtype=torch.bool, device=device)
         return cls(
-            sample_rows_S=t(rows, torch.int64) if rows else None,
-            temperature_S=t([p.temperature for p in sp], torch.float32),
-            top_k_S=t([min(p.top_k, V) if p.top_k > 0 else V for p in sp], torch.int64),
-            top_p_S=t([p.top_p for p in sp], torch.float32),
-            min_p_S=t([p.min_p for p in sp], torch.float32),
-            seeded_S=t([p.seed is not None for p in sp], torch.bool),
-            seed_lo_S=t([s & _M32 for s in seeds], torch.int64),
-            seed_hi_S=t([s >> 32 for s in seeds], torch.int64),
-            step_S=t([len(output_ids[r]) for r in rows], torch.int64),
+            sample_rows_S=ints[0] if rows else None,
+            temperature_S=floats[0], top_k_S=ints[1], top_p_S=floats[1], min_p_S=floats[2],
+            seeded_S=seeded, seed_lo_S=ints[3], seed_hi_S=ints[4], step_S=ints[5],
             repetition_B=repetition, frequency_B=frequency, presence_B=presence,
             output_counts_BV=counts, seen_BV=seen,
             want_logprobs=any(p.logprobs for p in params),

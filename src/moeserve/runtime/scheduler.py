@@ -145,7 +145,7 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        reqs, slots = self.kv.reserve_one_each(list(self.running))
+        reqs, _, loc = self.kv.reserve_one_each(list(self.running))
         got = set(reqs)
         for req in [r for r in self.running if r not in got]:
             self.running.remove(req)
@@ -154,7 +154,6 @@ class Scheduler:
                 "--max-total-tokens / --mem-fraction-static or lower max_new_tokens")))
         if not reqs:
             return None
-        loc = torch.tensor(slots, dtype=torch.int64, device=self.kv.kv_pool.device)
         return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), loc)
 
     def _page_slack(self) -> int:
