@@ -67,11 +67,10 @@ class KVManager:
         self.req_pool.write(req.row, req.kv_len - n, slots_t)
         return slots_t
 
-    def reserve_one_each(self, reqs: list[Req]
-                         ) -> tuple[list[Req], list[int], Optional[torch.Tensor]]:
+    def reserve_one_each(self, reqs: list[Req]) -> tuple[list[Req], Optional[torch.Tensor]]:
         """One slot for the next token of each request (a decode step), recorded in the
-        request table in one write. Returns the requests that got one, their slots, and the
-        same slots on the device (None when none got one)."""
+        request table in one write. Returns the requests that got one, and their slots on the
+        device (None when none got one)."""
         got, slots, rows, positions = [], [], [], []
         for req in reqs:
             one = self._take(req, 1)
@@ -81,8 +80,7 @@ class KVManager:
             slots.append(one[0])
             rows.append(req.row)
             positions.append(req.kv_len - 1)
-        on_device = self.req_pool.write_many(rows, positions, slots) if got else None
-        return got, slots, on_device
+        return got, self.req_pool.write_many(rows, positions, slots) if got else None
 
     def _take(self, req: Req, n: int) -> Optional[list[int]]:
         """Allocate n slots after req's last one (evicting from the prefix cache if the pool

@@ -145,7 +145,7 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        reqs, _, loc = self.kv.reserve_one_each(list(self.running))
+        reqs, loc = self.kv.reserve_one_each(list(self.running))
         got = set(reqs)
         for req in [r for r in self.running if r not in got]:
             self.running.remove(req)
