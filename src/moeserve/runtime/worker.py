@@ -96,7 +96,8 @@ class RankWorker:
     def _exchange(self, num_tokens: int, decode_or_idle: bool) -> tuple[list[int], bool, bool]:
         """(tokens of every rank, whether any rank has work, whether every rank decodes or
         idles): the same lists on every rank, so all take the same graph/eager decision."""
-        mine = [num_tokens, int(self.scheduler.has_work), int(decode_or_idle)]
+        # a batch in flight is work too: its requests are in no queue until processed
+        mine = [num_tokens, int(self.scheduler.has_work or num_tokens > 0), int(decode_or_idle)]
         if self.state.world.size == 1:
             return [num_tokens], bool(mine[1]), decode_or_idle
         t = torch.tensor(mine, dtype=torch.int64)
