@@ -50,7 +50,8 @@ def test_graph_buffers_come_from_the_plan_and_pad_with_dummy_rows():
                        max_running_requests=12, skip_tokenizer_init=True)
     plan = build_plan(cfg, load_model_spec(cfg.model))
     assert plan.budget.decode_batch_sizes == (1, 2, 4, 8, 12)
-    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"))
+    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"),
+                                        plan.buffer("next_token_ids").empty())
     assert bufs.req_pool_indices.shape == plan.buffer("graph.decode.req_pool_indices").shape
     assert bufs.logits.shape == plan.buffer("graph.decode.logits").shape
     assert bufs.seq_lens.dtype == torch.int32
@@ -73,13 +74,18 @@ def test_graph_inputs_are_staged_in_one_copy_and_spread_by_the_graph():
     cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
                        max_running_requests=12, skip_tokenizer_init=True)
     plan = build_plan(cfg, load_model_spec(cfg.model))
-    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"))
+    next_tokens = plan.buffer("next_token_ids").empty()
+    assert next_tokens.shape == (12,)
+    next_tokens[:3] = torch.tensor([70, 71, 72])
+    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"), next_tokens)
     assert bufs.staging.shape == plan.buffer("graph.decode.staging").shape == (12, 3)
     bufs.stage([7, 8, 9, 4, 4], [10, 20, 30, 5, 5], [3, 1, 2, 6, 6], 8)
-    bufs.stage([7, 8, 9], [10, 20, 30], [3, 1, 2], 8)  # a smaller batch in the same bucket
+    # a smaller batch in the same bucket; -3 and -1: the tokens of rows 2 and 0 of the step
+    # before (the overlap schedule's placeholders), read on the device
+    bufs.stage([-3, 8, -1], [10, 20, 30], [3, 1, 2], 8)
     bufs.unpack(8)
     pad = [0] * 5
-    assert bufs.input_ids[:8].tolist() == [7, 8, 9] + pad
+    assert bufs.input_ids[:8].tolist() == [72, 8, 70] + pad
     assert bufs.positions[:8].tolist() == bufs.prefix_lens[:8].tolist() == [10, 20, 30] + pad
     assert bufs.seq_lens[:8].tolist() == [11, 21, 31] + [1] * 5
     assert bufs.req_pool_indices[:8].tolist() == [3, 1, 2] + [DUMMY_REQ_ROW] * 5
@@ -101,12 +107,12 @@ def test_disable_cuda_graph_leaves_no_buckets_and_cpu_models_are_refused():
     reasons = graph_blockers(model, torch.device("cpu"))
     assert any("not a GPU" in r for r in reasons)
     assert any("TorchAttentionBackend" in r for r in reasons)
-    assert DecodeGraphRunner.create(cfg, plan, model, state, None, None) is None
+    assert DecodeGraphRunner.create(cfg, plan, model, state, None, None, None) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_gives_the_eager_greedy_tokens(monkeypatch):
+def test_cuda_graph_and_overlap_decode_give_the_eager_tokens(monkeypatch):
     from moeserve.runtime.engine import Engine
 
     buckets: list[int] = []
@@ -121,16 +127,18 @@ def test_cuda_graph_decode_gives_the_eager_greedy_tokens(monkeypatch):
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 4, 17)]
     params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
               for m in (24, 9, 17, 3, 30, 12)]
+    params[2].update(temperature=0.8, seed=5)  # seeded: the same tokens in every run
     flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
                  max_running_requests=16, max_total_tokens=4096, context_length=256,
                  attention_backend="triton", moe_runner_backend="reference")
     results = {}
-    for graphs in (True, False):
-        with Engine("preset:tiny", disable_cuda_graph=not graphs, **flags) as engine:
+    for graphs, overlap in ((True, True), (False, True), (True, False)):
+        with Engine("preset:tiny", disable_cuda_graph=not graphs,
+                    disable_overlap_schedule=not overlap, **flags) as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
-        results[graphs] = [o["token_ids"] for o in out]
-    assert [len(t) for t in results[True]] == [p["max_new_tokens"] for p in params]
-    assert results[True] == results[False]
+        results[graphs, overlap] = [o["token_ids"] for o in out]
+    assert [len(t) for t in results[True, True]] == [p["max_new_tokens"] for p in params]
+    assert results[True, True] == results[False, True] == results[True, False]
     assert buckets and set(buckets) <= {1, 2, 4, 8, 12, 16}
     assert len(set(buckets)) >= 2  # the batch shrank through several buckets

@@ -36,33 +36,59 @@ def make(kv_tokens, page_size=1, prefix_cache=True, **cfg):
     return Scheduler(budget, KVManager(pool, rows, prefix_cache)), budget
 
 
-def run(sched, budget, arrivals, max_steps=5000):
+def run(sched, budget, arrivals, max_steps=5000, overlap=False):
     """Drive the scheduler: `arrivals` maps a step to the requests that arrive then. Checks each
-    forward against the budget and the KV slots against double use; returns rid -> tokens."""
+    forward against the budget and the KV slots against double use; returns rid -> tokens.
+    With `overlap`, as the worker's overlap schedule: a step is scheduled before the tokens of
+    the one before are processed, its placeholders stand for those tokens."""
     done, step = {}, 0
     pending = dict(arrivals)
-    while pending or sched.has_work:
+    in_flight = None  # (batch, tokens) launched, not processed
+
+    def collect():
+        nonlocal in_flight
+        if in_flight is not None:
+            batch, tokens = in_flight
+            in_flight = None
+            for out in sched.process(batch, tokens):
+                if out.finish is not None:
+                    done[out.rid] = out
+
+    while pending or sched.has_work or in_flight:
         for inp in pending.pop(step, []):
             sched.add(inp)
         for out in sched.drain_rejected():
             done[out.rid] = out
+        if in_flight is not None and sched.needs_tokens():
+            collect()
         batch = sched.schedule()
         step += 1
         assert step < max_steps, "no progress"
         if batch is None:
+            collect()
             continue
         limit = budget.extend if batch.mode is ForwardMode.EXTEND else budget.decode
         assert batch.num_tokens <= limit
         assert len(batch.reqs) <= budget.max_running_requests
         locs = batch.out_cache_loc.tolist()
         assert len(set(locs)) == len(locs) and 0 not in locs  # slot 0 is the dummy
+        sampled = [] if in_flight is None else [
+            t for t, s in zip(in_flight[1], in_flight[0].samples) if s]
+        assert batch.has_futures == any(t < 0 for new in batch.new_tokens for t in new)
         tokens = []
         for req, new, prefix in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
-            assert new == req.all_ids[prefix:prefix + len(new)]
-            tokens.append(oracle(req.all_ids[:prefix + len(new)]))
-        for out in sched.process(batch, tokens):
-            if out.finish is not None:
-                done[out.rid] = out
+            if req.unresolved > (1 if batch.samples[batch.reqs.index(req)] else 0):
+                # its token in flight: the placeholder, and nothing else, stands for it
+                assert overlap and len(new) == 1 and new[0] < 0 and req.seq_len == prefix
+                new = [sampled[-1 - new[0]]]
+                assert new == [oracle(req.all_ids)]
+            else:
+                assert new == req.all_ids[prefix:prefix + len(new)]
+            tokens.append(oracle(req.all_ids[:prefix] + new))
+        collect()
+        in_flight = (batch, tokens)
+        if not overlap:
+            collect()
     return done, step
 
 
@@ -85,9 +111,9 @@ def reqs_from(rng, n, max_len, max_new):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10 ** 6), chunk=st.sampled_from([None, -1, 3, 8, 64]),
        running=st.integers(1, 12), kv=st.integers(40, 400), page=st.sampled_from([1, 4]),
-       cache=st.booleans())
+       cache=st.booleans(), overlap=st.booleans())
 def test_random_arrivals_respect_budget_never_leak_and_match_oracle(seed, chunk, running, kv,
-                                                                     page, cache):
+                                                                     page, cache, overlap):
     rng = random.Random(seed)
     sched, budget = make(kv, page_size=page, prefix_cache=cache, chunked_prefill_size=chunk,
                          max_running_requests=running, max_prefill_tokens=32,
@@ -99,7 +125,7 @@ def test_random_arrivals_respect_budget_never_leak_and_match_oracle(seed, chunk,
                                                    SamplingParams(max_new_tokens=5, temperature=0)))
     arrivals.setdefault(40, []).append(RequestInput("shared-b", base + (3,),
                                                     SamplingParams(max_new_tokens=5, temperature=0)))
-    done, _ = run(sched, budget, arrivals)
+    done, _ = run(sched, budget, arrivals, overlap=overlap)
     all_inputs = [r for rs in arrivals.values() for r in rs]
     assert set(done) == {r.rid for r in all_inputs}
     for r in all_inputs:
@@ -124,17 +150,18 @@ def test_tokens_equal_the_oracle_with_chunking_prefix_cache_and_preemption():
     rng = random.Random(3)
     arrivals = reqs_from(rng, 24, 40, 30)
     results = {}
-    for chunk, kv, cache in [(-1, 4000, False), (5, 4000, True), (16, 120, True),
-                             (7, 90, False)]:
+    for chunk, kv, cache, overlap in [(-1, 4000, False, False), (5, 4000, True, True),
+                                      (16, 120, True, False), (16, 120, True, True),
+                                      (7, 90, False, True)]:
         sched, budget = make(kv, chunked_prefill_size=chunk, max_running_requests=16,
                              max_prefill_tokens=48, context_length=128)
-        done, _ = run(sched, budget, arrivals)
+        done, _ = run(sched, budget, arrivals, overlap=overlap)
         got = {rid: _tokens_of(sched, rid, done) for rid in done}
-        results[(chunk, kv, cache)] = (got, sched.num_retracted)
+        results[(chunk, kv, cache, overlap)] = (got, sched.num_retracted)
     first = next(iter(results.values()))[0]
     for key, (got, retracted) in results.items():
         assert got == first, key
-    assert any(r > 0 for _, r in results.values()), "no configuration preempted anything"
+    assert results[(16, 120, True, True)][1] > 0, "the overlap schedule preempted nothing"
     for inp in [r for rs in arrivals.values() for r in rs]:
         assert first[inp.rid] == expected(inp.input_ids, inp.params.max_new_tokens)
 

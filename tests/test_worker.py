@@ -1,4 +1,7 @@
-"""The rank loop's iteration on one CPU rank."""
+"""The rank loop's iteration on one CPU rank, with and without the overlap schedule."""
+
+import pytest
+import torch
 
 from moeserve.config import EngineConfig
 from moeserve.parallel.groups import single_process_state
@@ -9,25 +12,106 @@ from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.worker import Message, RankWorker
 
 
-def _worker() -> RankWorker:
+def _worker(overlap: bool, **flags) -> RankWorker:
+    torch.manual_seed(0)  # the same dummy weights for every worker
     cfg = runtime_config(EngineConfig(model="preset:tiny", load_format="dummy", device="cpu",
-                                      context_length=128, max_running_requests=4))
+                                      context_length=128, max_running_requests=4,
+                                      disable_overlap_schedule=not overlap, random_seed=1,
+                                      **flags))
     plan = make_plan(cfg)
-    return RankWorker(cfg, plan.spec, plan, single_process_state(plan.layout), ())
+    return RankWorker(cfg, plan.spec, plan, single_process_state(plan.layout), (3,))
 
 
-def test_a_prefill_in_flight_counts_as_work():
+def _count_launches(worker: RankWorker) -> list[int]:
+    launches = []
+    launch = worker.runner.launch
+
+    def counted(batch, *a, **k):
+        launches.append(0 if batch is None else len(batch.reqs))
+        return launch(batch, *a, **k)
+
+    worker.runner.launch = counted
+    return launches
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_loop_stays_busy_until_the_last_token_is_out(overlap):
     """After the prefill of the only request, the loop must not idle (it would wait a tick
-    for new messages before the request's first decode)."""
-    worker = _worker()
+    for messages before the request's first decode), nor before the tokens of the step in
+    flight are out; a request that the token in flight ends by length runs no more rows."""
+    worker = _worker(overlap)
+    launches = _count_launches(worker)
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     add = Message("add", RequestInput("r0", tuple(range(1, 17)), params, 0, True))
-    has_work = []
-    outs, _, busy = worker.iteration([add])
-    while busy:
-        has_work.append(busy)
-        outs, _, busy = worker.iteration([])
-    # prefill (token 1), decode (token 2), decode (token 3, finished), then nothing
-    assert len(has_work) == 3
-    outs, _, busy = worker.iteration([])
-    assert not busy and not outs
+    tokens, finish, busy_iterations = [], [], 0
+    msgs = [add]
+    while True:
+        outs, _, busy = worker.iteration(msgs)
+        msgs = []
+        tokens += [t for o in outs for t in o.token_ids]
+        finish += [(busy_iterations, o.finish.reason) for o in outs if o.finish]
+        if not busy:
+            break
+        busy_iterations += 1
+    assert not outs and worker.in_flight is None
+    assert len(tokens) == 3 and launches == [1, 1, 1]  # prefill, two decodes
+    # without overlap the third step's tokens come with it; with overlap one iteration later
+    assert busy_iterations == (4 if overlap else 3)
+    assert finish == [(busy_iterations - 1, "length")]
+
+
+def _serve(worker: RankWorker, arrivals: dict[int, list[RequestInput]],
+           aborts: dict[int, str]) -> dict[str, tuple]:
+    """Iterate until every request is done: rid -> (tokens, logprobs, finish)."""
+    got: dict[str, list] = {}
+    finished: dict[str, tuple] = {}
+    step, busy = 0, True
+    while busy or arrivals:
+        msgs = [Message("add", r) for r in arrivals.pop(step, [])]
+        if step in aborts:
+            msgs.append(Message("abort", aborts[step]))
+        outs, _, busy = worker.iteration(msgs)
+        step += 1
+        assert step < 500
+        for o in outs:
+            toks, lps = got.setdefault(o.rid, [[], []])
+            toks += o.token_ids
+            lps += [(lp["token_id"], round(lp["logprob"], 4)) for lp in o.logprobs]
+            if o.finish is not None:
+                finished[o.rid] = (toks, lps, o.finish.reason, o.error)
+    return finished
+
+
+def test_overlap_gives_the_tokens_of_the_plain_loop():
+    """Greedy, seeded sampling, penalties, logprobs, stop tokens, lengths, an abort, and
+    requests arriving while others decode: the same outputs with the overlap schedule."""
+    def requests(stop: list[int]):
+        p = dict(temperature=0.0, ignore_eos=True)
+        cases = {
+            "greedy": SamplingParams(max_new_tokens=9, **p),
+            "one": SamplingParams(max_new_tokens=1, **p),
+            "seeded": SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7,
+                                     ignore_eos=True),
+            "penalised": SamplingParams(max_new_tokens=7, frequency_penalty=1.5,
+                                        repetition_penalty=1.3, **p),
+            "logprobs": SamplingParams(max_new_tokens=5, logprobs=True, top_logprobs=2, **p),
+            "stop": SamplingParams(max_new_tokens=12, stop_token_ids=stop, **p),
+            "eos": SamplingParams(max_new_tokens=12, temperature=0.0),
+            "aborted": SamplingParams(max_new_tokens=30, **p),
+        }
+        arrivals: dict[int, list[RequestInput]] = {}
+        for i, (rid, params) in enumerate(cases.items()):
+            prompt = tuple((7 * i + 3 * j) % 200 + 1 for j in range(5 + 3 * i))
+            arrivals.setdefault(2 * i, []).append(RequestInput(rid, prompt, params, 0, True))
+        return arrivals
+
+    plain = _serve(_worker(False), requests([]), {20: "aborted"})
+    stop = [plain["stop"][0][4]]  # ends "stop" at its fifth token (or before)
+    plain = _serve(_worker(False), requests(stop), {20: "aborted"})
+    worker = _worker(True)
+    launches = _count_launches(worker)
+    overlapped = _serve(worker, requests(stop), {20: "aborted"})
+    assert plain["stop"][2] == "stop" and len(plain["stop"][0]) <= 5
+    assert overlapped.pop("aborted")[2] == plain.pop("aborted")[2] == "abort"
+    assert overlapped == plain
+    assert any(n > 1 for n in launches)  # requests did run side by side

@@ -102,6 +102,10 @@ class EngineConfig:
                                   "reference); auto picks by device.", "--attention-backend",
                                   choices=ATTENTION_BACKENDS)
     disable_radix_cache: bool = knob(False, "Turn off the prefix cache.", "--disable-radix-cache")
+    disable_overlap_schedule: bool = knob(
+        False, "Read each step's tokens back before the next step is scheduled (by default "
+        "the host prepares step N+1 while the device runs step N).",
+        "--disable-overlap-schedule")
     skip_tokenizer_init: bool = knob(False, "Run without a tokenizer: token ids in and out.",
                                      "--skip-tokenizer-init")
     nnodes: int = knob(1, "Nodes that together run the --tp-size ranks.", "--nnodes")

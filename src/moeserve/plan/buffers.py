@@ -147,6 +147,13 @@ def kv_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dty
     return [kv]
 
 
+def next_token_record(budget: TokenBudget) -> BufferRecord:
+    # the sampled tokens of the step in flight, which the next step's inputs point into
+    return BufferRecord("next_token_ids", (budget.max_running_requests,), "int64",
+                        "max running per DP rank (the tokens of the step in flight)",
+                        ("--max-running-requests",))
+
+
 def req_to_token_record(budget: TokenBudget) -> BufferRecord:
     # one spare row for the dummy request that padded graph rows point at
     return BufferRecord("req_to_token", (budget.max_running_requests + 1, budget.context_length),

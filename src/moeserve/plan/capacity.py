@@ -123,6 +123,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst)
     records += B.decode_graph_records(spec, layout, budget)
     records.append(B.req_to_token_record(budget))
+    records.append(B.next_token_record(budget))
 
     memory, kv_tokens, mem_problems = _memory(cfg, spec, layout, budget, dtype, records)
     problems += mem_problems

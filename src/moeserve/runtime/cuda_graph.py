@@ -1,6 +1,7 @@
 """CUDA graphs for decode: one graph per bucket of the plan's decode batch sizes.
 
-    graphs = DecodeGraphRunner.create(cfg, plan, model, state, kv_pool, req_pool)  # or None
+    graphs = DecodeGraphRunner.create(cfg, plan, model, state, kv_pool, req_pool,
+                                      next_tokens)                                 # or None
     bucket = graphs.bucket_for(step.tokens_per_dp_rank, all_decode)               # or None
     logits_BV = graphs.replay(batch, bucket)
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -99,10 +100,12 @@ class DecodeGraphBuffers:
     logits: torch.Tensor  # [T_graph, V] float32
     staging: torch.Tensor  # [bs_max, 3] int64: each row's token, position, request row
     host: torch.Tensor  # the same on the host (pinned on a GPU), filled by stage()
+    next_tokens: torch.Tensor  # the runner's sampled tokens of the step before (placeholders)
     copied: Optional[torch.cuda.Event] = None  # after the last host-to-device copy
 
     @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device) -> "DecodeGraphBuffers":
+    def from_plan(cls, plan: "CapacityPlan", device: torch.device,
+                  next_tokens: torch.Tensor) -> "DecodeGraphBuffers":
         def rec(name: str) -> Any:
             return plan.buffer(f"graph.decode.{name}")
 
@@ -111,7 +114,7 @@ class DecodeGraphBuffers:
         bufs = cls(rec("input_ids").empty(device), rec("positions").empty(device),
                    rec("out_cache_loc").empty(device), rec("req_pool_indices").empty(device),
                    seq.empty(device), seq.empty(device), seq.empty(device),
-                   rec("logits").empty(device), staging.empty(device), host,
+                   rec("logits").empty(device), staging.empty(device), host, next_tokens,
                    torch.cuda.Event() if device.type == "cuda" else None)
         bufs.extend_lens.fill_(1)
         bufs.pad(0, bufs.seq_lens.shape[0])
@@ -135,7 +138,7 @@ class DecodeGraphBuffers:
     def unpack(self, bs: int) -> None:
         """The staged rows into the model's inputs (captured at the head of each graph)."""
         s = self.staging[:bs]
-        self.input_ids[:bs].copy_(s[:, 0])
+        self.input_ids[:bs].copy_(resolve_futures(s[:, 0], self.next_tokens))
         self.positions[:bs].copy_(s[:, 1])
         self.prefix_lens[:bs].copy_(s[:, 1])
         self.seq_lens[:bs].copy_(s[:, 1] + 1)
@@ -175,8 +178,8 @@ class DecodeGraphRunner:
 
     @classmethod
     def create(cls, cfg: "EngineConfig", plan: "CapacityPlan", model: torch.nn.Module,
-               state: "ParallelState", kv_pool: KVCachePool, req_pool: ReqToTokenPool
-               ) -> Optional["DecodeGraphRunner"]:
+               state: "ParallelState", kv_pool: KVCachePool, req_pool: ReqToTokenPool,
+               next_tokens: torch.Tensor) -> Optional["DecodeGraphRunner"]:
         """Capture every bucket, or return None (decode then runs eagerly) when graphs are
         off or the model cannot be captured. Every rank calls this, in the same order."""
         from moeserve.parallel.step import step_from_counts
@@ -198,8 +201,9 @@ class DecodeGraphRunner:
         def step_for(bs: int) -> "StepContext":
             return step_from_counts([bs] * layout.tp, layout, state.rank, plan)
 
-        runner = cls(model, buckets, DecodeGraphBuffers.from_plan(plan, state.device), kv_pool,
-                     req_pool, step_for)
+        runner = cls(model, buckets, DecodeGraphBuffers.from_plan(plan, state.device,
+                                                                   next_tokens),
+                     kv_pool, req_pool, step_for)
         runner.capture()
         return runner
 

@@ -118,3 +118,9 @@ def prepare_batch(mode: ForwardMode, new_tokens: Sequence[Sequence[int]],
     loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64)
     return ForwardBatch.from_requests(mode, new_tokens, prefix_lens, req_rows, loc,
                                       req_pool.table, kv_pool, return_all_logits)
+
+
+def resolve_futures(ids: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids with each placeholder -(j + 1) replaced by next_tokens[j] (on the device, no
+    wait for the host)."""
+    return torch.where(ids < 0, next_tokens[(-1 - ids).clamp(min=0)], ids)

@@ -270,7 +270,7 @@ class ReqToTokenPool:
         """One slot per (row, position), in one indexed write (a decode step); rows, positions
         and slots go to the device in one copy. Returns the slots there (the table's dtype)."""
         packed = torch.tensor([rows, positions, slots], dtype=self.table.dtype)
-        packed = packed.to(self.table.device)
+        packed = packed.to(self.table.device, non_blocking=True)  # no wait for the device
         self.table.index_put_((packed[0], packed[1]), packed[2])
         return packed[2]
 

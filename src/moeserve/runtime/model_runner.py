@@ -25,7 +25,7 @@ from moeserve.parallel.step import StepContext
 from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.runtime.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
                                        create_kv_pool)
 from moeserve.runtime.sampler import Sampler, SamplingBatch
@@ -40,6 +40,19 @@ class StepResult:
     logprobs: Optional[list[Optional[dict[str, Any]]]]
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are on their way to the host (`collect` reads them)."""
+
+    batch: ScheduledBatch
+    rows: list[int]  # the batch's rows that sampled, in the order of the tensors below
+    token_ids: torch.Tensor  # [S] int64 on the host, filled once `done` has passed
+    logprobs: Optional[torch.Tensor]
+    top_logprobs: Optional[torch.Tensor]
+    top_token_ids: Optional[torch.Tensor]
+    done: Optional[torch.cuda.Event]  # None on a CPU: the copies are done already
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
                  state: ParallelState, *, progress: Optional[bool] = None) -> None:
@@ -51,11 +64,13 @@ class ModelRunner:
         self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
+        # the sampled tokens of the last step, which the next step's placeholders point into
+        self.next_tokens = plan.buffer("next_token_ids").empty(self.device).zero_()
         if self.device.type == "cuda":
             self.warm_up_experts()
             self.warm_up_prefill()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
-            cfg, plan, self.model, state, self.kv_pool, self.req_pool)
+            cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
 
     @torch.inference_mode()
     def warm_up_experts(self) -> dict[tuple[int, int, int], list[int]]:
@@ -121,6 +136,8 @@ class ModelRunner:
         if bucket is not None:
             return self.graphs.replay(batch, bucket)
         fb = self.forward_batch(batch)
+        if batch is not None and batch.has_futures:
+            fb.input_ids = resolve_futures(fb.input_ids, self.next_tokens)
         return self.model(fb.input_ids, fb.positions, fb, step)
 
     @torch.inference_mode()
@@ -128,34 +145,67 @@ class ModelRunner:
             all_decode: bool = False) -> Optional[StepResult]:
         """One forward of this rank (an idle one when `batch` is None: the rank still joins
         every collective of the step), then sampling for the requests that finished their
-        prefill or decode."""
+        prefill or decode; waits for the tokens."""
+        launched = self.launch(batch, step, all_decode)
+        return None if launched is None else self.collect(launched)
+
+    @torch.inference_mode()
+    def launch(self, batch: Optional[ScheduledBatch], step: StepContext,
+               all_decode: bool = False) -> Optional[LaunchedStep]:
+        """`run` without the wait: the forward and the sampling are queued on the device, the
+        sampled tokens land in `next_tokens` (for the next step's placeholders) and start
+        their copy to the host. Nothing here waits for the device."""
         logits_BV = self.forward(batch, step, all_decode)
         if batch is None:
             return None
         rows = [i for i, s in enumerate(batch.samples) if s]
-        tokens = [-1] * len(batch.reqs)
-        logprobs: Optional[list[Optional[dict[str, Any]]]] = None
         if not rows:
-            return StepResult(tokens, None)
+            return LaunchedStep(batch, rows, torch.zeros(0, dtype=torch.int64), None, None,
+                                None, None)
         reqs = [batch.reqs[i] for i in rows]
         params = [r.params for r in reqs]
         sb = SamplingBatch.build(
             params, [r.output_ids for r in reqs],
             [r.prompt_ids for r in reqs] if any(p.repetition_penalty != 1.0 for p in params)
-            else None, logits_BV.shape[-1], self.device)
+            else None, logits_BV.shape[-1], self.device,
+            # the step's own token is counted in num_output already
+            steps=[r.num_output - 1 for r in reqs])
         if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
-            logits_BV = logits_BV[torch.tensor(rows, device=logits_BV.device)]
+            logits_BV = logits_BV[torch.tensor(rows).to(logits_BV.device, non_blocking=True)]
         out = self.sampler(logits_BV, sb)
-        sampled = out.token_ids_B.tolist()
-        if out.logprobs_B is not None:
+        self.next_tokens[:len(rows)].copy_(out.token_ids_B)
+
+        def host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(batch, rows, host(out.token_ids_B), host(out.logprobs_B),
+                            host(out.top_logprobs_BN), host(out.top_token_ids_BN), done)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens and give them per request of its batch."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        batch, rows = launched.batch, launched.rows
+        tokens = [-1] * len(batch.reqs)
+        logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+        sampled = launched.token_ids.tolist()
+        if launched.logprobs is not None:
             logprobs = [None] * len(batch.reqs)
-            chosen = out.logprobs_B.tolist()
-            top_lp = out.top_logprobs_BN.tolist() if out.top_logprobs_BN is not None else None
-            top_id = out.top_token_ids_BN.tolist() if out.top_token_ids_BN is not None else None
+            chosen = launched.logprobs.tolist()
+            top_lp = (launched.top_logprobs.tolist() if launched.top_logprobs is not None
+                      else None)
+            top_id = (launched.top_token_ids.tolist() if launched.top_token_ids is not None
+                      else None)
         for j, i in enumerate(rows):
             tokens[i] = sampled[j]
-            if logprobs is not None and reqs[j].params.logprobs:
-                n = reqs[j].params.top_logprobs
+            params = batch.reqs[i].params
+            if logprobs is not None and params.logprobs:
+                n = params.top_logprobs
                 logprobs[i] = {"token_id": sampled[j], "logprob": chosen[j],
                                "top": list(zip(top_id[j][:n], top_lp[j][:n])) if n else []}
         return StepResult(tokens, logprobs)
+

@@ -73,6 +73,10 @@ class Req:
         self.sent_tokens = 0
         self.logprobs: list[dict[str, Any]] = []
         self.sent_logprobs = 0
+        # overlap schedule: tokens sampled on the device but not yet read back (0 or 1 when a
+        # step is scheduled), the newest of them at row `future_row` of the step in flight
+        self.unresolved = 0
+        self.future_row = -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,6 +102,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens, those still on the device included."""
+        return len(self.output_ids) + self.unresolved
 
     def __repr__(self) -> str:
         return (f"Req({self.rid}, {self.state.value}, prompt={len(self.prompt_ids)}, "

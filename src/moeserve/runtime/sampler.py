@@ -84,16 +84,22 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
               prompt_ids: Optional[Sequence[Sequence[int]]], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingBatch":
-        """`output_ids[r]` are the tokens row r generated so far (its step is their count);
-        `prompt_ids` are needed only when some row has a repetition penalty."""
+              device: torch.device | str = "cpu",
+              steps: Optional[Sequence[int]] = None) -> "SamplingBatch":
+        """`output_ids[r]` are the tokens row r generated so far; its step (the seeded
+        uniform's counter) is their count, or `steps[r]` when given (tokens still on the
+        device count too); `prompt_ids` are needed only when some row has a repetition
+        penalty."""
         B, V = len(params), vocab_size
         if len(output_ids) != B or (prompt_ids is not None and len(prompt_ids) != B):
             raise ValueError(f"{B} params but {len(output_ids)} output_ids rows"
                              + ("" if prompt_ids is None else f", {len(prompt_ids)} prompt rows"))
 
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
+        def t(values, dtype):  # (no wait for the device: the host list is staged first)
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        if steps is None:
+            steps = [len(o) for o in output_ids]
 
         greedy = [p.greedy for p in params]
         rows = [r for r in range(B) if not greedy[r]]
@@ -116,7 +122,7 @@ class SamplingBatch:
             seeds = [(p.seed or 0) % 2**64 for p in sp]
             ints = t([rows, [min(p.top_k, V) if p.top_k > 0 else V for p in sp],
                       [int(p.seed is not None) for p in sp], [s & _M32 for s in seeds],
-                      [s >> 32 for s in seeds], [len(output_ids[r]) for r in rows]],
+                      [s >> 32 for s in seeds], [steps[r] for r in rows]],
                      torch.int64)
             floats = t([[p.temperature for p in sp], [p.top_p for p in sp],
                         [p.min_p for p in sp]], torch.float32)
@@ -143,7 +149,8 @@ def _token_counts(rows: Sequence[Sequence[int]], V: int, device) -> torch.Tensor
     if flat.size and (flat.min() < 0 or flat.max() >= V):
         raise ValueError(f"token ids must lie in [0, {V}); got {flat.min()}..{flat.max()}")
     # flat index row * V + token: adding ones is exact, so the atomic scatter is deterministic
-    index = torch.from_numpy(np.repeat(np.arange(len(rows)) * V, lengths) + flat).to(device)
+    index = torch.from_numpy(np.repeat(np.arange(len(rows)) * V, lengths) + flat)
+    index = index.to(device, non_blocking=True)
     counts = torch.zeros(len(rows) * V, dtype=torch.float32, device=device)
     counts.index_add_(0, index, torch.ones(index.numel(), device=device))
     return counts.view(len(rows), V)

@@ -3,6 +3,13 @@ prefill, admission under the plan's token budget and free KV, and preemption.
 
 It decides; the model runner executes. Its decisions depend only on its inputs, so the attn_tp
 ranks of a DP group, fed the same requests, take the same decisions without talking.
+
+Overlap schedule: a step may be scheduled before the tokens of the step in flight are read
+back. A request then holds an unresolved token (`Req.unresolved`), and its decode input is a
+placeholder, -(j + 1), for row j of the sampled tokens of the step in flight, which the runner
+resolves on the device. A request that that token will end by length is left out of the
+step; one that it ends by a stop token runs one row more, whose token `process` drops. What
+needs the tokens themselves (penalties, a retraction) waits for them (`needs_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class ScheduledBatch:
     prefix_lens: list[int]  # kv_len of each request before this forward
     out_cache_loc: torch.Tensor  # [T] slots of the new tokens
     samples: list[bool]  # whether each request samples a token after this forward
+    has_futures: bool = False  # some new token is a placeholder (see the module's doc)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +89,15 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running) + (self.chunked is not None)
 
+    def needs_tokens(self) -> bool:
+        """Whether the next schedule needs the tokens of the step in flight: a request with
+        penalties counts its output tokens, and a retraction recomputes from them."""
+        if not any(r.unresolved for r in self.running):
+            return False
+        if any(r.params.has_penalties for r in self.running):
+            return True
+        return self.kv.available_slots < len(self.running) + self._page_slack()
+
     # --- decisions ------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
         """The next forward: a prefill when requests wait and fit, else a decode of the
@@ -88,9 +105,18 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None and self.running:
             batch = self._schedule_decode()
-        if batch is not None:
-            limit = self.budget.extend if batch.mode is ForwardMode.EXTEND else self.budget.decode
-            assert batch.num_tokens <= limit, (batch.mode, batch.num_tokens, self.budget)
+        if batch is None:
+            return None
+        limit = self.budget.extend if batch.mode is ForwardMode.EXTEND else self.budget.decode
+        assert batch.num_tokens <= limit, (batch.mode, batch.num_tokens, self.budget)
+        j = 0
+        for req, samples in zip(batch.reqs, batch.samples):
+            if samples:  # its next token is row j of this step's sampled tokens
+                req.unresolved += 1
+                req.future_row, j = j, j + 1
+                if req.state is not ReqState.RUNNING:  # its prefill ends with this step
+                    req.state = ReqState.RUNNING
+                    self.running.append(req)
         return batch
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
@@ -136,6 +162,8 @@ class Scheduler:
         return self._batch(ForwardMode.EXTEND, reqs, takes)
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        if self.needs_tokens():
+            return None  # no step until the tokens in flight are back (the worker's rule too)
         while self.kv.available_slots < len(self.running) + self._page_slack():
             if self.chunked is not None:  # a half-prefilled request yields first
                 req, self.chunked = self.chunked, None
@@ -145,9 +173,13 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        reqs, loc = self.kv.reserve_one_each(list(self.running))
+        ctx = self.budget.context_length
+        # a request whose token in flight ends it by length sits this step out
+        want = [r for r in self.running if not r.unresolved or (
+            r.num_output < r.params.max_new_tokens and r.seq_len + r.unresolved < ctx)]
+        reqs, loc = self.kv.reserve_one_each(want)
         got = set(reqs)
-        for req in [r for r in self.running if r not in got]:
+        for req in [r for r in want if r not in got]:
             self.running.remove(req)
             self.rejected.append(self._finish(req, Finish("error"), error=(
                 "the KV cache is full even after preempting every other request; raise "
@@ -165,12 +197,15 @@ class Scheduler:
         """Requests have reserved their slots already (kv_len moved by `take`); `loc` are
         those slots in batch order when the caller has them at hand."""
         prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
-        new = [r.ids(p, p + t) for r, p, t in zip(reqs, prefix, takes)]
+        # an unresolved token (only ever a decode's one new token) is a placeholder
+        new = [[-1 - r.future_row] if r.unresolved else r.ids(p, p + t)
+               for r, p, t in zip(reqs, prefix, takes)]
         if loc is None:
             table = self.kv.req_pool.table
             loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
-        samples = [r.kv_len == r.seq_len for r in reqs]
-        return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples)
+        samples = [r.kv_len == r.seq_len + r.unresolved for r in reqs]
+        return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples,
+                              any(r.unresolved for r in reqs))
 
     def _retract(self, req: Req) -> None:
         """Preempt a request: its K/V goes to the prefix cache (or is freed), and it waits at
@@ -213,13 +248,12 @@ class Scheduler:
         request did not sample) and return the news for the engine."""
         outputs: list[TokenOutput] = []
         for i, req in enumerate(batch.reqs):
-            if req.state is ReqState.FINISHED:
-                continue  # aborted while its forward ran
             if not batch.samples[i]:
                 continue
-            if req.state is not ReqState.RUNNING:
-                req.state = ReqState.RUNNING
-                self.running.append(req)
+            req.unresolved -= 1
+            if req.state is ReqState.FINISHED:
+                continue  # aborted, or ended by a token before this one, while it ran
+            assert req.state is ReqState.RUNNING, req  # (never retracted with a token away)
             token = int(token_ids[i])
             req.output_ids.append(token)
             if logprobs is not None and req.params.logprobs:

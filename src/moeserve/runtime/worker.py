@@ -10,6 +10,13 @@ One iteration:
   4. the outputs of each DP group's first rank are gathered to rank 0, which hands them to the
      engine.
 All host-side communication of a step happens here, on the CPU (gloo) group.
+
+Overlap schedule (the default; --disable-overlap-schedule turns it off): the forward of step
+N is queued on the device before the tokens of step N-1 are read back and processed, so the
+host schedules and launches while the device computes, and the device does not wait for the
+host between steps. A step's tokens therefore reach the engine one iteration after its
+launch; a request ended by a stop token has run one more row, whose token is dropped
+(runtime/scheduler.py says how placeholders stand for the tokens in flight).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from moeserve.parallel.step import StepTooLarge, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
-from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.scheduler import Scheduler
 
@@ -54,19 +61,23 @@ class RankWorker:
         assert plan.budget is not None
         self.scheduler = Scheduler(plan.budget, kv, eos_token_ids)
         self.is_dp_leader = state.attn_tp.rank == 0
+        self.overlap = not cfg.disable_overlap_schedule
+        self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
 
     def iteration(self, msgs: list[Message]) -> tuple[list[TokenOutput], bool, bool]:
         """Returns (outputs of this rank's scheduler, shutdown, whether any rank has work)."""
         outs: list[TokenOutput] = []
         for m in msgs:
             if m.kind == "shutdown":
-                return outs, True, False
+                return outs + self._collect(), True, False
             if m.kind == "add" and m.payload.dp_rank == self.state.dp_rank:
                 self.scheduler.add(m.payload)
             elif m.kind == "abort":
                 out = self.scheduler.abort(m.payload)
                 if out is not None:
                     outs.append(out)
+        if self.in_flight is not None and self.scheduler.needs_tokens():
+            outs += self._collect()
         batch = self.scheduler.schedule()
         outs += self.scheduler.drain_rejected()
         decode_or_idle = batch is None or batch.mode is ForwardMode.DECODE
@@ -76,13 +87,24 @@ class RankWorker:
             try:
                 step = step_from_counts(counts, self.state.layout, self.state.rank, self.plan)
             except StepTooLarge as exc:  # every rank raises together; the groups stay usable
+                outs += self._collect()
                 if batch is not None:
                     outs += self.scheduler.fail(batch, str(exc))
                 return outs, False, anyone_has_work
-            result = self.runner.run(batch, step, all_decode)
-            if batch is not None:
-                outs += self.scheduler.process(batch, result.token_ids, result.logprobs)
-        return outs, False, anyone_has_work
+            launched = self.runner.launch(batch, step, all_decode)
+            outs += self._collect()  # the step before this one (done on the device by now)
+            self.in_flight = launched
+        if not self.overlap or not any(counts):
+            outs += self._collect()
+        return outs, False, anyone_has_work or self.in_flight is not None
+
+    def _collect(self) -> list[TokenOutput]:
+        """Wait for the step in flight, if any, and process its tokens."""
+        launched, self.in_flight = self.in_flight, None
+        if launched is None:
+            return []
+        result = self.runner.collect(launched)
+        return self.scheduler.process(launched.batch, result.token_ids, result.logprobs)
 
     def stats(self) -> dict[str, int]:
         """KV and queue figures of this DP rank (for /metrics and tests)."""
