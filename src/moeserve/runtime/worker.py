@@ -16,7 +16,9 @@ N is queued on the device before the tokens of step N-1 are read back and proces
 host schedules and launches while the device computes, and the device does not wait for the
 host between steps. A step's tokens therefore reach the engine one iteration after its
 launch; a request ended by a stop token has run one more row, whose token is dropped
-(runtime/scheduler.py says how placeholders stand for the tokens in flight).
+(runtime/scheduler.py says how placeholders stand for the tokens in flight). A prefill step is
+launched only after the tokens in flight are out: its launch is long on the host, and
+waiting behind it would delay them by that much.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class RankWorker:
                 if batch is not None:
                     outs += self.scheduler.fail(batch, str(exc))
                 return outs, False, anyone_has_work
+            if batch is not None and batch.mode is ForwardMode.EXTEND:
+                # a prefill's host launch is long (eager, and it waits for the device at
+                # times): the tokens of the step before go out first, not after it
+                outs += self._collect()
             launched = self.runner.launch(batch, step, all_decode)
             outs += self._collect()  # the step before this one (done on the device by now)
             self.in_flight = launched
