@@ -166,7 +166,7 @@ def part_ours(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as exc:  # the profiler is a lead, not a measurement we depend on
         out["profile_batch1"] = {"error": f"{type(exc).__name__}: {exc}"}
     for c in args.concurrency:
-        prompts = random_prompts(2 * c, args.input_len, runner.spec.vocab_size, seed=c)
+        prompts = random_prompts(max(2 * c, 8), args.input_len, runner.spec.vocab_size, seed=c)
         s = run_bench(engine, prompts, args.output_len, c, progress=False)
         s = {k: v for k, v in s.items() if not isinstance(v, list)}
         out["bench"].append(s)
@@ -294,8 +294,9 @@ def section(res: dict[str, Any], command: str) -> str:
         for what, err in hf.get("errors", {}).items():
             lines.append(f"| {what} | {err[:80]} | |")
     if ours.get("bench"):
-        lines += ["", f"`moeserve bench` (bench.run_bench on the same engine): 2 x concurrency "
-                  f"prompts of {a['input_len']} random tokens, {a['output_len']} output tokens "
+        lines += ["", f"`moeserve bench` (bench.run_bench on the same engine): max(2 x "
+                  f"concurrency, 8) prompts of {a['input_len']} random tokens, "
+                  f"{a['output_len']} output tokens "
                   "each, greedy, ignore_eos:", "",
                   "| concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p90 ms |",
                   "|---|---|---|---|---|"]
@@ -303,6 +304,16 @@ def section(res: dict[str, Any], command: str) -> str:
             lines.append(f"| {s['max_concurrency']} | {s['output_tokens_per_s']:.0f} | "
                          f"{s['ttft_ms_p50'] or 0:.1f} | {s['itl_ms_p50'] or 0:.2f} | "
                          f"{s['itl_ms_p90'] or 0:.2f} |")
+        one = [s for s in ours["bench"] if s["max_concurrency"] == 1 and s["itl_ms_p50"]]
+        if one:  # the per-token time a lone client sees, the host's part included
+            itl = one[0]["itl_ms_p50"]
+            f = decode_bytes(spec, 1, a["input_len"] + a["output_len"] // 2)
+            best = [v["1"] for v in hf.get("decode_ms", {}).values() if "1" in v]
+            lines += ["", f"At concurrency 1 the ITL p50 is {itl:.2f} ms: "
+                      f"{itl / (f['total'] / bw * 1e3):.2f}x the batch-1 floor at the mean "
+                      f"context ({a['input_len'] + a['output_len'] // 2} tokens)"
+                      + (f", {min(best) / itl:.1f}x faster than transformers' best"
+                         if best else "") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -326,7 +337,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--experts", help="--moe-runner-backend of our engine (default: auto when "

@@ -1,0 +1,106 @@
+"""Where an eager prefill's time goes: the host's launch against the device's work, for one
+request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
+
+    PYTHONPATH=src python benchmarks/prefill_host.py --out DIR [--tokens 256 4096]
+
+For each size: the host time of the model's forward call (its launches, and every wait for
+the device inside it), the device time of the same forward (CUDA events), and the forward
+under torch.profiler: the CUDA runtime calls that make the host wait for the device
+(synchronisations, copies to the host) with their counts per forward, and the host ops that
+take the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL = "preset:qwen3-30b-a3b"
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+         "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def prefill(runner: Any, n: int) -> Any:
+    """One eager prefill of a dummy request of n tokens (row and slots of the warm-up)."""
+    from moeserve.parallel.step import step_from_counts
+    from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+    from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
+
+    table = runner.req_pool.table
+    table[DUMMY_REQ_ROW, :n] = DUMMY_SLOT
+    loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=runner.device)
+    ids = torch.randint(0, runner.spec.vocab_size, (n,)).tolist()
+    fb = ForwardBatch.from_requests(ForwardMode.EXTEND, [ids], [0], [DUMMY_REQ_ROW], loc, table,
+                                    runner.kv_pool)
+    step = step_from_counts([n] * runner.plan.layout.tp, runner.plan.layout, 0, runner.plan)
+    return fb, step
+
+
+@torch.inference_mode()
+def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fb, step = prefill(runner, n)
+    host, device = [], []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        runner.model(fb.input_ids, fb.positions, fb, step)
+        b.record()
+        t1 = time.perf_counter()
+        b.synchronize()
+        if i >= 2:
+            host.append((t1 - t0) * 1e3)
+            device.append(a.elapsed_time(b))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.model(fb.input_ids, fb.positions, fb, step)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    waits = {e.key: {"calls": e.count, "ms": e.cpu_time_total / 1e3}
+             for e in events if e.key in WAITS}
+    ops = sorted((e for e in events if e.key.startswith(("aten::", "moeserve", "triton"))
+                  or "Kernel" in e.key), key=lambda e: -e.self_cpu_time_total)[:15]
+    return {"tokens": n, "host_ms": statistics.median(host),
+            "device_ms": statistics.median(device), "waits": waits,
+            "top_host_ops": [{"op": e.key[:80], "calls": e.count,
+                              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="prefill_out")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    from moeserve.runtime.engine import Engine
+
+    engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                    context_length=max(args.tokens) + 64, max_running_requests=8,
+                    chunked_prefill_size=max(args.tokens))
+    runner = engine._thread._args[0].runner
+    results = [measure(runner, n, args.reps) for n in args.tokens]
+    engine.shutdown()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_host.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(f"prefill of {r['tokens']} tokens: host {r['host_ms']:.2f} ms, device "
+              f"{r['device_ms']:.2f} ms; waits: " + ", ".join(
+                  f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
+        for o in r["top_host_ops"]:
+            print(f"  {o['op']}: {o['calls']} calls, {o['self_cpu_ms']:.2f} ms self")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
