@@ -115,3 +115,27 @@ def test_overlap_gives_the_tokens_of_the_plain_loop():
     assert overlapped.pop("aborted")[2] == plain.pop("aborted")[2] == "abort"
     assert overlapped == plain
     assert any(n > 1 for n in launches)  # requests did run side by side
+
+
+def test_tokens_in_flight_go_out_before_a_prefill_is_launched():
+    """With the overlap schedule, a prefill's long launch must not hold back the tokens of
+    the decode step before it: they are published first."""
+    worker = _worker(True)
+    events = []
+    launch = worker.runner.launch
+
+    def logged(batch, *a, **k):
+        events.append(("launch", None if batch is None else batch.mode.name))
+        return launch(batch, *a, **k)
+
+    worker.runner.launch = logged
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    first = Message("add", RequestInput("a", tuple(range(1, 9)), params, 0, True))
+    second = Message("add", RequestInput("b", tuple(range(3, 14)), params, 0, True))
+    publish = lambda outs: events.append(("publish", [o.rid for o in outs]))  # noqa: E731
+    for msgs in ([first], [], [], [second], []):
+        outs, _, _ = worker.iteration(msgs, publish)
+        events.append(("return", [o.rid for o in outs]))
+    i = events.index(("launch", "EXTEND"), events.index(("launch", "EXTEND")) + 1)  # b's
+    assert events[i - 1] == ("publish", ["a"])  # a's token of the decode in flight
+    assert events[i + 1] == ("return", [])

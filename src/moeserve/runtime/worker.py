@@ -28,7 +28,7 @@ import queue
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,12 @@ class RankWorker:
         self.overlap = not cfg.disable_overlap_schedule
         self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
 
-    def iteration(self, msgs: list[Message]) -> tuple[list[TokenOutput], bool, bool]:
-        """Returns (outputs of this rank's scheduler, shutdown, whether any rank has work)."""
+    def iteration(self, msgs: list[Message],
+                  publish: Optional[Callable[[list[TokenOutput]], None]] = None
+                  ) -> tuple[list[TokenOutput], bool, bool]:
+        """Returns (outputs of this rank's scheduler, shutdown, whether any rank has work).
+        `publish`, where given, sends outputs on before a prefill's launch; every rank calls
+        it at the same point (it may be a collective)."""
         outs: list[TokenOutput] = []
         for m in msgs:
             if m.kind == "shutdown":
@@ -93,10 +97,13 @@ class RankWorker:
                 if batch is not None:
                     outs += self.scheduler.fail(batch, str(exc))
                 return outs, False, anyone_has_work
-            if batch is not None and batch.mode is ForwardMode.EXTEND:
-                # a prefill's host launch is long (eager, and it waits for the device at
-                # times): the tokens of the step before go out first, not after it
+            if self.overlap and not all_decode:
+                # a prefill somewhere: its host launch is long (eager, and it waits for the
+                # device at times): the tokens of the step before go out first, not after it
                 outs += self._collect()
+                if publish is not None:
+                    publish(outs)
+                    outs = []
             launched = self.runner.launch(batch, step, all_decode)
             outs += self._collect()  # the step before this one (done on the device by now)
             self.in_flight = launched
@@ -142,7 +149,26 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
     state = worker.state
     multi = state.world.size > 1
     has_work = False
-    last_stats: Optional[dict[str, int]] = None
+    last_stats: list[Optional[dict[str, int]]] = [None]
+
+    def publish(outs: list[TokenOutput]) -> None:
+        """Outputs and KV figures of every DP group to rank 0, which hands them to the engine
+        (a collective of the CPU group when there are several ranks)."""
+        stats = [worker.stats()] if worker.is_dp_leader else []
+        if multi:
+            mine = (outs if worker.is_dp_leader else [], stats)
+            gathered: Optional[list] = [None] * state.world.size if state.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=state.cpu)
+            outs = [o for part in (gathered or []) for o in part[0]]
+            stats = [s for part in (gathered or []) for s in part[1]]
+        if outbox is not None:
+            total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
+            if total is not None and total != last_stats[0]:
+                outbox.put(("stats", total))  # before the outputs it explains
+                last_stats[0] = total
+            if outs:
+                outbox.put(("out", outs))
+
     while True:
         msgs: list[Message] = []
         if inbox is not None:
@@ -153,21 +179,8 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
             box = [msgs]
             dist.broadcast_object_list(box, src=0, group=state.cpu)
             msgs = box[0]
-        outs, stop, has_work = worker.iteration(msgs)
-        stats = [worker.stats()] if worker.is_dp_leader else []
-        if multi:
-            mine = (outs if worker.is_dp_leader else [], stats)
-            gathered: Optional[list] = [None] * state.world.size if state.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0, group=state.cpu)
-            outs = [o for part in (gathered or []) for o in part[0]]
-            stats = [s for part in (gathered or []) for s in part[1]]
-        if outbox is not None:
-            total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
-            if total is not None and total != last_stats:
-                outbox.put(("stats", total))  # before the outputs it explains
-                last_stats = total
-            if outs:
-                outbox.put(("out", outs))
+        outs, stop, has_work = worker.iteration(msgs, publish)
+        publish(outs)
         if stop:
             return
 
