@@ -165,6 +165,9 @@ def test_bad_input_is_refused_clearly():
         assert r["finish_reason"] == "error" and "--context-length" in r["error"]
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.generate(input_ids=[1, 2, 100000])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.generate(input_ids=[[1, 2], [1, 100000]])
+        assert not engine._pending and not any(engine._load)  # none of that batch ran
         with pytest.raises(ValueError, match="unknown sampling parameter"):
             engine.generate(input_ids=[1, 2], sampling_params={"temprature": 0})
         ok = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})

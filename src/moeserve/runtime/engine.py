@@ -230,12 +230,15 @@ class Engine:
                 return
 
     def _died(self) -> Optional[str]:
-        for rank, p in enumerate(self._procs):
-            code = p.exitcode
-            if code is not None and code != 0:
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                return f"rank {rank} died ({how})"
-        return None
+        """The first rank that died, one killed by a signal before one that exited with an
+        error (which is most often a rank that lost its peer and reports it)."""
+        dead = [(code > 0, rank, code) for rank, p in enumerate(self._procs)
+                if (code := p.exitcode) is not None and code != 0]
+        if not dead:
+            return None
+        _, rank, code = min(dead)
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"rank {rank} died ({how})"
 
     def _stop_with(self, why: str) -> None:
         self._dead = why
@@ -285,6 +288,13 @@ class Engine:
     def submit(self, input_ids: Sequence[int], params: ParamsLike = None,
                stream: bool = False) -> tuple[str, "queue.Queue[TokenOutput]"]:
         """Queue one request; returns its id and the queue its outputs arrive on."""
+        rid, outputs, inp = self._request(input_ids, params, stream)
+        self._inbox.put(Message("add", inp))
+        return rid, outputs
+
+    def _request(self, input_ids: Sequence[int], params: ParamsLike, stream: bool
+                 ) -> tuple[str, "queue.Queue[TokenOutput]", RequestInput]:
+        """Check one request and register it; the caller queues the RequestInput."""
         if self._dead is not None:
             raise EngineError(f"the engine has stopped: {self._dead}")
         if self._closing:
@@ -306,8 +316,7 @@ class Engine:
             pend = self._pending[rid] = RequestState(rid, sp, dp, detok)
         # stop strings are matched on the text here, so their tokens must come every step
         every_step = stream or bool(sp.stop)
-        self._inbox.put(Message("add", RequestInput(rid, tuple(ids), sp, dp, every_step)))
-        return rid, pend.outputs
+        return rid, pend.outputs, RequestInput(rid, tuple(ids), sp, dp, every_step)
 
     def abort(self, rid: str) -> None:
         if self._dead is None and not self._closing:
@@ -336,8 +345,20 @@ class Engine:
         if len(params) != len(batch):
             raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
         parsed = [self._params(p) for p in params]  # validate all before submitting any
-        handles = [self.submit(ids, p) for ids, p in zip(batch, parsed)]
-        results = [self._collect(rid, q) for rid, q in handles]
+        reqs: list[tuple[str, Any, RequestInput]] = []
+        try:
+            for ids, p in zip(batch, parsed):
+                reqs.append(self._request(ids, p, False))
+        except Exception:  # none of the batch runs: forget those registered already
+            with self._lock:
+                for rid, _, inp in reqs:
+                    self._pending.pop(rid, None)
+                    self._load[inp.dp_rank] -= 1
+            raise
+        # one message: the workers take the whole list in one iteration, so how a batch is
+        # scheduled does not depend on when its requests happen to arrive
+        self._inbox.put(Message("add_many", [inp for _, _, inp in reqs]))
+        results = [self._collect(rid, q) for rid, q, _ in reqs]
         return results[0] if single else results
 
     def stream(self, prompt: Optional[str] = None, sampling_params: ParamsLike = None,

@@ -49,7 +49,8 @@ IDLE_TICK_S = 0.02  # how long rank 0 waits for new requests when no rank has wo
 
 @dataclass(frozen=True)
 class Message:
-    kind: str  # "add" (payload RequestInput), "abort" (payload rid), "shutdown"
+    kind: str  # "add" (payload RequestInput), "add_many" (a list of them), "abort" (payload
+    # rid), "shutdown"
     payload: Any = None
 
 
@@ -76,8 +77,10 @@ class RankWorker:
         for m in msgs:
             if m.kind == "shutdown":
                 return outs + self._collect(), True, False
-            if m.kind == "add" and m.payload.dp_rank == self.state.dp_rank:
-                self.scheduler.add(m.payload)
+            if m.kind in ("add", "add_many"):
+                for inp in (m.payload if m.kind == "add_many" else [m.payload]):
+                    if inp.dp_rank == self.state.dp_rank:
+                        self.scheduler.add(inp)
             elif m.kind == "abort":
                 out = self.scheduler.abort(m.payload)
                 if out is not None:
