@@ -6,8 +6,8 @@ request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
 For each size: the host time of the model's forward call (its launches, and every wait for
 the device inside it), the device time of the same forward (CUDA events), and the forward
 under torch.profiler: the CUDA runtime calls that make the host wait for the device
-(synchronisations, copies to the host) with their counts per forward, and the host ops that
-take the most time.
+(synchronisations, copies to the host) with their counts per forward, the host ops that
+take the most time, and the Python functions that do (cProfile).
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner.model(fb.input_ids, fb.positions, fb, step)
         torch.cuda.synchronize()
+    import cProfile
+    import pstats
+
+    cpu = cProfile.Profile()
+    cpu.enable()
+    runner.model(fb.input_ids, fb.positions, fb, step)
+    cpu.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(cpu).sort_stats("tottime")
+    python_top = [{"function": f"{Path(f).name}:{line}:{name}", "calls": nc,
+                   "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3}
+                  for (f, line, name), (_, nc, tt, ct, _) in
+                  sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]]
     events = prof.key_averages()
     waits = {e.key: {"calls": e.count, "ms": e.cpu_time_total / 1e3}
              for e in events if e.key in WAITS}
@@ -73,7 +86,8 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     return {"tokens": n, "host_ms": statistics.median(host),
             "device_ms": statistics.median(device), "waits": waits,
             "top_host_ops": [{"op": e.key[:80], "calls": e.count,
-                              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops]}
+                              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops],
+            "python_top": python_top}
 
 
 def main() -> int:
@@ -99,6 +113,10 @@ def main() -> int:
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
         for o in r["top_host_ops"]:
             print(f"  {o['op']}: {o['calls']} calls, {o['self_cpu_ms']:.2f} ms self")
+        print("  Python functions by own time under cProfile (which slows each call):")
+        for o in r["python_top"]:
+            print(f"  {o['function']}: {o['calls']} calls, {o['tottime_ms']:.2f} ms own, "
+                  f"{o['cumtime_ms']:.2f} ms with callees")
     return 0
 
 
