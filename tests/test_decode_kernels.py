@@ -194,13 +194,43 @@ def check_act_and_mul(device: str, dtype: torch.dtype) -> None:
             assert rel_err(got, want) < TOL[dtype], (rows, inter, name)
 
 
+def check_unpack_decode_inputs(device: str) -> None:
+    """The graph head's unpack against the torch formulation: placeholders read the step
+    before's tokens, int32 lengths, rows past the batch untouched."""
+    from moeserve.layers.fused_kernels import unpack_decode_inputs
+    from moeserve.runtime.forward_batch import resolve_futures
+
+    gen = torch.Generator().manual_seed(8)
+    for bs in (1, 5, 300):
+        staging = torch.stack([torch.randint(0, 1000, (bs + 3,), generator=gen),
+                               torch.randint(0, 4000, (bs + 3,), generator=gen),
+                               torch.randint(0, 64, (bs + 3,), generator=gen)], 1)
+        staging[::2, 0] = -1 - torch.randint(0, 7, (staging[::2].shape[0],), generator=gen)
+        staging, nxt = staging.to(device), torch.arange(100, 107, device=device)
+        ids, pos, rows = (torch.full((bs + 3,), -5, dtype=torch.int64, device=device)
+                          for _ in range(3))
+        prefix, seq = (torch.full((bs + 3,), -5, dtype=torch.int32, device=device)
+                       for _ in range(2))
+        unpack_decode_inputs(staging, nxt, ids[:bs], pos[:bs], prefix[:bs], seq[:bs],
+                             rows[:bs])
+        s = staging[:bs]
+        assert torch.equal(ids[:bs], resolve_futures(s[:, 0], nxt))
+        assert ids[:bs].min() >= 0 and torch.equal(pos[:bs], s[:, 1])
+        assert torch.equal(prefix[:bs], s[:, 1].int()) and torch.equal(seq[:bs],
+                                                                      s[:, 1].int() + 1)
+        assert torch.equal(rows[:bs], s[:, 2])
+        assert all(int(t[bs:].max()) == -5 for t in (ids, pos, rows, prefix, seq))
+
+
 # --- the Triton kernels on the CPU --------------------------------------------------------
 
 _INTERPRETER_SCRIPT = r"""
 import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_skinny_linear)
+                                check_rope_store_kv, check_skinny_linear,
+                                check_unpack_decode_inputs)
 
+check_unpack_decode_inputs("cpu")
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
     check_act_and_mul("cpu", dtype)
@@ -214,8 +244,8 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm, act-and-mul, head-block rope and rope + KV store
-    kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
+    """The skinny linear, add + RMSNorm, act-and-mul, head-block rope, rope + KV store and
+    decode-graph unpack kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
     run_interpreted(_INTERPRETER_SCRIPT, timeout=180)
 
 

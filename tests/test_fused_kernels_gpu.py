@@ -17,7 +17,8 @@ from moeserve.parallel.groups import single_process_state
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_skinny_linear)
+                                check_rope_store_kv, check_skinny_linear,
+                                check_unpack_decode_inputs)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -154,6 +155,7 @@ def test_decode_kernels(dtype):
     check_add_rms_norm("cuda", dtype)
     check_add_rms_norm("cuda", dtype, d=2048)
     check_act_and_mul("cuda", dtype)
+    check_unpack_decode_inputs("cuda")
     check_rope_head_blocks("cuda", dtype)
     check_rope_head_blocks("cuda", dtype, nq=32, nk=4, d=128, blocks=(1, 2, 8, 32, None))
 

@@ -17,6 +17,9 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
   topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
                    renormalisation, scaling, rounding of the weights to the model dtype,
                    ids -1 / weights 0 for padding rows
+  unpack_decode_inputs  the head of a decode graph: its staged (token, position, request
+                   row) rows into the model's inputs, each placeholder token -(j + 1) read
+                   from the tokens of the step before
 
 A decode step of a 48-layer model launches each of them 48 to 192 times; at batch 1 the
 launches, not the bytes, are the cost, and a CUDA graph only removes their host side.
@@ -370,3 +373,34 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block,
             num_warps=4, **pdl_args(gate_up.device))
     return out
+
+
+@triton.jit
+def _unpack_kernel(Staging, Next, Ids, Pos, Prefix, Seq, Rows, bs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < bs
+    tok = tl.load(Staging + offs * 3, mask=mask, other=0)
+    pos = tl.load(Staging + offs * 3 + 1, mask=mask, other=0)
+    row = tl.load(Staging + offs * 3 + 2, mask=mask, other=0)
+    future = tl.load(Next + tl.maximum(-1 - tok, 0), mask=mask & (tok < 0), other=0)
+    tl.store(Ids + offs, tl.where(tok < 0, future, tok), mask=mask)
+    tl.store(Pos + offs, pos, mask=mask)
+    tl.store(Prefix + offs, pos.to(Prefix.dtype.element_ty), mask=mask)
+    tl.store(Seq + offs, (pos + 1).to(Seq.dtype.element_ty), mask=mask)
+    tl.store(Rows + offs, row, mask=mask)
+
+
+def unpack_decode_inputs(staging: torch.Tensor, next_tokens: torch.Tensor,
+                         input_ids: torch.Tensor, positions: torch.Tensor,
+                         prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                         req_pool_indices: torch.Tensor) -> None:
+    """Rows [0, bs) of staging [bs_max, 3] (int64 token, position, request row) into the
+    inputs: input_ids (placeholders resolved from next_tokens), positions, prefix_lens =
+    position, seq_lens = position + 1, req_pool_indices. One launch for what torch does in
+    ten."""
+    bs = input_ids.shape[0]
+    assert staging.is_contiguous() and staging.shape[1] == 3 and staging.shape[0] >= bs
+    block = min(1024, _pow2(bs))
+    _unpack_kernel[(triton.cdiv(bs, block),)](staging, next_tokens, input_ids, positions,
+                                              prefix_lens, seq_lens, req_pool_indices, bs,
+                                              BLOCK=block, num_warps=4)

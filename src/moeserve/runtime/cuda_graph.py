@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from moeserve.layers import fast_path
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
@@ -137,6 +138,11 @@ class DecodeGraphBuffers:
 
     def unpack(self, bs: int) -> None:
         """The staged rows into the model's inputs (captured at the head of each graph)."""
+        fused = fast_path.fused("unpack_decode_inputs", self.staging.device)
+        if fused is not None:
+            fused(self.staging, self.next_tokens, self.input_ids[:bs], self.positions[:bs],
+                  self.prefix_lens[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs])
+            return
         s = self.staging[:bs]
         self.input_ids[:bs].copy_(resolve_futures(s[:, 0], self.next_tokens))
         self.positions[:bs].copy_(s[:, 1])
