@@ -18,7 +18,8 @@ from moe_cases import fake_state
 from moeserve.models.spec import spec_from_hf_config
 from moeserve.moe.experts import create_experts
 from moeserve.moe.kernels import configs
-from moeserve.moe.kernels.align_torch import align_torch, max_blocks
+from moeserve.moe.kernels.align_torch import align_torch
+from moeserve.moe.kernels.configs import max_blocks
 from moeserve.parallel.layout import ParallelLayout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -192,8 +193,7 @@ def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tok
 def test_shipped_tile_configs_are_complete():
     for path in sorted(configs.CONFIG_DIR.glob("*.json")):
         for cfg in json.loads(path.read_text()).values():
-            configs.validate(cfg, str(path))
-            assert cfg["BLOCK_M"] in (16, 32, 64, 128, 256)
+            configs.validate(cfg, str(path))  # BLOCK_M among configs.BLOCK_MS included
 
 
 _INTERPRETER_SCRIPT = r"""
@@ -256,6 +256,32 @@ for n, (ep, rank), h in [(9, (1, 0), 48), (40, (2, 1), 64)]:
                       {"BLOCK_M": 16, "gate_up": tma, "down": {**tma, "BLOCK_N": 32}})
     err = rel_err(y, ref(x, ids, w))
     assert err <= 1e-4, ("tma", n, ep, err)
+# the intermediates in a plan-sized workspace (as the model runner hands them over): the same
+# bits as allocating them, and a workspace one row short refused with the record's name
+from moeserve.moe.kernels.align_torch import Workspace
+from moeserve.moe.kernels.configs import BLOCK_MS, max_blocks, padded_rows
+spec = make_spec(e=8, k=2, h=48, i=40)
+tri = make_experts("triton", spec, 2, 1, torch.float32, "cpu", seed=7)
+grouped = {"BLOCK_M": 16, "gate_up": {**tma, "TMA": 0}, "down": {**tma, "TMA": 0}}
+for n, cfg in [(30, grouped), (30, {**grouped, "BLOCK_M": 64}), (3, {"decode": small})]:
+    p = n * 2
+    def workspace(short=0):
+        b = max(max_blocks(p, m, 4) for m in BLOCK_MS)
+        return Workspace(torch.empty(padded_rows(p, 4) - short, dtype=torch.int32),
+                         torch.empty(b, dtype=torch.int32), torch.empty(b, dtype=torch.int32),
+                         torch.empty(padded_rows(p, 4) - short, 40), torch.empty(p, 48))
+    x = torch.randn(n, 48)
+    ids, w = routing(n, 2, 8, "skewed", seed=n)
+    args = (x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu", cfg)
+    assert torch.equal(fused_experts(*args, workspace()), fused_experts(*args))
+    short = padded_rows(p, 4) - (p if "decode" in cfg else max_blocks(p, cfg["BLOCK_M"], 4)
+                                 * cfg["BLOCK_M"]) + 1
+    try:
+        fused_experts(*args, workspace(short))
+    except RuntimeError as exc:
+        assert "moe.runner." in str(exc) and "token budget" in str(exc), exc
+    else:
+        raise AssertionError("a workspace too small was taken")
 print("interpreter ok")
 """
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.models.spec import ModelSpec
+from moeserve.moe.kernels.configs import BLOCK_MS, max_blocks, padded_rows
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer
@@ -88,14 +89,26 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
     rows, rows_formula = moe_runner_rows(spec, layout, budget, cap)
     pairs = rows * k_local
     pf = f"{rows_formula} x min(K, E/ep)"
+    # the fused runner's workspaces (moe/experts/triton_fused.py) hold every (row, k) pair,
+    # its own or not, and its grouped rows are padded to blocks of BLOCK_M per local expert
+    e_local = spec.num_experts // layout.ep
+    all_pairs = rows * k
+    grouped = padded_rows(all_pairs, e_local)
+    blocks = max(max_blocks(all_pairs, m, e_local) for m in BLOCK_MS)
+    af = f"{rows_formula} x K"
+    gf = f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep) x BLOCK_M, P = {af}"
     knobs = BUDGET_KNOBS
     recs = [
         BufferRecord("moe.router.topk_ids", (m_max, k), "int32", "M_max x K", knobs),
         BufferRecord("moe.router.topk_weights", (m_max, k), "float32", "M_max x K", knobs),
         BufferRecord("moe.runner.pair_token", (pairs,), "int32", pf, knobs),
         BufferRecord("moe.runner.gate_up", (pairs, 2 * i_local), dtype, f"{pf} x 2I/moe_tp", knobs),
-        BufferRecord("moe.runner.act", (pairs, i_local), dtype, f"{pf} x I/moe_tp", knobs),
-        BufferRecord("moe.runner.down", (pairs, h), dtype, f"{pf} x H", knobs),
+        BufferRecord("moe.runner.sorted_pairs", (grouped,), "int32", gf, knobs),
+        *(BufferRecord(f"moe.runner.{name}", (blocks,), "int32",
+                       f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep), P = {af}", knobs)
+          for name in ("block_expert", "block_rows")),
+        BufferRecord("moe.runner.act", (grouped, i_local), dtype, f"({gf}) x I/moe_tp", knobs),
+        BufferRecord("moe.runner.down", (all_pairs, h), dtype, f"{af} x H", knobs),
     ]
     if layout.dp_gather:
         # every rank sends its ceil(T/attn_tp) rows, padded to the largest: one collective

@@ -61,6 +61,7 @@ class ModelRunner:
         self.cfg, self.spec, self.plan, self.state = cfg, spec, plan, state
         self.device = state.device
         self.model = load_model(cfg, spec, state, plan, progress=progress)
+        self.moe_workspace = self._moe_workspace()
         self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
@@ -71,6 +72,19 @@ class ModelRunner:
             self.warm_up_prefill()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
             cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
+
+    def _moe_workspace(self) -> Optional[Any]:
+        """The plan's moe.runner.* buffers, given to every expert runner that takes them (the
+        fused Triton runner on a GPU); None when none does."""
+        takers = [m for m in self.model.modules() if hasattr(m, "use_workspace")]
+        if not takers or self.device.type != "cuda":
+            return None
+        from moeserve.moe.kernels.align_torch import Workspace
+
+        ws = Workspace.from_plan(self.plan, self.device)
+        for m in takers:
+            m.use_workspace(ws)
+        return ws
 
     @torch.inference_mode()
     def warm_up_experts(self) -> dict[tuple[int, int, int], list[int]]:

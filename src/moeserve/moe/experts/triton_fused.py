@@ -5,6 +5,9 @@ for gate_up with the activation-and-multiply fused, a grouped GEMM for down with
 weight applied, and the sum over top-k. Only the experts that some pair uses are read; no
 host synchronisation, so a step can be captured in a CUDA graph. Tile configs come from the
 tuned JSON of this (E_local, H, I_local, dtype, device), else from defaults (kernels/configs.py).
+Its intermediates live in the plan's `moe.runner.*` buffers, allocated once by the model runner
+and shared by every layer (kernels/align_torch.py: Workspace); a step larger than they are is
+refused with the plan's name for it.
 
 triton is imported on the first forward, so that `import moeserve` works without it.
 """
@@ -12,7 +15,7 @@ triton is imported on the first forward, so that `import moeserve` works without
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +39,12 @@ class TritonFusedExperts(Experts):
         self.kernel_act = KERNEL_ACTS[spec.hidden_act]
         self.top_k = spec.top_k
         self._configs: dict[tuple[int, str], dict[str, Any]] = {}
+        # the plan's moe.runner.* buffers, shared by every layer's runner (the model runner
+        # hands them over: use_workspace); None: each step allocates its own (tests, tools)
+        self.workspace: Optional[Any] = None
+
+    def use_workspace(self, workspace: Any) -> None:
+        self.workspace = workspace
 
     def config_for(self, num_tokens: int, device: torch.device) -> dict[str, Any]:
         key = (num_tokens, str(device))
@@ -68,4 +77,4 @@ class TritonFusedExperts(Experts):
 
         cfg = self.config_for(x_NH.shape[0], x_NH.device)
         return fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
-                             self.first_expert, self.kernel_act, cfg)
+                             self.first_expert, self.kernel_act, cfg, self.workspace)

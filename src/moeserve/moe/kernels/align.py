@@ -12,11 +12,14 @@ No launch reads a count back to the host.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from moeserve.moe.kernels.align_torch import AlignedBlocks, max_blocks
+from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
+from moeserve.moe.kernels.configs import max_blocks
 
 SMALL_PAIRS = 512
 _COUNT_CHUNK = 1024
@@ -113,16 +116,18 @@ def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, sor
 
 
 def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
-                 block_m: int) -> AlignedBlocks:
+                 block_m: int, ws: Optional[Workspace] = None) -> AlignedBlocks:
+    """The block map of the pairs (align_torch.py's contract), in `ws` when given."""
     ids = topk_ids_NK.reshape(-1)
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
     ids = ids.contiguous()
     pairs, dev = ids.numel(), ids.device
     nb = max_blocks(pairs, block_m, num_local)
-    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
-    block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    sorted_pairs = take(ws and ws.sorted_pairs, nb * block_m, "sorted_pairs", **i32)
+    block_expert = take(ws and ws.block_expert, nb, "block_expert", **i32)
+    block_rows = take(ws and ws.block_rows, nb, "block_rows", **i32)
     out = AlignedBlocks(sorted_pairs, block_expert, block_rows, block_m)
     if pairs == 0:
         return out

@@ -16,9 +16,40 @@ blocks, and every used block holds at least one pair.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
+
+from moeserve.moe.kernels.configs import max_blocks
+
+
+class Workspace(NamedTuple):
+    """The fused runner's intermediates, allocated once from the plan's `moe.runner.*` records
+    and shared by every MoE layer (they run one after another on one stream)."""
+
+    sorted_pairs: torch.Tensor  # [R] int32 (moe.runner.sorted_pairs)
+    block_expert: torch.Tensor  # [B] int32 (moe.runner.block_expert)
+    block_rows: torch.Tensor  # [B] int32 (moe.runner.block_rows)
+    act: torch.Tensor  # [R, I] (moe.runner.act)
+    down: torch.Tensor  # [P, H] (moe.runner.down)
+
+    @classmethod
+    def from_plan(cls, plan: Any, device: Any) -> "Workspace":
+        return cls(*(plan.buffer(f"moe.runner.{name}").empty(device) for name in cls._fields))
+
+
+def take(buf: Optional[torch.Tensor], rows: int, name: str, *shape: int, dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
+    """The first `rows` rows of a workspace buffer (a new tensor without one). A step larger
+    than the plan's record is refused: the scheduler's budget never makes one."""
+    if buf is None:
+        return torch.empty(rows, *shape, dtype=dtype, device=device)
+    if rows > buf.shape[0] or tuple(buf.shape[1:]) != shape or buf.dtype != dtype:
+        raise RuntimeError(
+            f"this MoE step needs {rows} x {list(shape)} {dtype} of the plan's moe.runner.{name}"
+            f", which is {list(buf.shape)} {buf.dtype}: the step exceeds the token budget the "
+            "plan was made for (`moeserve plan` shows it)")
+    return buf[:rows]
 
 
 class AlignedBlocks(NamedTuple):
@@ -32,10 +63,6 @@ class AlignedBlocks(NamedTuple):
         return self.block_expert.shape[0]
 
 
-def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
-    if num_pairs == 0:
-        return 0
-    return min(num_pairs, -(-num_pairs // block_m) + num_local)
 
 
 def local_keys(topk_ids: torch.Tensor, first_expert: int, num_local: int

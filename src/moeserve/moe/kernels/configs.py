@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+BLOCK_MS = (16, 32, 64, 128)  # the BLOCK_M a config may take (the plan's workspaces assume it)
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
 
@@ -97,7 +98,24 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"MoE tile config in {where} lacks {', '.join(missing)}; "
                          "re-run benchmarks/tune_moe.py")
+    if cfg["BLOCK_M"] not in BLOCK_MS:
+        raise ValueError(f"MoE tile config in {where} has BLOCK_M {cfg['BLOCK_M']}, not one of "
+                         f"{BLOCK_MS} (the plan sizes the runner's workspace for those); "
+                         "re-run benchmarks/tune_moe.py")
     return cfg
+
+
+def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
+    """Blocks of block_m rows that the pairs of one step can fill at most: each expert's last
+    block may be partly empty."""
+    if num_pairs == 0:
+        return 0
+    return min(num_pairs, -(-num_pairs // block_m) + num_local)
+
+
+def padded_rows(num_pairs: int, num_local: int) -> int:
+    """The most grouped rows (blocks x BLOCK_M) a step of num_pairs pairs takes, any BLOCK_M."""
+    return max(max_blocks(num_pairs, m, num_local) * m for m in BLOCK_MS)
 
 
 def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]:

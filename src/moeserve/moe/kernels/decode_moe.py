@@ -22,7 +22,7 @@ loaded weight tile busy for all its bytes, where a 16-row MMA tile wastes 15/16 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -30,6 +30,7 @@ import triton.language as tl
 
 from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
+from moeserve.moe.kernels.align_torch import take
 
 # runtime ints that change with the step or the rank are not specialised
 _ARGS = ["top_k", "first_expert", "num_local"]
@@ -173,12 +174,14 @@ def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
 
 
 def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, top_k: int,
-                   first_expert: int, act: str, cfg: dict[str, Any]) -> torch.Tensor:
-    """h [P, I]; rows of pairs this rank does not own are left unwritten (down skips them)."""
+                   first_expert: int, act: str, cfg: dict[str, Any],
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h [P, I] (the first P rows of `out` when given); rows of pairs this rank does not own
+    are left unwritten (down skips them)."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     pairs = ids_P.shape[0]
-    h = torch.empty(pairs, inter, dtype=x_NH.dtype, device=x_NH.device)
+    h = take(out, pairs, "act", inter, dtype=x_NH.dtype, device=x_NH.device)
     if pairs:
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
         _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
@@ -205,8 +208,10 @@ def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
 
 def decode_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    ids_P: torch.Tensor, weights_P: torch.Tensor, top_k: int, first_expert: int,
-                   act: str, cfg: dict[str, Any]) -> torch.Tensor:
+                   act: str, cfg: dict[str, Any],
+                   h_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sum_k w_k expert_k(x) over this rank's pairs; ids_P int32 and weights_P float32, both
-    contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N, BLOCK_K, num_warps)."""
-    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"])
+    contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N, BLOCK_K, num_warps); the
+    intermediate in `h_out` when given."""
+    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"], h_out)
     return decode_down(h, w2, ids_P, weights_P, x_NH.shape[0], top_k, first_expert, cfg["down"])

@@ -21,7 +21,7 @@ the same input gives the same bits.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from moeserve.moe.kernels.act import ACT_CODES, _act
 from moeserve.moe.kernels.align import align_triton
+from moeserve.moe.kernels.align_torch import Workspace, take
 from moeserve.moe.kernels.decode_moe import decode_experts
 
 
@@ -190,11 +191,12 @@ def _weights_arg(w: torch.Tensor, cfg: dict[str, Any]) -> tuple[Any, bool]:
     return TensorDescriptor.from_tensor(w, [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]), True
 
 
-def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any]) -> torch.Tensor:
+def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    h = torch.empty(blocks.num_blocks * blocks.block_m, inter, dtype=x_NH.dtype,
-                    device=x_NH.device)
+    h = take(out, blocks.num_blocks * blocks.block_m, "act", inter, dtype=x_NH.dtype,
+             device=x_NH.device)
     if blocks.num_blocks == 0:
         return h
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
@@ -207,9 +209,9 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any]) -> tor
 
 
 def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
-         cfg: dict[str, Any]) -> torch.Tensor:
+         cfg: dict[str, Any], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     num_local, hidden, inter = w2.shape
-    y = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
+    y = take(out, num_pairs, "down", hidden, dtype=h.dtype, device=h.device)
     if blocks.num_blocks == 0:
         return y
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
@@ -236,8 +238,11 @@ def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tens
 
 def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
-                  first_expert: int, act: str, config: dict[str, Any]) -> torch.Tensor:
-    """sum_k w_k expert_k(x) over the pairs whose expert is in [first_expert, first + E)."""
+                  first_expert: int, act: str, config: dict[str, Any],
+                  ws: Optional[Workspace] = None) -> torch.Tensor:
+    """sum_k w_k expert_k(x) over the pairs whose expert is in [first_expert, first + E);
+    the intermediates in `ws` when given (the output is always a new tensor: it leaves the
+    layer)."""
     num_local = w13.shape[0]
     n, k = topk_ids_NK.shape
     x_NH = x_NH.contiguous()
@@ -245,8 +250,8 @@ def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights_NK.to(torch.float32).contiguous().view(-1)
     if "decode" in config:  # a few rows: two GEMV launches (decode_moe.py)
         return decode_experts(x_NH, w13, w2, ids.view(-1), weights, k, first_expert, act,
-                              config["decode"])
-    blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"])
-    h = gate_up(x_NH, w13, blocks, k, act, config["gate_up"])
-    y = down(h, w2, blocks, weights, n * k, config["down"])
+                              config["decode"], ws and ws.act)
+    blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"], ws)
+    h = gate_up(x_NH, w13, blocks, k, act, config["gate_up"], ws and ws.act)
+    y = down(h, w2, blocks, weights, n * k, config["down"], ws and ws.down)
     return topk_sum(y, ids, first_expert, num_local)
