@@ -1,7 +1,10 @@
 """The model runner of one rank: builds the forward batch, runs the model, samples.
 
-It executes what the scheduler decided; it decides nothing. The KV pool and the request table
-come from the capacity plan's records. Decode steps replay a CUDA graph of the plan's buckets
+It executes what the scheduler decided; it decides nothing. The KV pool, the request table,
+the sampled tokens the next step's placeholders read (`next_tokens`) and the fused expert
+runner's workspace come from the capacity plan's records. `launch` queues a step and its
+sampling without waiting for the device; `collect` waits for its tokens (the overlap schedule
+of runtime/worker.py runs the next launch in between); `run` is the two together. Decode steps replay a CUDA graph of the plan's buckets
 when every rank of the step decodes (or idles) and the batch fits a bucket
 (runtime/cuda_graph.py); every other step runs eagerly. On a GPU, before the graphs are
 captured, the expert runners compile their kernels for every step size the plan admits and two
