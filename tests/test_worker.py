@@ -79,6 +79,11 @@ def _serve(worker: RankWorker, arrivals: dict[int, list[RequestInput]],
             lps += [(lp["token_id"], round(lp["logprob"], 4)) for lp in o.logprobs]
             if o.finish is not None:
                 finished[o.rid] = (toks, lps, o.finish.reason, o.error)
+    # every KV slot is back: free, or held by the prefix cache and nothing else
+    kv = worker.scheduler.kv
+    assert kv.used_slots == (kv.radix.cached_tokens if kv.radix else 0)
+    assert kv.radix is None or kv.radix.protected_tokens == 0
+    assert worker.in_flight is None and not worker.scheduler.has_work
     return finished
 
 
