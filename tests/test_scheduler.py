@@ -72,6 +72,9 @@ def run(sched, budget, arrivals, max_steps=5000, overlap=False):
         assert len(batch.reqs) <= budget.max_running_requests
         locs = batch.out_cache_loc.tolist()
         assert len(set(locs)) == len(locs) and 0 not in locs  # slot 0 is the dummy
+        table = sched.kv.req_pool.table
+        for req in batch.reqs:  # the host copy of each request's slots is its table row
+            assert list(req.slots) == table[req.row, :req.kv_len].tolist(), req
         sampled = [] if in_flight is None else [
             t for t, s in zip(in_flight[1], in_flight[0].samples) if s]
         assert batch.has_futures == any(t < 0 for new in batch.new_tokens for t in new)

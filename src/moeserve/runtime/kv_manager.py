@@ -3,7 +3,9 @@
 Every slot is in exactly one place. A request's row in the request table maps its positions
 [0, kv_len) to slots; [0, cached_len) are the prefix cache's (the path is locked for the
 request), [cached_len, kv_len) are the request's own until it finishes or is retracted, when the
-page-aligned part goes to the prefix cache and the tail back to the pool.
+page-aligned part goes to the prefix cache and the tail back to the pool. `Req.slots` holds
+the same row on the host, so that nothing here reads the device's table: with the overlap
+schedule such a read would wait for the step in flight.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class KVManager:
             return False
         req.row = row
         req.kv_len = req.cached_len = 0
-        req.last_slot = None
+        del req.slots[:]
         if self.radix is not None:
             # at least the last token is computed again: its logits pick the next token
             match = self.radix.match_prefix(req.ids(0, req.seq_len - 1))
@@ -54,7 +56,7 @@ class KVManager:
                 req.prefix_node = match.last_node
                 self.req_pool.write(row, 0, match.slots)
                 req.kv_len = req.cached_len = int(match.slots.numel())
-                req.last_slot = int(match.slots[-1])
+                req.slots.extend(match.slots.tolist())  # (the tree's slots are on the host)
         return True
 
     def reserve(self, req: Req, n: int) -> Optional[torch.Tensor]:
@@ -86,14 +88,15 @@ class KVManager:
         """Allocate n slots after req's last one (evicting from the prefix cache if the pool
         is short) and advance kv_len; the caller records them in the table."""
         assert req.row is not None and n >= 1
-        slots = self.kv_pool.alloc_slots(req.last_slot, n)
+        last = req.slots[-1] if req.slots else None
+        slots = self.kv_pool.alloc_slots(last, n)
         if slots is None and self.radix is not None:
             self.radix.evict(n + self.page_size)
-            slots = self.kv_pool.alloc_slots(req.last_slot, n)
+            slots = self.kv_pool.alloc_slots(last, n)
         if slots is None:
             return None
         req.kv_len += n
-        req.last_slot = slots[-1]
+        req.slots.extend(slots)
         return slots
 
     def release(self, req: Req, cache: bool = True) -> None:
@@ -101,7 +104,10 @@ class KVManager:
         part; or the pool without one), its tail to the pool, its row to the table."""
         if req.row is None:
             return
-        slots = self.req_pool.table[req.row, :req.kv_len].to(torch.int64)
+        # from the host copy: reading the device's table would wait for the step in flight
+        slots = (torch.frombuffer(req.slots, dtype=torch.int64).clone() if req.slots
+                 else torch.zeros(0, dtype=torch.int64))
+        assert slots.numel() == req.kv_len, (req, slots.numel())
         own_from = req.cached_len
         if self.radix is not None and cache and req.kv_len:
             aligned = req.kv_len // self.page_size * self.page_size
@@ -113,4 +119,4 @@ class KVManager:
             self.radix.unlock(req.prefix_node)
         self.req_pool.free(req.row)
         req.row, req.prefix_node, req.kv_len, req.cached_len = None, None, 0, 0
-        req.last_slot = None
+        del req.slots[:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -64,7 +65,9 @@ class Req:
         self.row: Optional[int] = None
         self.kv_len = 0
         self.cached_len = 0
-        self.last_slot: Optional[int] = None  # slot of position kv_len - 1 (host copy)
+        # the slots of positions [0, kv_len) (a host copy of its request-table row, so that
+        # giving them back never reads the device)
+        self.slots = array("q")
         self.prefix_node: Any = None
         self.finish: Optional[Finish] = None
         self.prompt_cached_tokens = 0  # prompt tokens served from the prefix cache, first run
