@@ -53,9 +53,7 @@ def block_ms(rows_per_expert: float) -> list[int]:
         return [16, 32]
     if rows_per_expert <= 96:
         return [32, 64]
-    if rows_per_expert <= 384:
-        return [64, 128]
-    return [128, 256]
+    return [64, 128] if rows_per_expert <= 384 else [128]  # configs.BLOCK_MS holds no 256
 
 
 def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
