@@ -4,7 +4,9 @@ request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
     PYTHONPATH=src python benchmarks/prefill_host.py --out DIR [--tokens 256 4096]
 
 For each size: the host time of the model's forward call (its launches, and every wait for
-the device inside it), the device time of the same forward (CUDA events), and the forward
+the device inside it), the device time of the same forward (CUDA events), the same two for
+a replay of the prefill graphs (runtime/prefill_graph.py) where a captured size holds it,
+and the eager forward
 under torch.profiler: the CUDA runtime calls that make the host wait for the device
 (synchronisations, copies to the host) with their counts per forward, the host ops that
 take the most time, and the Python functions that do (cProfile).
@@ -43,6 +45,30 @@ def prefill(runner: Any, n: int) -> Any:
     return fb, step
 
 
+def replay_times(runner: Any, fb: Any, n: int, reps: int) -> dict[str, Any]:
+    """The same forward through the prefill graphs (runtime/prefill_graph.py): host and
+    device ms of a replay of the smallest captured size >= n, when there is one."""
+    graphs = runner.prefill_graphs
+    size = None if graphs is None else graphs.size_for([n])
+    if size is None:
+        return {}
+    host, device = [], []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        graphs.replay(fb, size)
+        b.record()
+        t1 = time.perf_counter()
+        b.synchronize()
+        if i >= 2:
+            host.append((t1 - t0) * 1e3)
+            device.append(a.elapsed_time(b))
+    return {"graph_size": size, "graph_host_ms": statistics.median(host),
+            "graph_device_ms": statistics.median(device)}
+
+
 @torch.inference_mode()
 def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
@@ -61,6 +87,7 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
         if i >= 2:
             host.append((t1 - t0) * 1e3)
             device.append(a.elapsed_time(b))
+    graph = replay_times(runner, fb, n, reps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner.model(fb.input_ids, fb.positions, fb, step)
@@ -84,7 +111,7 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     ops = sorted((e for e in events if e.key.startswith(("aten::", "moeserve", "triton"))
                   or "Kernel" in e.key), key=lambda e: -e.self_cpu_time_total)[:15]
     return {"tokens": n, "host_ms": statistics.median(host),
-            "device_ms": statistics.median(device), "waits": waits,
+            "device_ms": statistics.median(device), **graph, "waits": waits,
             "top_host_ops": [{"op": e.key[:80], "calls": e.count,
                               "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops],
             "python_top": python_top}
@@ -108,7 +135,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_host.json").write_text(json.dumps(results, indent=1))
     for r in results:
-        print(f"prefill of {r['tokens']} tokens: host {r['host_ms']:.2f} ms, device "
+        if "graph_size" in r:
+            print(f"prefill of {r['tokens']} tokens through the prefill graphs of "
+                  f"{r['graph_size']}: host {r['graph_host_ms']:.2f} ms, device "
+                  f"{r['graph_device_ms']:.2f} ms")
+        print(f"prefill of {r['tokens']} tokens, eager: host {r['host_ms']:.2f} ms, device "
               f"{r['device_ms']:.2f} ms; waits: " + ", ".join(
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
         for o in r["top_host_ops"]:

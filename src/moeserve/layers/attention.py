@@ -117,4 +117,6 @@ class PagedAttention(nn.Module):
         """kv_stored: the new K/V are in the pool already (the rope took kv_write)."""
         if q_TND.shape[0] and not kv_stored:
             fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
+        if fb.attention_hook is not None:  # a prefill graph's capture cuts the forward here
+            return fb.attention_hook(q_TND, self, fb)
         return self.backend.forward(q_TND, self, fb)

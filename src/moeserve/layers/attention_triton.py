@@ -84,12 +84,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._num_sms[dev])
         return self._meta
 
-    def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
-                fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`out` [T, N, D]: where to write (a prefill graph's static buffer); rows of no
+        request are left as they are."""
         from moeserve.layers import attention_kernels as K
         from moeserve.layers.pdl import pdl_args
 
-        out_TND = torch.empty_like(q_TND)
+        out_TND = torch.empty_like(q_TND) if out is None else out
         t, n, d = q_TND.shape
         if fb.mode is ForwardMode.IDLE or t == 0:
             return out_TND

@@ -264,10 +264,23 @@ class MoECausalLM(nn.Module):
                 step: Any) -> torch.Tensor:
         """Logits [rows, V] in fp32: every token's with fb.return_all_logits, else each
         request's last new token's."""
+        return self.logits(*self.hidden_states(input_ids_T, positions_T, fb, step), fb)
+
+    def hidden_states(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                      fb: ForwardBatch, step: Any
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The last layer's output, (x, None) or (y, r) with x = r + y left unsummed: the
+        part of the forward that does not depend on which rows get logits (the prefill
+        graphs of runtime/prefill_graph.py capture it)."""
         x_TH = self.embed_tokens(input_ids_T)
         residual = None
         for layer in self.layers:
             x_TH, residual = layer(positions_T, x_TH, fb, step, residual)
+        return x_TH, residual
+
+    def logits(self, x_TH: torch.Tensor, residual: Optional[torch.Tensor],
+               fb: ForwardBatch) -> torch.Tensor:
+        """Final norm and LM head over the rows of `fb` that get logits (fp32)."""
         rows = fb.logit_rows
         if rows is not None:
             x_TH = x_TH[rows]

@@ -150,6 +150,31 @@ def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
     return recs
 
 
+PREFILL_GRAPH_KNOBS = ("--piecewise-cuda-graph-max-tokens", "--chunked-prefill-size",
+                       "--max-prefill-tokens")
+
+
+def prefill_graph_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
+                          dtype: str) -> list[BufferRecord]:
+    """The inputs of the prefill graphs and the two tensors that cross each cut at an
+    attention (runtime/prefill_graph.py). None for latent attention (MLA): no GPU backend of
+    it can be captured, so its prefill runs eagerly."""
+    if not budget.prefill_token_sizes or spec.mla is not None:
+        return []
+    t = max(budget.prefill_token_sizes)
+    q = (t, spec.num_heads // layout.attn_tp, spec.head_dim)
+    per_head = "max prefill graph tokens x heads/attn_tp x head_dim"
+    return [
+        BufferRecord("graph.prefill.inputs", (3, t), "int64",
+                     "(token, position, KV slot) x max prefill graph tokens",
+                     PREFILL_GRAPH_KNOBS),
+        BufferRecord("graph.prefill.q", q, dtype, per_head + " (each attention's query)",
+                     PREFILL_GRAPH_KNOBS),
+        BufferRecord("graph.prefill.attn_out", q, dtype, per_head + " (each attention's output)",
+                     PREFILL_GRAPH_KNOBS),
+    ]
+
+
 def kv_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dtype: str,
                kv_tokens: int) -> list[BufferRecord]:
     width = kv_elems_per_token_per_layer(spec, layout)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -54,6 +54,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: tuple[int, ...] = ()
     extend_seq_lens_cpu: tuple[int, ...] = ()
     return_all_logits: bool = False  # else only each request's last new token gets logits
+    # (q, layer, fb) -> attention output in place of the layer's backend: set only while
+    # runtime/prefill_graph.py captures, to end one graph piece at each attention
+    attention_hook: Optional[Callable[..., torch.Tensor]] = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -4,11 +4,13 @@ It executes what the scheduler decided; it decides nothing. The KV pool, the req
 the sampled tokens the next step's placeholders read (`next_tokens`) and the fused expert
 runner's workspace come from the capacity plan's records. `launch` queues a step and its
 sampling without waiting for the device; `collect` waits for its tokens (the overlap schedule
-of runtime/worker.py runs the next launch in between); `run` is the two together. Decode steps replay a CUDA graph of the plan's buckets
-when every rank of the step decodes (or idles) and the batch fits a bucket
-(runtime/cuda_graph.py); every other step runs eagerly. On a GPU, before the graphs are
-captured, the expert runners compile their kernels for every step size the plan admits and two
-dummy prefills compile the rest of the prefill path, so that no request waits for a compile.
+of runtime/worker.py runs the next launch in between); `run` is the two together. Decode
+steps replay a CUDA graph of the plan's buckets when every rank of the step decodes (or idles)
+and the batch fits a bucket (runtime/cuda_graph.py); the other steps that fit the plan's
+prefill sizes replay the prefill graphs' pieces, with their attention eager between them
+(runtime/prefill_graph.py); the rest run eagerly. On a GPU, before the graphs are captured,
+the expert runners compile their kernels for every step size the plan admits and dummy
+prefills compile the rest of the prefill path, so that no request waits for a compile.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from moeserve.parallel.step import StepContext
 from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
+from moeserve.runtime.prefill_graph import PrefillGraphRunner
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.runtime.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
                                        create_kv_pool)
@@ -74,6 +77,8 @@ class ModelRunner:
             self.warm_up_experts()
             self.warm_up_prefill()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
+            cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
+        self.prefill_graphs: Optional[PrefillGraphRunner] = PrefillGraphRunner.create(
             cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
 
     def _moe_workspace(self) -> Optional[Any]:
@@ -145,14 +150,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Optional[ScheduledBatch], step: StepContext,
                 all_decode: bool = False) -> torch.Tensor:
-        """Logits of the batch's sampling rows: a graph replay when `all_decode` (every rank
-        of the step decodes or idles, the same flag on every rank) and the step fits a bucket,
-        else an eager forward."""
+        """Logits of the batch's sampling rows: a decode graph replay when `all_decode`
+        (every rank of the step decodes or idles, the same flag on every rank) and the step
+        fits a bucket; else, when some rank prefills, the prefill graphs' pieces if the step
+        fits one of their sizes; else an eager forward."""
         bucket = (None if self.graphs is None
                   else self.graphs.bucket_for(step.tokens_per_dp_rank, all_decode))
         if bucket is not None:
             return self.graphs.replay(batch, bucket)
         fb = self.forward_batch(batch)
+        size = (None if self.prefill_graphs is None or all_decode
+                else self.prefill_graphs.size_for(step.tokens_per_dp_rank))
+        if size is not None:
+            return self.prefill_graphs.replay(fb, size)
         if batch is not None and batch.has_futures:
             fb.input_ids = resolve_futures(fb.input_ids, self.next_tokens)
         return self.model(fb.input_ids, fb.positions, fb, step)
