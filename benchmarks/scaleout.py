@@ -9,7 +9,9 @@ Parts (each can be skipped): `correct` (greedy tokens of every layout vs one GPU
 MoE layer dispatch + combine time at decode sizes and bandwidth at prefill sizes, beside NCCL's
 all_to_all_single moving the same bytes), `memory` (the a2a workspace the plan records vs what
 the allocator handed out, on every rank), `bench` (output tokens/s at several concurrencies for
-ep 1..N, DP attention on and off).
+ep 1..N, DP attention on and off). `correct_fp32_*`: the greedy tokens in fp32, with the
+portable backends (no graphs) on several shapes, or through the decode and prefill CUDA graphs
+(`correct_fp32_graphs`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ def correctness(n: int, model: str = MODEL, num_prompts: int = 8, new_tokens: in
 # fp32 with the portable backends: no bf16 near-ties, so every layout should give the same tokens
 FP32_PORTABLE = dict(dtype="float32", attention_backend="torch", moe_runner_backend="reference",
                      disable_cuda_graph=True)
+
+
+# fp32 through the CUDA graphs (decode and prefill): Triton attention, reference experts
+FP32_GRAPHS = dict(dtype="float32", attention_backend="triton", moe_runner_backend="reference")
 
 
 def correct_fp32_qwen3(n: int, model: str = MODEL) -> dict:
@@ -251,6 +257,11 @@ def main() -> None:
              "correct_fp32_deepseek-v2-lite": lambda: correctness(
                  args.gpus, "preset:deepseek-v2-lite", 4, 12, **FP32_PORTABLE),
              "correct_fp32_qwen3-30b-a3b": lambda: correct_fp32_qwen3(args.gpus),
+             # decode and prefill CUDA graphs in every layout (fp32, Triton attention); one
+             # prompt alone leaves the other DP ranks idle through its steps
+             "correct_fp32_graphs": lambda: {
+                 f"{k}_prompts": correctness(args.gpus, "preset:olmoe-1b-7b", k, 12,
+                                             **FP32_GRAPHS) for k in (4, 1)},
              "bench": lambda: bench(args.gpus, [int(c) for c in args.concurrency.split(",")],
                                     [c for c in args.bench_configs.split(";") if c])}
     for name, run in steps.items():
