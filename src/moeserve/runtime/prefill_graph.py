@@ -85,6 +85,12 @@ class _Pieces:
         self.graphs.append(self._open)
         self._open = None
 
+    def skip(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
+             ) -> torch.Tensor:
+        """The attention hook of the eager warm-up: what `cut` launches, no cut."""
+        self.runner.q[:self.size].copy_(q_TND)
+        return self.runner.attn_out[:self.size]
+
     def cut(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
             ) -> torch.Tensor:
         """The attention hook while capturing: the query to its static buffer (the last op of
@@ -110,6 +116,7 @@ class PrefillGraphRunner:
         self.step_for = step_for
         self.pieces: dict[int, _Pieces] = {}
         self.pool: Any = None
+        self.pool_bytes = 0  # what the allocator reserved while capturing (measured)
         self.replays = 0
 
     @classmethod
@@ -146,18 +153,17 @@ class PrefillGraphRunner:
         return runner
 
     def _capture_batch(self, t: int) -> ForwardBatch:
-        """One dummy request of t tokens over the static inputs (row DUMMY_REQ_ROW, every K/V
-        to DUMMY_SLOT), as the warm-up and the capture run it."""
-        self.inputs[0, :t].zero_()
-        torch.arange(t, out=self.inputs[1, :t])
+        """t padding rows over the static inputs (token 0, position 0, K/V to DUMMY_SLOT) as
+        one dummy request, for the warm-up and the capture. Neither runs an attention (t may
+        be longer than a request can be), so its lengths are never read."""
+        self.inputs[0:2, :t].zero_()
         self.inputs[2, :t].fill_(DUMMY_SLOT)
-        table = self.req_pool.table
-        table[DUMMY_REQ_ROW, :t] = DUMMY_SLOT
         one = dict(dtype=torch.int64, device=self.inputs.device)
         return ForwardBatch(ForwardMode.EXTEND, self.inputs[0, :t], self.inputs[1, :t],
                             self.inputs[2, :t], torch.tensor([DUMMY_REQ_ROW], **one),
                             torch.tensor([t], **one), torch.tensor([0], **one),
-                            torch.tensor([t], **one), table, self.kv_pool, (t,), (0,), (t,))
+                            torch.tensor([t], **one), self.req_pool.table, self.kv_pool,
+                            (t,), (0,), (t,))
 
     def _hidden(self, fb: ForwardBatch, t: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         ids = resolve_futures(self.inputs[0, :t], self.next_tokens)
@@ -166,14 +172,17 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved()
         self.pool = torch.cuda.graph_pool_handle()
         layers: Optional[list["PagedAttention"]] = None
         stream = torch.cuda.Stream()
         for t in reversed(self.sizes):  # largest first: the smaller fit in what it freed
             fb = self._capture_batch(t)
-            self._hidden(fb, t)  # eagerly once: compile, fill caches
-            torch.cuda.synchronize()
             pieces = _Pieces(self, t)
+            # eagerly once (compile, fill caches), the attention skipped as in the capture
+            fb.attention_hook = pieces.skip
+            self._hidden(fb, t)
+            torch.cuda.synchronize()
             fb.attention_hook = pieces.cut
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -189,8 +198,11 @@ class PrefillGraphRunner:
                                    "pass --disable-piecewise-cuda-graph")
             self.pieces[t] = pieces
         torch.cuda.synchronize()
-        log.info("captured prefill graphs (%d pieces each) for token counts %s in %.1f s",
-                 len(layers or []) + 1, self.sizes, time.perf_counter() - t0)
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+        log.info("captured prefill graphs (%d pieces each) for token counts %s in %.1f s; "
+                 "their memory pool (outside the plan's static budget, like every forward's "
+                 "activations) holds %.0f MiB", len(layers or []) + 1, self.sizes,
+                 time.perf_counter() - t0, self.pool_bytes / 2 ** 20)
 
     def size_for(self, tokens_per_dp_rank: Sequence[int]) -> Optional[int]:
         return choose_size(self.sizes, tokens_per_dp_rank)
