@@ -45,9 +45,11 @@ def prefill(runner: Any, n: int) -> Any:
     return fb, step
 
 
-def replay_times(runner: Any, fb: Any, n: int, reps: int) -> dict[str, Any]:
+def replay_times(runner: Any, fb: Any, n: int, reps: int, eager: torch.Tensor
+                 ) -> dict[str, Any]:
     """The same forward through the prefill graphs (runtime/prefill_graph.py): host and
-    device ms of a replay of the smallest captured size >= n, when there is one."""
+    device ms of a replay of the smallest captured size >= n, when there is one, and how far
+    its logits are from the eager forward's (`eager`)."""
     graphs = runner.prefill_graphs
     size = None if graphs is None else graphs.size_for([n])
     if size is None:
@@ -58,7 +60,7 @@ def replay_times(runner: Any, fb: Any, n: int, reps: int) -> dict[str, Any]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         a.record()
-        graphs.replay(fb, size)
+        logits = graphs.replay(fb, size)
         b.record()
         t1 = time.perf_counter()
         b.synchronize()
@@ -66,7 +68,11 @@ def replay_times(runner: Any, fb: Any, n: int, reps: int) -> dict[str, Any]:
             host.append((t1 - t0) * 1e3)
             device.append(a.elapsed_time(b))
     return {"graph_size": size, "graph_host_ms": statistics.median(host),
-            "graph_device_ms": statistics.median(device)}
+            "graph_device_ms": statistics.median(device),
+            "graph_pool_MiB": graphs.pool_bytes / 2 ** 20,
+            "graph_vs_eager_max_abs_logit_diff": float((logits - eager).abs().max()),
+            "eager_max_abs_logit": float(eager.abs().max()),
+            "graph_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1)))}
 
 
 @torch.inference_mode()
@@ -80,14 +86,14 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         a.record()
-        runner.model(fb.input_ids, fb.positions, fb, step)
+        eager = runner.model(fb.input_ids, fb.positions, fb, step)
         b.record()
         t1 = time.perf_counter()
         b.synchronize()
         if i >= 2:
             host.append((t1 - t0) * 1e3)
             device.append(a.elapsed_time(b))
-    graph = replay_times(runner, fb, n, reps)
+    graph = replay_times(runner, fb, n, reps, eager)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner.model(fb.input_ids, fb.positions, fb, step)
@@ -138,7 +144,10 @@ def main() -> int:
         if "graph_size" in r:
             print(f"prefill of {r['tokens']} tokens through the prefill graphs of "
                   f"{r['graph_size']}: host {r['graph_host_ms']:.2f} ms, device "
-                  f"{r['graph_device_ms']:.2f} ms")
+                  f"{r['graph_device_ms']:.2f} ms (graph pool {r['graph_pool_MiB']:.0f} MiB); "
+                  f"logits against eager: max |diff| "
+                  f"{r['graph_vs_eager_max_abs_logit_diff']:.3g} of max |logit| "
+                  f"{r['eager_max_abs_logit']:.3g}, same argmax: {r['graph_same_argmax']}")
         print(f"prefill of {r['tokens']} tokens, eager: host {r['host_ms']:.2f} ms, device "
               f"{r['device_ms']:.2f} ms; waits: " + ", ".join(
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
