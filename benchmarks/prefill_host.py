@@ -75,6 +75,22 @@ def replay_times(runner: Any, fb: Any, n: int, reps: int, eager: torch.Tensor
             "graph_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1)))}
 
 
+def experts_touched(runner: Any, fb: Any, step: Any) -> float:
+    """Distinct experts the forward's tokens are routed to, mean over the MoE layers (the
+    dummy weights' routing; the device time follows the expert bytes read)."""
+    from moeserve.moe.router import Router
+
+    counts: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: counts.append(
+        int(out[0].unique().numel()))) for m in runner.model.modules() if isinstance(m, Router)]
+    try:
+        runner.model(fb.input_ids, fb.positions, fb, step)
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.mean(counts) if counts else 0.0
+
+
 @torch.inference_mode()
 def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
@@ -94,6 +110,7 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
             host.append((t1 - t0) * 1e3)
             device.append(a.elapsed_time(b))
     graph = replay_times(runner, fb, n, reps, eager)
+    touched = experts_touched(runner, fb, step)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner.model(fb.input_ids, fb.positions, fb, step)
@@ -117,7 +134,8 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     ops = sorted((e for e in events if e.key.startswith(("aten::", "moeserve", "triton"))
                   or "Kernel" in e.key), key=lambda e: -e.self_cpu_time_total)[:15]
     return {"tokens": n, "host_ms": statistics.median(host),
-            "device_ms": statistics.median(device), **graph, "waits": waits,
+            "device_ms": statistics.median(device), **graph,
+            "experts_touched_per_layer": touched, "waits": waits,
             "top_host_ops": [{"op": e.key[:80], "calls": e.count,
                               "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops],
             "python_top": python_top}
@@ -149,7 +167,8 @@ def main() -> int:
                   f"{r['graph_vs_eager_max_abs_logit_diff']:.3g} of max |logit| "
                   f"{r['eager_max_abs_logit']:.3g}, same argmax: {r['graph_same_argmax']}")
         print(f"prefill of {r['tokens']} tokens, eager: host {r['host_ms']:.2f} ms, device "
-              f"{r['device_ms']:.2f} ms; waits: " + ", ".join(
+              f"{r['device_ms']:.2f} ms; experts touched per layer "
+              f"{r['experts_touched_per_layer']:.1f}; waits: " + ", ".join(
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
         for o in r["top_host_ops"]:
             print(f"  {o['op']}: {o['calls']} calls, {o['self_cpu_ms']:.2f} ms self")
