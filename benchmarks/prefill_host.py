@@ -30,14 +30,17 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def prefill(runner: Any, n: int) -> Any:
-    """One eager prefill of a dummy request of n tokens (row and slots of the warm-up)."""
+    """One prefill of a request of n tokens in the dummy request's row, its K/V in slots
+    [1, n] (the engine serves nothing meanwhile; distinct slots, so that the attention reads
+    each token's own K/V and two forwards of it give the same logits)."""
     from moeserve.parallel.step import step_from_counts
     from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
     from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
 
     table = runner.req_pool.table
-    table[DUMMY_REQ_ROW, :n] = DUMMY_SLOT
-    loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=runner.device)
+    loc = torch.arange(DUMMY_SLOT + 1, DUMMY_SLOT + 1 + n, dtype=torch.int64,
+                       device=runner.device)
+    table[DUMMY_REQ_ROW, :n] = loc.to(table.dtype)
     ids = torch.randint(0, runner.spec.vocab_size, (n,)).tolist()
     fb = ForwardBatch.from_requests(ForwardMode.EXTEND, [ids], [0], [DUMMY_REQ_ROW], loc, table,
                                     runner.kv_pool)
