@@ -261,7 +261,10 @@ def main() -> None:
              # prompt alone leaves the other DP ranks idle through its steps
              "correct_fp32_graphs": lambda: {
                  f"{k}_prompts": correctness(args.gpus, "preset:olmoe-1b-7b", k, 12,
-                                             **FP32_GRAPHS) for k in (4, 1)},
+                                             **FP32_GRAPHS, context_length=1024,
+                                             cuda_graph_max_bs=16,
+                                             piecewise_cuda_graph_max_tokens=256)
+                 for k in (4, 1)},
              "bench": lambda: bench(args.gpus, [int(c) for c in args.concurrency.split(",")],
                                     [c for c in args.bench_configs.split(";") if c])}
     for name, run in steps.items():
