@@ -48,6 +48,25 @@ def prefill(runner: Any, n: int) -> Any:
     return fb, step
 
 
+def timed(forward: Any, reps: int) -> tuple[float, float, torch.Tensor]:
+    """(host ms, device ms, output): medians over `reps` calls after 2 warm-up calls; host =
+    the call, device = CUDA events around it."""
+    host, device = [], []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        out = forward()
+        b.record()
+        t1 = time.perf_counter()
+        b.synchronize()
+        if i >= 2:
+            host.append((t1 - t0) * 1e3)
+            device.append(a.elapsed_time(b))
+    return statistics.median(host), statistics.median(device), out
+
+
 def replay_times(runner: Any, fb: Any, n: int, reps: int, eager: torch.Tensor
                  ) -> dict[str, Any]:
     """The same forward through the prefill graphs (runtime/prefill_graph.py): host and
@@ -57,21 +76,8 @@ def replay_times(runner: Any, fb: Any, n: int, reps: int, eager: torch.Tensor
     size = None if graphs is None else graphs.size_for([n])
     if size is None:
         return {}
-    host, device = [], []
-    for i in range(reps + 2):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        a.record()
-        logits = graphs.replay(fb, size)
-        b.record()
-        t1 = time.perf_counter()
-        b.synchronize()
-        if i >= 2:
-            host.append((t1 - t0) * 1e3)
-            device.append(a.elapsed_time(b))
-    return {"graph_size": size, "graph_host_ms": statistics.median(host),
-            "graph_device_ms": statistics.median(device),
+    host, device, logits = timed(lambda: graphs.replay(fb, size), reps)
+    return {"graph_size": size, "graph_host_ms": host, "graph_device_ms": device,
             "graph_pool_MiB": graphs.pool_bytes / 2 ** 20,
             "graph_vs_eager_max_abs_logit_diff": float((logits - eager).abs().max()),
             "eager_max_abs_logit": float(eager.abs().max()),
@@ -99,19 +105,7 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     fb, step = prefill(runner, n)
-    host, device = [], []
-    for i in range(reps + 2):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        a.record()
-        eager = runner.model(fb.input_ids, fb.positions, fb, step)
-        b.record()
-        t1 = time.perf_counter()
-        b.synchronize()
-        if i >= 2:
-            host.append((t1 - t0) * 1e3)
-            device.append(a.elapsed_time(b))
+    host, device, eager = timed(lambda: runner.model(fb.input_ids, fb.positions, fb, step), reps)
     graph = replay_times(runner, fb, n, reps, eager)
     touched = experts_touched(runner, fb, step)
     torch.cuda.synchronize()
@@ -136,8 +130,8 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
              for e in events if e.key in WAITS}
     ops = sorted((e for e in events if e.key.startswith(("aten::", "moeserve", "triton"))
                   or "Kernel" in e.key), key=lambda e: -e.self_cpu_time_total)[:15]
-    return {"tokens": n, "host_ms": statistics.median(host),
-            "device_ms": statistics.median(device), **graph,
+    return {"tokens": n, "host_ms": host,
+            "device_ms": device, **graph,
             "experts_touched_per_layer": touched, "waits": waits,
             "top_host_ops": [{"op": e.key[:80], "calls": e.count,
                               "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops],
