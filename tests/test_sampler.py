@@ -252,6 +252,34 @@ def test_penalties_match_reference(data_seed, params):
     assert torch.equal(tokens, ref.argmax(-1))
 
 
+@settings(max_examples=30, deadline=None)
+@given(data_seed=st.integers(0, 2**31 - 1), params=st.lists(st.builds(
+    SamplingParams, temperature=st.just(0.0),
+    repetition_penalty=st.sampled_from([1.0, 1.3]),
+    frequency_penalty=st.sampled_from([0.0, 1.0]),
+    presence_penalty=st.sampled_from([0.0, 0.5])), min_size=1, max_size=5))
+def test_a_token_still_on_the_device_is_counted_as_output(data_seed, params):
+    """The overlap schedule's token in flight (a row of next_tokens) penalises as if it were
+    the last output token on the host."""
+    vocab = 30
+    rng = random.Random(data_seed)
+    logits = _logits(data_seed, len(params), vocab)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for _ in params]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in params]
+    next_tokens = torch.tensor([rng.randrange(vocab) for _ in range(8)])
+    rows = rng.sample(range(8), len(params))  # each request has its own row in flight
+    pending = [rng.choice([-1, j]) for j in rows]
+    known = [o if j < 0 else o[:-1] for o, j in zip(outputs, pending)]
+    for o, j in zip(outputs, pending):
+        if j >= 0:
+            next_tokens[j] = o[-1]  # the host has not seen it yet
+    got = apply_penalties(logits, SamplingBatch.build(params, known, prompts, vocab,
+                                                      pending=pending,
+                                                      next_tokens=next_tokens))
+    want = apply_penalties(logits, SamplingBatch.build(params, outputs, prompts, vocab))
+    assert torch.equal(got, want)
+
+
 def test_repetition_penalty_matches_transformers():
     transformers = pytest.importorskip("transformers")
     logits = _logits(8, 3, 40)

@@ -122,6 +122,25 @@ def test_overlap_gives_the_tokens_of_the_plain_loop():
     assert any(n > 1 for n in launches)  # requests did run side by side
 
 
+def test_penalised_requests_keep_the_overlap():
+    """Penalties count the token in flight on the device: the loop does not wait for it,
+    and the tokens are those of the plain loop."""
+    params = SamplingParams(max_new_tokens=10, frequency_penalty=1.2, presence_penalty=0.4,
+                            repetition_penalty=1.3, temperature=0.0, ignore_eos=True)
+
+    def requests():
+        return {0: [RequestInput(f"r{i}", tuple((5 * i + 2 * j) % 90 + 1 for j in range(6 + i)),
+                                 params, 0, True) for i in range(3)]}
+
+    plain = _serve(_worker(False), requests(), {})
+    worker = _worker(True)
+    waits = []
+    needs = worker.scheduler.needs_tokens
+    worker.scheduler.needs_tokens = lambda: waits.append(needs()) or waits[-1]
+    assert _serve(worker, requests(), {}) == plain
+    assert waits and not any(waits)
+
+
 def test_tokens_in_flight_go_out_before_a_prefill_is_launched():
     """With the overlap schedule, a prefill's long launch must not hold back the tokens of
     the decode step before it: they are published first."""

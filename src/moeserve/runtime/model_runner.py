@@ -196,7 +196,10 @@ class ModelRunner:
             [r.prompt_ids for r in reqs] if any(p.repetition_penalty != 1.0 for p in params)
             else None, logits_BV.shape[-1], self.device,
             # the step's own token is counted in num_output already
-            steps=[r.num_output - 1 for r in reqs])
+            steps=[r.num_output - 1 for r in reqs],
+            # a decode row's placeholder: its token of the step before, still on the device
+            pending=[-1 - batch.new_tokens[i][0] if batch.new_tokens[i][0] < 0 else -1
+                     for i in rows], next_tokens=self.next_tokens)
         if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
             logits_BV = logits_BV[torch.tensor(rows).to(logits_BV.device, non_blocking=True)]
         out = self.sampler(logits_BV, sb)

@@ -85,11 +85,15 @@ class SamplingBatch:
     def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
               prompt_ids: Optional[Sequence[Sequence[int]]], vocab_size: int,
               device: torch.device | str = "cpu",
-              steps: Optional[Sequence[int]] = None) -> "SamplingBatch":
+              steps: Optional[Sequence[int]] = None,
+              pending: Optional[Sequence[int]] = None,
+              next_tokens: Optional[torch.Tensor] = None) -> "SamplingBatch":
         """`output_ids[r]` are the tokens row r generated so far; its step (the seeded
         uniform's counter) is their count, or `steps[r]` when given (tokens still on the
         device count too); `prompt_ids` are needed only when some row has a repetition
-        penalty."""
+        penalty. `pending[r] >= 0`: row r also generated the token at that row of
+        `next_tokens`, still on the device (the overlap schedule's token in flight); the
+        penalties count it there, without waiting for it."""
         B, V = len(params), vocab_size
         if len(output_ids) != B or (prompt_ids is not None and len(prompt_ids) != B):
             raise ValueError(f"{B} params but {len(output_ids)} output_ids rows"
@@ -111,6 +115,14 @@ class SamplingBatch:
             frequency = t([p.frequency_penalty for p in params], torch.float32)
             presence = t([p.presence_penalty for p in params], torch.float32)
             counts = _token_counts(output_ids, V, device)
+            if pending is not None and any(j >= 0 for j in pending):
+                if next_tokens is None:
+                    raise ValueError("next_tokens are needed to count the pending tokens")
+                rows_p = [r for r in range(B) if pending[r] >= 0]
+                tokens = next_tokens[t([pending[r] for r in rows_p], torch.int64)]
+                # distinct rows: accumulating ones stays exact and deterministic
+                counts.index_put_((t(rows_p, torch.int64), tokens),
+                                  torch.ones(len(rows_p), device=device), accumulate=True)
             if any(p.repetition_penalty != 1.0 for p in params):
                 if prompt_ids is None:
                     raise ValueError("prompt_ids are needed for a repetition penalty")

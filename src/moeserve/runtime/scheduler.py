@@ -8,8 +8,9 @@ Overlap schedule: a step may be scheduled before the tokens of the step in fligh
 back. A request then holds an unresolved token (`Req.unresolved`), and its decode input is a
 placeholder, -(j + 1), for row j of the sampled tokens of the step in flight, which the runner
 resolves on the device. A request that that token will end by length is left out of the
-step; one that it ends by a stop token runs one row more, whose token `process` drops. What
-needs the tokens themselves (penalties, a retraction) waits for them (`needs_tokens`).
+step; one that it ends by a stop token runs one row more, whose token `process` drops. A
+retraction needs the tokens themselves and waits for them (`needs_tokens`); penalties count
+the token in flight on the device (SamplingBatch.build's `pending`).
 """
 
 from __future__ import annotations
@@ -90,12 +91,11 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + (self.chunked is not None)
 
     def needs_tokens(self) -> bool:
-        """Whether the next schedule needs the tokens of the step in flight: a request with
-        penalties counts its output tokens, and a retraction recomputes from them."""
+        """Whether the next schedule needs the tokens of the step in flight: a retraction
+        recomputes from them. (Penalties do not: the sampler counts a token in flight on the
+        device, from the placeholder's row.)"""
         if not any(r.unresolved for r in self.running):
             return False
-        if any(r.params.has_penalties for r in self.running):
-            return True
         return self.kv.available_slots < len(self.running) + self._page_slack()
 
     # --- decisions ------------------------------------------------------------------------
