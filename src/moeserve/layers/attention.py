@@ -32,7 +32,8 @@ FUSE_ROPE_KV_STORE = True
 class AttentionBackend(ABC):
     # True when forward launches a fixed amount of work for a decode batch of a given size and
     # reads every length from device tensors: a CUDA graph captured once replays correctly for
-    # any lengths (runtime/cuda_graph.py refuses backends that are not)
+    # any lengths (runtime/cuda_graph.py refuses backends that are not). Such a backend's
+    # forward also takes `out=` (runtime/prefill_graph.py hands it the static output buffer)
     graph_capturable: ClassVar[bool] = False
 
     @abstractmethod
