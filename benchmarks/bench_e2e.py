@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -75,9 +75,12 @@ def expert_backend() -> str:
     return "grouped_mm" if "grouped_mm" in X.EXPERTS else "reference"
 
 
-def decode_timing(runner: Any, batch: int, ctx: int, graphs: bool, steps: int) -> float:
+def decode_timing(runner: Any, batch: int, ctx: int, graphs: bool, steps: int,
+                  touched: Optional[list[int]] = None) -> float:
     """Median ms of one decode step (events around each step) of `batch` requests that hold
-    `ctx` tokens each; the batch's rows and slots are given back afterwards."""
+    `ctx` tokens each, through the decode graphs or, with graphs=False, eagerly (neither the
+    decode nor the prefill graphs); the batch's rows and slots are given back afterwards.
+    `touched` (eager only) gets the distinct experts of each MoE layer of the first step."""
     from moeserve.parallel.step import step_from_counts
     from moeserve.runtime.forward_batch import ForwardMode
     from moeserve.runtime.scheduler import ScheduledBatch
@@ -96,14 +99,31 @@ def decode_timing(runner: Any, batch: int, ctx: int, graphs: bool, steps: int) -
     lay = runner.plan.layout
     step = step_from_counts([batch] * lay.tp, lay, 0, runner.plan)
     times = []
-    for i in range(steps + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runner.forward(sched, step, all_decode=graphs)
-        b.record()
-        b.synchronize()
-        if i >= 5:
-            times.append(a.elapsed_time(b))
+    pieces, hooks = runner.prefill_graphs, []
+    if not graphs:
+        runner.prefill_graphs = None  # their pieces would take an eager decode step
+        if touched is not None:
+            from moeserve.moe.router import Router
+
+            hooks = [m.register_forward_hook(lambda _m, _i, out: touched.append(
+                int(out[0].unique().numel()))) for m in runner.model.modules()
+                if isinstance(m, Router)]
+    try:
+        for i in range(steps + 5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            runner.forward(sched, step, all_decode=graphs)
+            b.record()
+            b.synchronize()
+            for h in hooks:  # the first step's routing only
+                h.remove()
+            hooks = []
+            if i >= 5:
+                times.append(a.elapsed_time(b))
+    finally:
+        runner.prefill_graphs = pieces
+        for h in hooks:
+            h.remove()
     for r, s in zip(rows, slots):
         runner.kv_pool.free(s)
         runner.req_pool.free(r)
@@ -158,6 +178,15 @@ def part_ours(args: argparse.Namespace) -> dict[str, Any]:
     for b in (1,):
         out["decode_eager_ms"][b] = decode_timing(runner, b, args.ctx, False, 10)
         print(f"eager decode batch {b}: {out['decode_eager_ms'][b]:.3f} ms/step", flush=True)
+    # the dummy weights' routing, which the floor's uniform-routing count may not match
+    out["touched_experts_per_layer"] = {}
+    for b in args.batches:
+        seen: list[int] = []
+        decode_timing(runner, b, args.ctx, False, 1, touched=seen)
+        out["touched_experts_per_layer"][b] = statistics.mean(seen) if seen else None
+        uniform = decode_bytes(runner.spec, b, args.ctx)["touched_experts_per_layer"]
+        print(f"decode batch {b}: {out['touched_experts_per_layer'][b]} experts touched per "
+              f"MoE layer (uniform routing: {uniform:.1f})", flush=True)
     try:
         out["profile_batch1"] = kernel_profile(runner, args.ctx, True)
         p = out["profile_batch1"]
