@@ -127,3 +127,45 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(monkeypatch, runner):
         le = torch.tensor([t["logprob"] for t in e["logprobs"]])
         torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
     assert sizes and max(sizes) <= 32 and len(set(sizes)) >= 3
+
+
+def test_the_runner_takes_decode_graphs_then_prefill_graphs_then_eager():
+    """Which path a step takes: a decode graph when every rank decodes and a bucket holds
+    the step; otherwise the prefill graphs when some rank prefills and a size holds it (an
+    all-decode step above the buckets stays eager: --disable-cuda-graph means eager decode);
+    otherwise eager."""
+    from moeserve.parallel.step import step_from_counts
+    from moeserve.runtime.devices import runtime_config
+    from moeserve.runtime.engine import make_plan
+    from moeserve.runtime.worker import RankWorker
+
+    cfg = runtime_config(EngineConfig(model="preset:tiny", load_format="dummy", device="cpu",
+                                      context_length=64, max_running_requests=4))
+    plan = make_plan(cfg)
+    runner = RankWorker(cfg, plan.spec, plan, single_process_state(plan.layout), (3,)).runner
+    taken = []
+
+    class Decode:
+        def bucket_for(self, counts, all_decode):
+            return 4 if all_decode and max(counts) <= 4 else None
+
+        def replay(self, batch, bs):
+            taken.append(("decode", bs))
+            return torch.zeros(0)
+
+    class Prefill:
+        def size_for(self, counts):
+            return 16 if max(counts) <= 16 else None
+
+        def replay(self, fb, size):
+            taken.append(("prefill", size))
+            return torch.zeros(0)
+
+    eager = runner.model
+    runner.model = lambda *a: taken.append(("eager",)) or torch.zeros(0)
+    runner.graphs, runner.prefill_graphs = Decode(), Prefill()
+    for tokens, all_decode in [(3, True), (9, True), (9, False), (3, False), (40, False)]:
+        step = step_from_counts([tokens], plan.layout, 0, plan)
+        runner.forward(None, step, all_decode)
+    assert taken == [("decode", 4), ("eager",), ("prefill", 16), ("prefill", 16), ("eager",)]
+    runner.model = eager
