@@ -25,8 +25,6 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from moeserve.layers.l2_prefetch import PARTS  # noqa: E402
 
 
 def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
@@ -124,7 +122,7 @@ def replay_only_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> float:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"PDL {res['pdl']}, L2 prefetch {res['prefetch']}: step {res['step_ms']:.3f} ms (events around the runner's "
+    lines = [f"PDL {res['pdl']}: step {res['step_ms']:.3f} ms (events around the runner's "
              f"forward), graph replays back to back {res['replay_ms']:.3f} ms; "
              f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
              f"host: graph launch {res['launch_us']:.0f} us, whole decode forward "
@@ -150,9 +148,6 @@ def main() -> int:
                    help="batches timed too (step and replays), not profiled")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--pdl", nargs="+", default=["0", "1"])
-    p.add_argument("--prefetch", nargs="+", default=[",".join(PARTS)],
-                   help="MOESERVE_L2_PREFETCH values, one process each per PDL setting "
-                        "(layers/l2_prefetch.py; 'none': no prefetch)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     out = Path(args.out)
@@ -160,16 +155,12 @@ def main() -> int:
     if args.child:
         res = timeline(args.batch, args.ctx, args.more_batches)
         res["pdl"] = os.environ.get("MOESERVE_PDL", "1")
-        res["prefetch"] = os.environ.get("MOESERVE_L2_PREFETCH", ",".join(PARTS))
-        name = f"timeline_pdl{res['pdl']}_prefetch-{res['prefetch'].replace(',', '-')}.json"
-        (out / name).write_text(json.dumps(res, indent=1))
+        (out / f"timeline_pdl{res['pdl']}.json").write_text(json.dumps(res, indent=1))
         print(table(res), flush=True)
         return 0
     for pdl in args.pdl:
-        for prefetch in args.prefetch:
-            env = dict(os.environ, MOESERVE_PDL=pdl, MOESERVE_L2_PREFETCH=prefetch)
-            subprocess.check_call([sys.executable, __file__, *sys.argv[1:], "--child"],
-                                  env=env)
+        env = dict(os.environ, MOESERVE_PDL=pdl)
+        subprocess.check_call([sys.executable, __file__, *sys.argv[1:], "--child"], env=env)
     return 0
 
 

@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from moeserve.layers import l2_prefetch
 from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -87,8 +86,6 @@ class DecoderAttention(nn.Module):
                 fb: ForwardBatch) -> torch.Tensor:
         t, d = h_TH.shape[0], self.head_dim
         q, k, v = self.qkv_proj(h_TH)
-        if t <= l2_prefetch.MAX_ROWS and l2_prefetch.enabled("o", h_TH.device):
-            l2_prefetch.prefetch(self.o_proj.weight)  # o_proj reads it from L2 after attention
         if self.opts.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         n, kv = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local
@@ -225,11 +222,6 @@ class MoECausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, dtype, attention(i), mlp_factory(i), comm_factory(i))
             for i in range(spec.num_layers))
-        for layer, after in zip(self.layers, self.layers[1:]):
-            # the next layer's qkv weights stream into L2 while the router's top-k runs
-            qkv = getattr(after.self_attn, "qkv_proj", None)
-            if qkv is not None and hasattr(layer.mlp, "prefetch_after_router"):
-                layer.mlp.prefetch_after_router = (qkv,)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, axis=axis, dtype=dtype,
                                       tied_to=self.embed_tokens if spec.tie_word_embeddings

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers import l2_prefetch
 from moeserve.layers.mlp import DenseMLP, _Proj
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.dispatch.base import Dispatcher, create_dispatcher
@@ -59,9 +58,6 @@ class MoELayer(nn.Module):
         self.experts = create_experts(experts, spec, state, dtype)
         self.dispatcher = dispatcher or create_dispatcher(spec, state, plan, dtype)
         self.shared_prefix = shared_prefix or shared_expert_prefix(spec)
-        # modules whose weights stream into L2 after the router (the next layer's qkv: the
-        # model sets it; a tuple, so that they are not registered as this layer's)
-        self.prefetch_after_router: tuple[nn.Module, ...] = ()
         self.shared_expert: Optional[DenseMLP] = None
         self.shared_expert_gate: Optional[_Proj] = None
         self.shared_on_dispatched = False
@@ -81,9 +77,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoE layer {self.layer_id} got {x_MH.shape[0]} rows, the step gives "
                              f"this rank {step.num_rows(self.scattered)}")
         topk_ids_MK, topk_weights_MK = self.gate(x_MH, step.valid_rows(self.scattered))
-        if x_MH.shape[0] <= l2_prefetch.MAX_ROWS and l2_prefetch.enabled("qkv", x_MH.device):
-            for module in self.prefetch_after_router:
-                l2_prefetch.prefetch(module.weight)
         tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
         y_NH = self.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)
         if self.shared_on_dispatched:

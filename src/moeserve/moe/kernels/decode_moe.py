@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.layers import l2_prefetch
-from moeserve.layers.l2_prefetch import prefetch_l2_lines
 from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
 from moeserve.moe.kernels.align_torch import take
@@ -39,19 +37,14 @@ _ARGS = ["top_k", "first_expert", "num_local"]
 
 
 @triton.jit(do_not_specialize=_ARGS)
-def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, w2_ptr, hidden, inter, top_k,
-                           first_expert, num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH_W2: tl.constexpr,
-                           THREADS: tl.constexpr, PDL: tl.constexpr):
+def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
+                           num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
     if (expert < 0) | (expert >= num_local):
         return
-    if PREFETCH_W2:  # this program's share of the expert's down weights, for down to read
-        w2_bytes = hidden * inter * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_l2_lines(w2_ptr + expert.to(tl.int64) * hidden * inter, w2_bytes,
-                    tl.program_id(1), tl.num_programs(1), THREADS)
     token = (pair // top_k).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -182,24 +175,18 @@ def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
 
 def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, top_k: int,
                    first_expert: int, act: str, cfg: dict[str, Any],
-                   out: Optional[torch.Tensor] = None,
-                   w2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """h [P, I] (the first P rows of `out` when given); rows of pairs this rank does not own
-    are left unwritten (down skips them). With `w2` (the down weights, on sm90+), each pair's
-    programs also stream its expert's down weights into L2 (layers/l2_prefetch.py)."""
+    are left unwritten (down skips them)."""
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     pairs = ids_P.shape[0]
     h = take(out, pairs, "act", inter, dtype=x_NH.dtype, device=x_NH.device)
     if pairs:
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
-        # only while the pairs' down weights fit well inside L2 (one row's 8 experts: 25 MB)
-        pf = (w2 is not None and pairs * w2[0].numel() * w2.element_size() <= 32 << 20
-              and l2_prefetch.enabled("down", w2.device))
-        _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, w2 if pf else w13, hidden, inter,
-                                     top_k, first_expert, num_local, ACT=ACT_CODES[act],
-                                     PREFETCH_W2=pf, THREADS=32 * cfg["num_warps"],
-                                     **_opts(cfg, hidden), **pdl_args(x_NH.device))
+        _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
+                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden),
+                                     **pdl_args(x_NH.device))
     return h
 
 
@@ -226,5 +213,5 @@ def decode_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """sum_k w_k expert_k(x) over this rank's pairs; ids_P int32 and weights_P float32, both
     contiguous [N K]; cfg holds "gate_up" and "down" tiles (BLOCK_N, BLOCK_K, num_warps); the
     intermediate in `h_out` when given."""
-    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"], h_out, w2)
+    h = decode_gate_up(x_NH, w13, ids_P, top_k, first_expert, act, cfg["gate_up"], h_out)
     return decode_down(h, w2, ids_P, weights_P, x_NH.shape[0], top_k, first_expert, cfg["down"])
