@@ -4,7 +4,8 @@ request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
     PYTHONPATH=src python benchmarks/prefill_host.py --out DIR [--tokens 256 4096]
 
 For each size: the host time of the model's forward call (its launches, and every wait for
-the device inside it), the device time of the same forward (CUDA events), the same two for
+the device inside it), the device time of the same forward (CUDA events) and its kernels by device time, the same
+two for
 a replay of the prefill graphs (runtime/prefill_graph.py) where a captured size holds it,
 and the eager forward
 under torch.profiler: the CUDA runtime calls that make the host wait for the device
@@ -130,7 +131,11 @@ def measure(runner: Any, n: int, reps: int) -> dict[str, Any]:
              for e in events if e.key in WAITS}
     ops = sorted((e for e in events if e.key.startswith(("aten::", "moeserve", "triton"))
                   or "Kernel" in e.key), key=lambda e: -e.self_cpu_time_total)[:15]
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)[:12]
     return {"tokens": n, "host_ms": host,
+            "top_kernels": [{"kernel": e.key[:80], "calls": e.count,
+                             "device_ms": e.self_device_time_total / 1e3} for e in kernels],
             "device_ms": device, **graph,
             "experts_touched_per_layer": touched, "waits": waits,
             "top_host_ops": [{"op": e.key[:80], "calls": e.count,
@@ -143,7 +148,19 @@ def main() -> int:
     p.add_argument("--out", default="prefill_out")
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--extend-tiles", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
+                   help="the extend attention kernel's tiles (default: the shipped ones)")
+    p.add_argument("--no-extend-split", action="store_true",
+                   help="mask every key block of the extend kernel (the kernel before session 8)")
     args = p.parse_args()
+    from moeserve.layers import attention_triton
+
+    if args.extend_tiles:
+        attention_triton.EXTEND_TILES = ((1 << 62, tuple(args.extend_tiles)),)
+    if args.no_extend_split:
+        attention_triton.EXTEND_SPLIT = False
+    print(f"extend attention: tiles {attention_triton.EXTEND_TILES}, "
+          f"split {attention_triton.EXTEND_SPLIT}", flush=True)
     from moeserve.runtime.engine import Engine
 
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
@@ -167,6 +184,9 @@ def main() -> int:
               f"{r['device_ms']:.2f} ms; experts touched per layer "
               f"{r['experts_touched_per_layer']:.1f}; waits: " + ", ".join(
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
+        print("  kernels by device time (one eager forward, under the profiler):")
+        for o in r["top_kernels"]:
+            print(f"  {o['kernel']}: {o['calls']} calls, {o['device_ms']:.2f} ms")
         for o in r["top_host_ops"]:
             print(f"  {o['op']}: {o['calls']} calls, {o['self_cpu_ms']:.2f} ms self")
         print("  Python functions by own time under cProfile (which slows each call):")

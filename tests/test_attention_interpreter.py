@@ -15,6 +15,8 @@ SCRIPT = r"""
 import torch
 from test_attention_gpu import run_case
 cases = [(torch.float32, 16, 8, 2, 64, None, [20, 37], [10, 20]),
+         # prefixes past a key block: the unmasked key blocks before the diagonal
+         (torch.float32, 16, 8, 2, 64, None, [150, 9], [80, 1]),
          (torch.float32, 1, 4, 4, 32, 7, [9, 30], [4, 12])]
 for case in cases:
     errors = run_case("cpu", *case)

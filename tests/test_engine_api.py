@@ -122,3 +122,20 @@ def test_preempted_requests_finish_with_the_same_greedy_tokens():
             stats = e.kv_stats()
         assert (stats["retracted"] > 0) == (kv == 400), stats
     assert results[0] == results[1]
+
+
+def test_bench_gives_every_request_the_penalties_asked_for():
+    from moeserve.bench import run_bench
+
+    seen = []
+
+    class Engine:
+        def stream(self, input_ids, sampling_params):
+            seen.append(sampling_params)
+            yield {"token_ids": [1, 2], "error": None}
+
+    summary = run_bench(Engine(), [[5, 6]] * 3, 2, 2, progress=False, repetition_penalty=1.2,
+                        frequency_penalty=0.5, presence_penalty=0.25)
+    assert summary["completed"] == 3 and len(seen) == 3
+    assert all((p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature)
+               == (1.2, 0.5, 0.25, 0.0) for p in seen)

@@ -51,8 +51,11 @@ def _one(engine: Any, ids: Sequence[int], params: SamplingParams) -> RequestTimi
 
 
 def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
-              max_concurrency: int, progress: bool = True) -> dict[str, Any]:
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+              max_concurrency: int, progress: bool = True, **penalties: float) -> dict[str, Any]:
+    """Greedy, ignore_eos; `penalties`: repetition/frequency/presence_penalty for every
+    request (SamplingParams' names)."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
+                            **penalties)
     timings: list[Optional[RequestTiming]] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
     lock = threading.Lock()

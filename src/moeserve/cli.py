@@ -101,7 +101,10 @@ def _bench(args: argparse.Namespace) -> int:
             prompts = random_prompts(args.num_prompts, args.input_len, engine.spec.vocab_size,
                                      args.random_seed)
         summary = run_bench(engine, prompts, args.output_len, args.max_concurrency,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress,
+                            repetition_penalty=args.repetition_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty)
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
@@ -150,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-concurrency", type=int, default=16)
     b.add_argument("--prompt", action="append", default=[],
                    help="use these prompts (cycled) instead of random token ids")
+    b.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="for every request (the bench samples greedily)")
+    b.add_argument("--frequency-penalty", type=float, default=0.0)
+    b.add_argument("--presence-penalty", type=float, default=0.0)
     b.add_argument("--json", metavar="FILE", help="also write the summary as JSON to FILE")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)

@@ -15,6 +15,8 @@ decode   one query token per request. Flash-decoding: program (b, kv head, split
          kernel, so a CUDA graph captured for a bucket of B serves any lengths.
 extend   new tokens after a cached prefix. Program (b, head, block of BLOCK_M new tokens) runs
          an online softmax over positions [window start, last query of the block], causal.
+         Without a window (SPLIT), the key blocks wholly before the block's first query take
+         no mask; only the blocks on the diagonal do.
 
 Softmax runs in base 2 (exp2) with the scale folded into log2(e) * scaling; masked scores are
 -inf and the running max starts at a finite -1e20, so fully masked blocks add exactly zero.
@@ -40,22 +42,32 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, stride_vs,
                  stride_vh, kvh, k_pos, n_mask, visible, offs_d, d_mask, m_i, l_i, acc,
-                 scale_log2, IEEE: tl.constexpr):
+                 scale_log2, IEEE: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold one block of keys into the online softmax of q's rows: the keys at positions k_pos
     of request table row `row` (n_mask: inside the range), scores kept where `visible`
-    ([rows, BLOCK_N], or [1, BLOCK_N] for all rows). Returns the new (m_i, l_i, acc)."""
-    slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    ([rows, BLOCK_N], or [1, BLOCK_N] for all rows). MASKED=False: every key of the block is
+    in range and visible to every row, and d_mask is all true (n_mask, visible and d_mask
+    are not read)."""
+    if MASKED:
+        slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+    else:
+        slot = tl.load(ReqToToken + row * stride_rt + k_pos).to(tl.int64)
+        k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :])
     qk = _dot(q, tl.trans(k), IEEE) * scale_log2
-    qk = tl.where(visible, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    if MASKED:
+        v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :])
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
@@ -139,7 +151,8 @@ def extend_kernel(
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
         stride_xt, stride_xh, scale_log2, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        SPLIT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -166,6 +179,14 @@ def extend_kernel(
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if SPLIT:  # no window, BLOCK_D == HEAD_DIM: the blocks before the first query need no mask
+        first = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
+        for n0 in range(0, first, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
+                                         stride_kh, stride_vs, stride_vh, kvh, n0 + offs_n,
+                                         None, None, offs_d, None, m_i, l_i, acc, scale_log2,
+                                         IEEE, MASKED=False)
+        lo = first
     for n0 in range(lo, hi, BLOCK_N):
         k_pos = n0 + offs_n
         n_mask = k_pos < hi

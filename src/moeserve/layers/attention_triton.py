@@ -31,8 +31,22 @@ NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 DECODE_BLOCK_N = 64
-EXTEND_BLOCK_M = 64
-EXTEND_BLOCK_N = 64
+# (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
+# first entry whose bound holds the step's longest extend wins; and whether the key blocks
+# before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
+# (benchmarks/bench_extend_attention.py, Qwen3-30B-A3B heads, bf16): 1024-token prompt best
+# at (64, 64, 4, 2) 0.077 ms; 4096: (128, 64, 4, 4) 0.490 against 0.527 ms at (64, 64, 4, 2);
+# 8192: 1.578 against 1.663; 2048 after 2048: 0.355 against 0.365. The split alone: 4096
+# 0.660 -> 0.527 ms, 8192 2.101 -> 1.663.
+EXTEND_TILES: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
+    (1024, (64, 64, 4, 2)),
+    (1 << 62, (128, 64, 4, 4)),
+)
+EXTEND_SPLIT = True
+
+
+def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
+    return next(t for bound, t in EXTEND_TILES if max_extend <= bound)
 
 
 def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
@@ -129,19 +143,40 @@ class TritonAttentionBackend(AttentionBackend):
             return out_TND
         if meta.max_extend == 0:
             return out_TND
-        grid = (fb.batch_size, n, math.ceil(meta.max_extend / EXTEND_BLOCK_M))
-        K.extend_kernel[grid](
-            q_TND, k_cache, v_cache, out_TND, table, fb.req_pool_indices,
-            fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts,
-            q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), table.stride(0),
-            out_TND.stride(0), out_TND.stride(1), scale, window,
-            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=EXTEND_BLOCK_M,
-            BLOCK_N=EXTEND_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2)
+        launch_extend(q_TND, k_cache, v_cache, out_TND, table, fb.req_pool_indices,
+                      fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts,
+                      meta.max_extend, group, scale, window)
         return out_TND
 
 
 def describe() -> dict[str, Any]:
     """Tile constants, for benchmark reports."""
     return {"decode_block_n": DECODE_BLOCK_N, "max_splits": MAX_SPLITS,
-            "extend_block_m": EXTEND_BLOCK_M, "extend_block_n": EXTEND_BLOCK_N}
+            "extend_tiles": EXTEND_TILES, "extend_split": EXTEND_SPLIT}
+
+
+def launch_extend(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out_TND: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                  prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
+                  max_extend: int, group: int, scale_log2: float, window: int,
+                  tiles: Optional[tuple[int, int, int, int]] = None,
+                  split: Optional[bool] = None) -> None:
+    """The extend kernel over a batch's new tokens (query rows of request b from q_starts[b];
+    its keys through table row rows[b]); `tiles` and `split` default to the shipped ones
+    (benchmarks/bench_extend_attention.py measures the alternatives)."""
+    from moeserve.layers import attention_kernels as K
+
+    block_m, block_n, warps, stages = tiles or extend_tiles(max_extend)
+    d = q_TND.shape[2]
+    block_d = _pow2(d)
+    if split is None:
+        split = EXTEND_SPLIT
+    split = split and window >= NO_WINDOW and block_d == d
+    grid = (rows.shape[0], q_TND.shape[1], math.ceil(max_extend / block_m))
+    K.extend_kernel[grid](
+        q_TND, k_cache, v_cache, out_TND, table, rows, prefix_lens, extend_lens, q_starts,
+        q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), table.stride(0),
+        out_TND.stride(0), out_TND.stride(1), scale_log2, window,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=k_cache.dtype == torch.float32, SPLIT=split, num_warps=warps, num_stages=stages)
