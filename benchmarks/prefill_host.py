@@ -152,6 +152,9 @@ def main() -> int:
                    help="the extend attention kernel's tiles (default: the shipped ones)")
     p.add_argument("--no-extend-split", action="store_true",
                    help="mask every key block of the extend kernel (the kernel before session 8)")
+    p.add_argument("--sdpa-min-extend", type=int,
+                   help="fresh prompts of at least this many tokens go through SDPA "
+                        "(default: the shipped threshold; a huge value: never)")
     args = p.parse_args()
     from moeserve.layers import attention_triton
 
@@ -159,8 +162,11 @@ def main() -> int:
         attention_triton.EXTEND_TILES = ((1 << 62, tuple(args.extend_tiles)),)
     if args.no_extend_split:
         attention_triton.EXTEND_SPLIT = False
+    if args.sdpa_min_extend is not None:
+        attention_triton.SDPA_MIN_EXTEND = args.sdpa_min_extend
     print(f"extend attention: tiles {attention_triton.EXTEND_TILES}, "
-          f"split {attention_triton.EXTEND_SPLIT}", flush=True)
+          f"split {attention_triton.EXTEND_SPLIT}, SDPA from "
+          f"{attention_triton.SDPA_MIN_EXTEND} tokens", flush=True)
     from moeserve.runtime.engine import Engine
 
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,

@@ -70,6 +70,29 @@ def test_triton_attention_matches_torch(dtype, page_size, n, kh, d, window):
     assert max(errors) < TOL[dtype], errors
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
+    """The first extend (no request has a cached prefix) goes through SDPA: with the
+    threshold lowered to 1 token for short prompts, and at the shipped threshold for a long
+    one. The chunk after a prefix and the decode steps take the kernels."""
+    import moeserve.layers.attention_triton as AT
+
+    calls = []
+    real = AT.sdpa_fresh
+    monkeypatch.setattr(AT, "sdpa_fresh", lambda *a: (calls.append(a[5]), real(*a)))
+    long = AT.SDPA_MIN_EXTEND + 40
+    errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None, [long + 20, 300],
+                      [long, 290])
+    assert max(errors) < TOL[torch.bfloat16], errors
+    assert calls == [[(0, long), (long, 290)]]
+    calls.clear()
+    monkeypatch.setattr(AT, "SDPA_MIN_EXTEND", 1)
+    errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None,
+                      [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+    assert max(errors) < TOL[torch.bfloat16], errors
+    assert calls == [[(0, 33), (33, 140), (173, 64), (237, 1)]]
+
+
 def test_triton_decode_replays_in_a_cuda_graph():
     """Captured once for a bucket of 8 rows with short lengths, replayed with longer lengths,
     5 real rows and 3 padded rows (request row 0, slot 0): the real rows match torch."""
