@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-DECODE_BLOCK_N = 64
+# (BLOCK_N, num_warps, num_stages) of the decode partial kernel
+DECODE_TILES = (64, 4, 2)
 # (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
 # first entry whose bound holds the step's longest extend wins; and whether the key blocks
 # before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
@@ -155,7 +156,8 @@ class TritonAttentionBackend(AttentionBackend):
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                 scale, window, meta.splits,
                 GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_N=DECODE_BLOCK_N, IEEE=ieee, num_warps=4, num_stages=2, **pdl)
+                BLOCK_N=DECODE_TILES[0], IEEE=ieee, num_warps=DECODE_TILES[1],
+                num_stages=DECODE_TILES[2], **pdl)
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
@@ -176,7 +178,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 def describe() -> dict[str, Any]:
     """Tile constants, for benchmark reports."""
-    return {"decode_block_n": DECODE_BLOCK_N, "max_splits": MAX_SPLITS,
+    return {"decode_tiles": DECODE_TILES, "max_splits": MAX_SPLITS,
             "extend_tiles": EXTEND_TILES, "extend_split": EXTEND_SPLIT}
 
 
