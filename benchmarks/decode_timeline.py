@@ -122,7 +122,7 @@ def replay_only_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> float:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"PDL {res['pdl']}: step {res['step_ms']:.3f} ms (events around the runner's "
+    lines = [f"PDL {res['pdl']}, decode attention {res['decode_attention']}: step {res['step_ms']:.3f} ms (events around the runner's "
              f"forward), graph replays back to back {res['replay_ms']:.3f} ms; "
              f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
              f"host: graph launch {res['launch_us']:.0f} us, whole decode forward "
@@ -148,14 +148,24 @@ def main() -> int:
                    help="batches timed too (step and replays), not profiled")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--pdl", nargs="+", default=["0", "1"])
+    p.add_argument("--decode-attention", type=int, nargs=4,
+                   metavar=("BLOCK_N", "WARPS", "STAGES", "MAX_SPLITS"),
+                   help="the decode attention kernel's config (default: the shipped one)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
+        from moeserve.layers import attention_triton as AT
+
+        if args.decode_attention:
+            *AT.DECODE_TILES, AT.MAX_SPLITS = args.decode_attention
+            AT.DECODE_TILES = tuple(AT.DECODE_TILES)
         res = timeline(args.batch, args.ctx, args.more_batches)
+        res["decode_attention"] = [*AT.DECODE_TILES, AT.MAX_SPLITS]
         res["pdl"] = os.environ.get("MOESERVE_PDL", "1")
-        (out / f"timeline_pdl{res['pdl']}.json").write_text(json.dumps(res, indent=1))
+        tag = "-".join(map(str, res["decode_attention"]))
+        (out / f"timeline_pdl{res['pdl']}_attn{tag}.json").write_text(json.dumps(res, indent=1))
         print(table(res), flush=True)
         return 0
     for pdl in args.pdl:

@@ -35,9 +35,13 @@ if TYPE_CHECKING:
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
-# (BLOCK_N, num_warps, num_stages) of the decode partial kernel
-DECODE_TILES = (64, 4, 2)
+MAX_SPLITS = 64
+# (BLOCK_N, num_warps, num_stages) of the decode partial kernel, and MAX_SPLITS above: the
+# best on the geometric mean over batch x context 1 x 8192, 1 x 32768, 8 x 8192, 32 x 8192,
+# 64 x 4096, 256 x 2048 (H200, 2026-11-22, benchmarks/bench_decode_attention.py; at most 10%
+# from each case's best). Before, (64, 4, 2) and 32 splits: 20-72% of the copy rate on the
+# KV bytes (1 x 32768: 80.3 us, now 27.3; 32 x 8192: 215.6 us, now 133.6).
+DECODE_TILES = (128, 4, 2)
 # (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
 # first entry whose bound holds the step's longest extend wins; and whether the key blocks
 # before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
