@@ -79,6 +79,7 @@ def main() -> int:
     copy_gbs = ceil["copy_GBps"]
     shipped = (AT.DECODE_TILES, AT.MAX_SPLITS)
     print(f"copy ceiling {copy_gbs:.0f} GB/s; shipped {shipped}", flush=True)
+    ship = lambda b: (*AT.decode_tiles(b), AT.MAX_SPLITS)  # noqa: E731
     results = []
     for batch, ctx in CASES:
         pool, fb, q = setup(batch, ctx, dev)
@@ -86,8 +87,9 @@ def main() -> int:
         kv_bytes = batch * (ctx + 1) * KV_HEADS * D * 2 * 2
         row = {"batch": batch, "ctx": ctx, "kv_MB": kv_bytes / 1e6, "configs": []}
         ref = None
-        for block_n, warps, stages, splits in [(*shipped[0], shipped[1])] + CONFIGS:
-            AT.DECODE_TILES, AT.MAX_SPLITS = (block_n, warps, stages), splits
+        for block_n, warps, stages, splits in [ship(batch)] + CONFIGS:
+            AT.DECODE_TILES = ((1 << 62, (block_n, warps, stages)),)
+            AT.MAX_SPLITS = splits
             backend = create_attention_backend("triton")  # fresh split buffers per config
             layer.backend = backend
             try:
@@ -104,7 +106,8 @@ def main() -> int:
         AT.DECODE_TILES, AT.MAX_SPLITS = shipped
         best = min(row["configs"], key=lambda c: c["us"])
         first = row["configs"][0]
-        print(f"batch {batch} ctx {ctx}: KV {kv_bytes / 1e6:.0f} MB; shipped {first['us']:.1f} us "
+        print(f"batch {batch} ctx {ctx}: KV {kv_bytes / 1e6:.0f} MB; shipped {ship(batch)} "
+              f"{first['us']:.1f} us "
               f"{first['GBps']:.0f} GB/s ({first['pct_copy']:.0f}% of copy); best "
               f"{best['tiles']} splits {best['max_splits']} {best['us']:.1f} us "
               f"{best['GBps']:.0f} GB/s ({best['pct_copy']:.0f}%), max |diff| "

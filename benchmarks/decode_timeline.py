@@ -159,12 +159,14 @@ def main() -> int:
         from moeserve.layers import attention_triton as AT
 
         if args.decode_attention:
-            *AT.DECODE_TILES, AT.MAX_SPLITS = args.decode_attention
-            AT.DECODE_TILES = tuple(AT.DECODE_TILES)
+            AT.DECODE_TILES = ((1 << 62, tuple(args.decode_attention[:3])),)
+            AT.MAX_SPLITS = args.decode_attention[3]
         res = timeline(args.batch, args.ctx, args.more_batches)
-        res["decode_attention"] = [*AT.DECODE_TILES, AT.MAX_SPLITS]
+        res["decode_attention"] = ([*args.decode_attention] if args.decode_attention
+                                   else "shipped")
         res["pdl"] = os.environ.get("MOESERVE_PDL", "1")
-        tag = "-".join(map(str, res["decode_attention"]))
+        tag = ("-".join(map(str, args.decode_attention)) if args.decode_attention
+               else "shipped")
         (out / f"timeline_pdl{res['pdl']}_attn{tag}.json").write_text(json.dumps(res, indent=1))
         print(table(res), flush=True)
         return 0

@@ -35,13 +35,25 @@ if TYPE_CHECKING:
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-# (BLOCK_N, num_warps, num_stages) of the decode partial kernel, and MAX_SPLITS above: the
-# best on the geometric mean over batch x context 1 x 8192, 1 x 32768, 8 x 8192, 32 x 8192,
-# 64 x 4096, 256 x 2048 (H200, 2026-11-22, benchmarks/bench_decode_attention.py; at most 10%
-# from each case's best). Before, (64, 4, 2) and 32 splits: 20-72% of the copy rate on the
-# KV bytes (1 x 32768: 80.3 us, now 27.3; 32 x 8192: 215.6 us, now 133.6).
-DECODE_TILES = (128, 4, 2)
+MAX_SPLITS = 32
+# (largest batch, (BLOCK_N, num_warps, num_stages)) of the decode partial kernel: the first
+# entry whose bound holds the batch wins (a decode graph is captured per batch bucket, so
+# the config may follow the batch, not the lengths). H200, 2026-11-22: the kernel alone by
+# benchmarks/bench_decode_attention.py (1 x 32768 tokens: 80.3 us at the former (64, 4, 2),
+# 36.8 at (64, 4, 3); 32 x 8192: 215.6, 138.4 at (128, 4, 2)) and the decode step by
+# benchmarks/decode_timeline.py (ms, graph replays, (64, 4, 2) -> (64, 4, 3): context 512
+# batch 1 2.576 -> 2.603, batch 8 8.205 -> 8.185; context 8192 batch 1 3.493 -> 2.982, batch 8
+# 11.393 -> 10.014; (128, 4, 2): context 8192 batch 32 25.756 -> 21.621, context 512 batch 64
+# 19.325 -> 19.084, but batch 1 2.576 -> 2.770). More splits than 32 bought nothing in the
+# step and cost 0.08 ms at batch 1 with a short context.
+DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
+    (8, (64, 4, 3)),
+    (1 << 62, (128, 4, 2)),
+)
+
+
+def decode_tiles(batch_size: int) -> tuple[int, int, int]:
+    return next(t for bound, t in DECODE_TILES if batch_size <= bound)
 # (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
 # first entry whose bound holds the step's longest extend wins; and whether the key blocks
 # before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
@@ -152,6 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             po, pl = meta.part_o, meta.part_lse
+            block_n, warps, stages = decode_tiles(bs)
             pdl = pdl_args(q_TND.device)
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
@@ -160,8 +173,7 @@ class TritonAttentionBackend(AttentionBackend):
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                 scale, window, meta.splits,
                 GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_N=DECODE_TILES[0], IEEE=ieee, num_warps=DECODE_TILES[1],
-                num_stages=DECODE_TILES[2], **pdl)
+                BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages, **pdl)
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
