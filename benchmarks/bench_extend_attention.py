@@ -28,7 +28,9 @@ from moeserve.layers import attention_triton as AT  # noqa: E402
 
 HEADS, KV_HEADS, D = 32, 4, 128
 CASES = {"prompt 1024": [(0, 1024)], "prompt 4096": [(0, 4096)], "prompt 8192": [(0, 8192)],
-         "2048 after a prefix of 2048": [(2048, 2048)], "8 prompts of 512": [(0, 512)] * 8}
+         "2048 after a prefix of 2048": [(2048, 2048)], "8 prompts of 512": [(0, 512)] * 8,
+         "8192 after a prefix of 24576": [(24576, 8192)],
+         "2 x (4096 after 4096)": [(4096, 4096)] * 2}
 CONFIGS = [c for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4),
                                         (False, True))]
 
@@ -94,10 +96,40 @@ def sdpa_ms(s: dict, reqs) -> float | None:
                                                           enable_gqa=True))
 
 
+def varlen(s: dict, reqs) -> tuple[float, float] | None:
+    """torch.nn.attention.varlen.varlen_attn (flash, causal aligned to the last key) on each
+    request's prefix and new keys gathered into one packed K/V: (ms with the gather, max |diff|
+    against the shipped kernel's output); None where this torch lacks it or its GQA."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if "enable_gqa" not in inspect.signature(varlen_attn).parameters:
+        return None
+    dev = s["q"].device
+    keys = torch.cat([s["table"][b, :p + t].long() for b, (p, t) in enumerate(reqs)])
+    cu_q = torch.tensor([0] + [t for _, t in reqs], device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [p + t for p, t in reqs], device=dev).cumsum(0).to(torch.int32)
+    max_q, max_k = max(t for _, t in reqs), max(p + t for p, t in reqs)
+
+    def run_varlen() -> torch.Tensor:
+        k, v = s["k"].index_select(0, keys), s["v"].index_select(0, keys)
+        return varlen_attn(s["q"], k, v, cu_q, cu_k, max_q, max_k, scale=D ** -0.5,
+                           window_size=(-1, 0), enable_gqa=True)
+
+    diff = float((run_varlen().float() - run(s, None, None).float()).abs().max())
+    return time_ms(run_varlen), diff
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="extend_out")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="the shipped config, SDPA and varlen_attn; no sweep")
     args = p.parse_args()
+
     dev = torch.device("cuda")
     results = []
     for name, reqs in CASES.items():
@@ -106,10 +138,15 @@ def main() -> int:
         ref = run(s, *shipped)
         tf = flops(reqs) / 1e12
         base = sdpa_ms(s, reqs)
-        row = {"case": name, "tflop": tf, "sdpa_ms": base, "configs": []}
+        vl = varlen(s, reqs)
+        row = {"case": name, "tflop": tf, "sdpa_ms": base, "varlen_ms": vl and vl[0],
+               "varlen_max_abs_diff": vl and vl[1], "configs": []}
         print(f"{name}: shipped {shipped}; SDPA "
-              + (f"{base:.3f} ms ({tf / base * 1e3:.0f} TFLOP/s)" if base else "-"), flush=True)
-        for *tiles, split in CONFIGS:
+              + (f"{base:.3f} ms ({tf / base * 1e3:.0f} TFLOP/s)" if base else "-")
+              + "; varlen_attn with its gather "
+              + (f"{vl[0]:.3f} ms ({tf / vl[0] * 1e3:.0f} TFLOP/s, max |diff| {vl[1]:.2g})"
+                 if vl else "-"), flush=True)
+        for *tiles, split in ([(*shipped[0], shipped[1])] if args.baselines_only else CONFIGS):
             try:
                 out = run(s, tuple(tiles), split)
                 err = float((out.float() - ref.float()).abs().max())
