@@ -116,8 +116,10 @@ def decode_partial_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     base_o = PartO + b.to(tl.int64) * stride_ob + split * stride_os
+    # a split past the keys (a short request in a graph of many splits) writes only its lse:
+    # the combine reads no output of a split whose lse is -inf
     tl.store(base_o + heads[:, None] * stride_oh + offs_d[None, :], out,
-             mask=g_mask[:, None] & d_mask[None, :])
+             mask=g_mask[:, None] & d_mask[None, :] & (end > start))
     tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
@@ -138,8 +140,9 @@ def decode_combine_kernel(
                   other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
+    live = s_mask & (lse > float("-inf"))  # splits that saw keys
     o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
-                + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+                + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0)
     tl.store(Out + b * stride_xt + h * stride_xh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_mask)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 # (largest batch, (BLOCK_N, num_warps, num_stages)) of the decode partial kernel: the first
 # entry whose bound holds the batch wins (a decode graph is captured per batch bucket, so
 # the config may follow the batch, not the lengths). H200, 2026-11-22: the kernel alone by
@@ -44,8 +44,10 @@ MAX_SPLITS = 32
 # benchmarks/decode_timeline.py (ms, graph replays, (64, 4, 2) -> (64, 4, 3): context 512
 # batch 1 2.576 -> 2.603, batch 8 8.205 -> 8.185; context 8192 batch 1 3.493 -> 2.982, batch 8
 # 11.393 -> 10.014; (128, 4, 2): context 8192 batch 32 25.756 -> 21.621, context 512 batch 64
-# 19.325 -> 19.084, but batch 1 2.576 -> 2.770). More splits than 32 bought nothing in the
-# step and cost 0.08 ms at batch 1 with a short context.
+# 19.325 -> 19.084, but batch 1 2.576 -> 2.770). MAX_SPLITS 64 (only batches of 1-2 reach
+# past 32): since the combine skips the splits that saw no keys, context 512 batch 1 2.577 ->
+# 2.590 ms, context 32768 batch 1 3.993 -> 3.606 (before that skip, 64 splits cost 0.08 ms at
+# context 512).
 DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
     (8, (64, 4, 3)),
     (1 << 62, (128, 4, 2)),
