@@ -114,8 +114,11 @@ class _StepMeta:
             self.max_extend = max(lens, default=0)
             # (first row, tokens) of each request when the step goes through SDPA, else None
             self.sdpa: Optional[list[tuple[int, int]]] = None
+            # flash-class kernels take head dims of multiples of 8 up to 256; others would
+            # fall to SDPA's math path, whose [T, T] scores a long prompt cannot afford
+            d = q.shape[-1]
             if (dev.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
-                    and self.max_extend >= SDPA_MIN_EXTEND
+                    and d % 8 == 0 and d <= 256 and self.max_extend >= SDPA_MIN_EXTEND
                     and not any(fb.extend_prefix_lens_cpu)):
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
