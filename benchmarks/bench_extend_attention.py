@@ -123,12 +123,50 @@ def varlen(s: dict, reqs) -> tuple[float, float] | None:
     return time_ms(run_varlen), diff
 
 
+def first_calls(lengths: list[int]) -> None:
+    """SDPA's first call at each new prompt length against its second, per backend (a
+    serving engine sees a new length with most prompts): ms, CUDA events."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    for name, backend in (("default", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION)):
+        firsts, seconds = [], []
+        for t in lengths:
+            q = torch.randn(1, HEADS, t, D, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(1, KV_HEADS, t, D, device=dev, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+
+            def call() -> float:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                if backend is None:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                else:
+                    with sdpa_kernel(backend):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b)
+
+            firsts.append(call())
+            seconds.append(statistics.median([call() for _ in range(5)]))
+        print(f"SDPA {name}: first call at a new length ms {[round(x, 2) for x in firsts]}; "
+              f"later calls {[round(x, 3) for x in seconds]}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="extend_out")
     p.add_argument("--baselines-only", action="store_true",
                    help="the shipped config, SDPA and varlen_attn; no sweep")
+    p.add_argument("--first-calls", type=int, nargs="*",
+                   help="only time SDPA's first call at each of these prompt lengths")
     args = p.parse_args()
+    if args.first_calls:
+        first_calls(args.first_calls)
+        return 0
 
     dev = torch.device("cuda")
     results = []

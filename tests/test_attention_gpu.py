@@ -97,6 +97,27 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     assert calls == []
 
 
+def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
+    """The startup runs SDPA once at each length a fresh prompt can be padded to (cuDNN builds
+    a plan per length), and none for a backend config that never takes SDPA."""
+    import moeserve.layers.attention_triton as AT
+
+    seen = []
+    real = AT.F.scaled_dot_product_attention
+    monkeypatch.setattr(AT.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: (seen.append(q.shape[2]), real(q, *a, **k))[1])
+    backend = create_attention_backend("triton")
+    layer = PagedAttention(0, 32, 4, 128, 128 ** -0.5, backend)
+    top = AT.SDPA_MIN_EXTEND + 3 * AT.SDPA_BUCKET + 5
+    lengths = backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
+    want = [AT.SDPA_MIN_EXTEND + i * AT.SDPA_BUCKET for i in range(5)]
+    assert lengths == want and seen == want
+    assert backend.warm_up(layer, AT.SDPA_MIN_EXTEND - 1, torch.bfloat16,
+                           torch.device("cuda")) == []
+    assert backend.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
+    assert seen == want
+
+
 def test_triton_decode_replays_in_a_cuda_graph():
     """Captured once for a bucket of 8 rows with short lengths, replayed with longer lengths,
     5 real rows and 3 padded rows (request row 0, slot 0): the real rows match torch."""

@@ -41,6 +41,12 @@ class AttentionBackend(ABC):
                 fb: ForwardBatch) -> torch.Tensor:
         """Attention output [T, N, D] of the new tokens, whose K/V are already in the pool."""
 
+    def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
+                device: torch.device) -> list[int]:
+        """Whatever the backend builds per shape, built once at startup for extends of up to
+        max_extend tokens (not during the first requests). Returns the lengths run."""
+        return []
+
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 

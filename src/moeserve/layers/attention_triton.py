@@ -77,6 +77,15 @@ EXTEND_SPLIT = True
 # temporaries (the gathered K/V, SDPA's output) are activations of the step, like the
 # projections' outputs, outside the static budget.
 SDPA_MIN_EXTEND = 2048
+# torch's cuDNN attention builds a plan per sequence length, ~45 ms the first time a length is
+# seen (H200, bench_extend_attention.py --first-calls), so a request's length is padded up to a
+# multiple of this many tokens, and the startup builds every such length (warm_up). Padded
+# queries come last: under the causal mask no real query sees a padded key.
+SDPA_BUCKET = 256
+
+
+def sdpa_length(n: int) -> int:
+    return -(-n // SDPA_BUCKET) * SDPA_BUCKET
 
 
 def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
@@ -92,6 +101,14 @@ def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
 
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether fresh prompts may go through SDPA: a GPU, half precision, and a head dim that
+    its flash-class kernels take (multiples of 8 up to 256; others would fall to its math
+    path, whose [T, T] scores a long prompt cannot afford)."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim % 8 == 0 and head_dim <= 256)
 
 
 class _StepMeta:
@@ -114,11 +131,7 @@ class _StepMeta:
             self.max_extend = max(lens, default=0)
             # (first row, tokens) of each request when the step goes through SDPA, else None
             self.sdpa: Optional[list[tuple[int, int]]] = None
-            # flash-class kernels take head dims of multiples of 8 up to 256; others would
-            # fall to SDPA's math path, whose [T, T] scores a long prompt cannot afford
-            d = q.shape[-1]
-            if (dev.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
-                    and d % 8 == 0 and d <= 256 and self.max_extend >= SDPA_MIN_EXTEND
+            if (_sdpa_takes(dev, q.dtype, q.shape[-1]) and self.max_extend >= SDPA_MIN_EXTEND
                     and not any(fb.extend_prefix_lens_cpu)):
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
@@ -130,6 +143,21 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
         self._num_sms: dict[torch.device, int] = {}
+
+    def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
+                device: torch.device) -> list[int]:
+        """SDPA once at every padded length a fresh prompt of up to max_extend tokens can take
+        (cuDNN builds each length's plan on its first call)."""
+        if (not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window
+                or max_extend < SDPA_MIN_EXTEND):
+            return []
+        lengths = list(range(sdpa_length(SDPA_MIN_EXTEND), sdpa_length(max_extend) + 1,
+                             SDPA_BUCKET))
+        for t in lengths:
+            q = torch.zeros(t, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(t, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+            _sdpa(q, kv, kv, layer.scaling)
+        return lengths
 
     def _step_meta(self, q: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
                    ) -> _StepMeta:
@@ -208,15 +236,26 @@ def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                requests: list[tuple[int, int]], scaling: float) -> None:
     """Causal attention of requests without a cached prefix through torch's SDPA: request
     (s, n) has query rows [s, s + n) and, as keys, exactly those tokens, in the slots
-    out_cache_loc[s:s + n] (already written)."""
+    out_cache_loc[s:s + n] (already written). Each runs at its length padded to SDPA_BUCKET
+    (zero queries, copies of the last key)."""
     for s, n in requests:
+        t = sdpa_length(n)
         loc = out_cache_loc[s:s + n]
-        k = k_cache.index_select(0, loc).transpose(0, 1)[None]  # [1, K, n, D]
-        v = v_cache.index_select(0, loc).transpose(0, 1)[None]
-        q = q_TND[s:s + n].transpose(0, 1)[None]  # [1, N, n, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                           enable_gqa=True)
-        out_TND[s:s + n].copy_(o[0].transpose(0, 1))
+        q = q_TND[s:s + n]
+        if t > n:
+            loc = torch.cat((loc, loc[-1:].expand(t - n)))
+            q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
+        o = _sdpa(q, k_cache.index_select(0, loc), v_cache.index_select(0, loc), scaling)
+        out_TND[s:s + n].copy_(o[:n])
+
+
+def _sdpa(q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+          scaling: float) -> torch.Tensor:
+    """Causal GQA attention of one request's [T, heads, D] tensors -> [T, N, D] (a view)."""
+    o = F.scaled_dot_product_attention(q_TND.transpose(0, 1)[None], k_TKD.transpose(0, 1)[None],
+                                       v_TKD.transpose(0, 1)[None], is_causal=True,
+                                       scale=scaling, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def launch_extend(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

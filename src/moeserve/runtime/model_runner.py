@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.layers.attention import PagedAttention
 from moeserve.moe.experts.base import Experts
 from moeserve.models.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
@@ -76,6 +77,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_experts()
             self.warm_up_prefill()
+            self.warm_up_attention()
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
             cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
         self.prefill_graphs: Optional[PrefillGraphRunner] = PrefillGraphRunner.create(
@@ -93,6 +95,21 @@ class ModelRunner:
         for m in takers:
             m.use_workspace(ws)
         return ws
+
+    @torch.inference_mode()
+    def warm_up_attention(self) -> list[int]:
+        """The attention backend's per-shape builds for extends of up to the plan's extend
+        budget (AttentionBackend.warm_up). Returns the lengths run."""
+        layer = next((m for m in self.model.modules() if isinstance(m, PagedAttention)), None)
+        if layer is None or self.plan.budget is None:
+            return []
+        t0 = time.perf_counter()
+        lengths = layer.backend.warm_up(layer, self.plan.budget.extend,
+                                        self.kv_pool.kv_LSKD.dtype, self.device)
+        if lengths:
+            log.info("attention warmed up for %d extend lengths (%d-%d) in %.1f s",
+                     len(lengths), lengths[0], lengths[-1], time.perf_counter() - t0)
+        return lengths
 
     @torch.inference_mode()
     def warm_up_experts(self) -> dict[tuple[int, int, int], list[int]]:
