@@ -163,9 +163,25 @@ def main() -> int:
                    help="the shipped config, SDPA and varlen_attn; no sweep")
     p.add_argument("--first-calls", type=int, nargs="*",
                    help="only time SDPA's first call at each of these prompt lengths")
+    p.add_argument("--warm-up", type=int, nargs="*", metavar="MAX_EXTEND",
+                   help="only time the backend's startup warm-up for these extend budgets")
     args = p.parse_args()
     if args.first_calls:
         first_calls(args.first_calls)
+        return 0
+    if args.warm_up:
+        import time
+
+        from moeserve.layers.attention import PagedAttention, create_attention_backend
+
+        for top in args.warm_up:
+            backend = create_attention_backend("triton")
+            layer = PagedAttention(0, HEADS, KV_HEADS, D, D ** -0.5, backend)
+            t0 = time.perf_counter()
+            lengths = backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
+            torch.cuda.synchronize()
+            print(f"warm-up for extends of up to {top} tokens: {len(lengths)} lengths in "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
         return 0
 
     dev = torch.device("cuda")

@@ -116,6 +116,10 @@ def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
                            torch.device("cuda")) == []
     assert backend.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
     assert seen == want
+    seen.clear()  # past SDPA_MAX_EXTEND only the lengths up to it (longer ones take the kernel)
+    monkeypatch.setattr(AT, "SDPA_MAX_EXTEND", AT.SDPA_MIN_EXTEND + AT.SDPA_BUCKET)
+    assert backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda")) == want[:2]
+    assert seen == want[:2]
 
 
 def test_triton_decode_replays_in_a_cuda_graph():

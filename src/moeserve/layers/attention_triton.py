@@ -82,6 +82,9 @@ SDPA_MIN_EXTEND = 2048
 # multiple of this many tokens, and the startup builds every such length (warm_up). Padded
 # queries come last: under the causal mask no real query sees a padded key.
 SDPA_BUCKET = 256
+# ... and only up to this many tokens (the startup builds (SDPA_MAX_EXTEND - SDPA_MIN_EXTEND)
+# / SDPA_BUCKET + 1 = 57 plans at most): longer extends take the extend kernel
+SDPA_MAX_EXTEND = 16384
 
 
 def sdpa_length(n: int) -> int:
@@ -131,7 +134,8 @@ class _StepMeta:
             self.max_extend = max(lens, default=0)
             # (first row, tokens) of each request when the step goes through SDPA, else None
             self.sdpa: Optional[list[tuple[int, int]]] = None
-            if (_sdpa_takes(dev, q.dtype, q.shape[-1]) and self.max_extend >= SDPA_MIN_EXTEND
+            if (_sdpa_takes(dev, q.dtype, q.shape[-1])
+                    and SDPA_MIN_EXTEND <= self.max_extend <= SDPA_MAX_EXTEND
                     and not any(fb.extend_prefix_lens_cpu)):
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
@@ -151,8 +155,8 @@ class TritonAttentionBackend(AttentionBackend):
         if (not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window
                 or max_extend < SDPA_MIN_EXTEND):
             return []
-        lengths = list(range(sdpa_length(SDPA_MIN_EXTEND), sdpa_length(max_extend) + 1,
-                             SDPA_BUCKET))
+        top = sdpa_length(min(max_extend, SDPA_MAX_EXTEND))
+        lengths = list(range(sdpa_length(SDPA_MIN_EXTEND), top + 1, SDPA_BUCKET))
         for t in lengths:
             q = torch.zeros(t, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
             kv = torch.zeros(t, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
