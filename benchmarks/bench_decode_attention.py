@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_common import ceilings  # noqa: E402
-from moeserve.layers import attention_triton as AT  # noqa: E402
+from moeserve.layers import attention_tiles as TL  # noqa: E402
 from moeserve.layers.attention import PagedAttention, create_attention_backend  # noqa: E402
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool  # noqa: E402
@@ -77,9 +77,8 @@ def main() -> int:
     dev = torch.device("cuda")
     ceil = ceilings()
     copy_gbs = ceil["copy_GBps"]
-    shipped = (AT.DECODE_TILES, AT.MAX_SPLITS)
+    shipped = (TL.DECODE_TILES, TL.MAX_SPLITS)
     print(f"copy ceiling {copy_gbs:.0f} GB/s; shipped {shipped}", flush=True)
-    ship = lambda b: (*AT.decode_tiles(b), AT.MAX_SPLITS)  # noqa: E731
     results = []
     for batch, ctx in CASES:
         pool, fb, q = setup(batch, ctx, dev)
@@ -87,9 +86,10 @@ def main() -> int:
         kv_bytes = batch * (ctx + 1) * KV_HEADS * D * 2 * 2
         row = {"batch": batch, "ctx": ctx, "kv_MB": kv_bytes / 1e6, "configs": []}
         ref = None
-        for block_n, warps, stages, splits in [ship(batch)] + CONFIGS:
-            AT.DECODE_TILES = ((1 << 62, (block_n, warps, stages)),)
-            AT.MAX_SPLITS = splits
+        ship = (*TL.decode_tiles(batch), TL.MAX_SPLITS)
+        for block_n, warps, stages, splits in [ship] + CONFIGS:
+            TL.DECODE_TILES = ((1 << 62, (block_n, warps, stages)),)
+            TL.MAX_SPLITS = splits
             backend = create_attention_backend("triton")  # fresh split buffers per config
             layer.backend = backend
             try:
@@ -103,10 +103,10 @@ def main() -> int:
                                    "us": us, "GBps": kv_bytes / us / 1e3,
                                    "pct_copy": kv_bytes / us / 1e3 / copy_gbs * 100,
                                    "max_abs_diff": float((out.float() - ref.float()).abs().max())})
-        AT.DECODE_TILES, AT.MAX_SPLITS = shipped
+        TL.DECODE_TILES, TL.MAX_SPLITS = shipped
         best = min(row["configs"], key=lambda c: c["us"])
         first = row["configs"][0]
-        print(f"batch {batch} ctx {ctx}: KV {kv_bytes / 1e6:.0f} MB; shipped {ship(batch)} "
+        print(f"batch {batch} ctx {ctx}: KV {kv_bytes / 1e6:.0f} MB; shipped {ship} "
               f"{first['us']:.1f} us "
               f"{first['GBps']:.0f} GB/s ({first['pct_copy']:.0f}% of copy); best "
               f"{best['tiles']} splits {best['max_splits']} {best['us']:.1f} us "

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from moeserve.layers import attention_tiles as TL  # noqa: E402
 from moeserve.layers import attention_triton as AT  # noqa: E402
 
 HEADS, KV_HEADS, D = 32, 4, 128
@@ -188,7 +189,7 @@ def main() -> int:
     results = []
     for name, reqs in CASES.items():
         s = setup(reqs, dev)
-        shipped = (AT.extend_tiles(s["max_ext"]), AT.EXTEND_SPLIT)
+        shipped = (TL.extend_tiles(s["max_ext"]), TL.EXTEND_SPLIT)
         ref = run(s, *shipped)
         tf = flops(reqs) / 1e12
         base = sdpa_ms(s, reqs)
@@ -220,8 +221,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_extend_attention.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(dev), "shipped": AT.EXTEND_TILES,
-         "split": AT.EXTEND_SPLIT, "cases": results},
+        {"device": torch.cuda.get_device_name(dev), "shipped": TL.EXTEND_TILES,
+         "split": TL.EXTEND_SPLIT, "cases": results},
         indent=1))
     return 0
 

@@ -122,8 +122,9 @@ def replay_only_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> float:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"PDL {res['pdl']}, decode attention {res['decode_attention']}: step {res['step_ms']:.3f} ms (events around the runner's "
-             f"forward), graph replays back to back {res['replay_ms']:.3f} ms; "
+    lines = [f"PDL {res['pdl']}, decode attention {res['decode_attention']}: step "
+             f"{res['step_ms']:.3f} ms (events around the runner's forward), graph replays "
+             f"back to back {res['replay_ms']:.3f} ms; "
              f"{res['kernels']} kernels, first start to last end {res['span_us'] / 1e3:.3f} ms",
              f"host: graph launch {res['launch_us']:.0f} us, whole decode forward "
              f"{res['forward_us']:.0f} us (no synchronisation inside)",
@@ -156,11 +157,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        from moeserve.layers import attention_triton as AT
+        from moeserve.layers import attention_tiles as TL
 
         if args.decode_attention:
-            AT.DECODE_TILES = ((1 << 62, tuple(args.decode_attention[:3])),)
-            AT.MAX_SPLITS = args.decode_attention[3]
+            TL.DECODE_TILES = ((1 << 62, tuple(args.decode_attention[:3])),)
+            TL.MAX_SPLITS = args.decode_attention[3]
         res = timeline(args.batch, args.ctx, args.more_batches)
         res["decode_attention"] = ([*args.decode_attention] if args.decode_attention
                                    else "shipped")

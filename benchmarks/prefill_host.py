@@ -4,10 +4,9 @@ request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
     PYTHONPATH=src python benchmarks/prefill_host.py --out DIR [--tokens 256 4096]
 
 For each size: the host time of the model's forward call (its launches, and every wait for
-the device inside it), the device time of the same forward (CUDA events) and its kernels by device time, the same
-two for
-a replay of the prefill graphs (runtime/prefill_graph.py) where a captured size holds it,
-and the eager forward
+the device inside it), the device time of the same forward (CUDA events; also its first call)
+and its kernels by device time, the same two for a replay of the prefill graphs
+(runtime/prefill_graph.py) where a captured size holds it, and the eager forward
 under torch.profiler: the CUDA runtime calls that make the host wait for the device
 (synchronisations, copies to the host) with their counts per forward, the host ops that
 take the most time, and the Python functions that do (cProfile).
@@ -160,17 +159,17 @@ def main() -> int:
                    help="fresh prompts of at least this many tokens go through SDPA "
                         "(default: the shipped threshold; a huge value: never)")
     args = p.parse_args()
-    from moeserve.layers import attention_triton
+    from moeserve.layers import attention_tiles
 
     if args.extend_tiles:
-        attention_triton.EXTEND_TILES = ((1 << 62, tuple(args.extend_tiles)),)
+        attention_tiles.EXTEND_TILES = ((1 << 62, tuple(args.extend_tiles)),)
     if args.no_extend_split:
-        attention_triton.EXTEND_SPLIT = False
+        attention_tiles.EXTEND_SPLIT = False
     if args.sdpa_min_extend is not None:
-        attention_triton.SDPA_MIN_EXTEND = args.sdpa_min_extend
-    print(f"extend attention: tiles {attention_triton.EXTEND_TILES}, "
-          f"split {attention_triton.EXTEND_SPLIT}, SDPA from "
-          f"{attention_triton.SDPA_MIN_EXTEND} tokens", flush=True)
+        attention_tiles.SDPA_MIN_EXTEND = args.sdpa_min_extend
+    print(f"extend attention: tiles {attention_tiles.EXTEND_TILES}, "
+          f"split {attention_tiles.EXTEND_SPLIT}, SDPA from "
+          f"{attention_tiles.SDPA_MIN_EXTEND} tokens", flush=True)
     from moeserve.runtime.engine import Engine
 
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
@@ -191,8 +190,8 @@ def main() -> int:
                   f"{r['graph_vs_eager_max_abs_logit_diff']:.3g} of max |logit| "
                   f"{r['eager_max_abs_logit']:.3g}, same argmax: {r['graph_same_argmax']}")
         print(f"prefill of {r['tokens']} tokens, eager: host {r['host_ms']:.2f} ms, device "
-              f"{r['device_ms']:.2f} ms (first call {r['first_call_device_ms']:.2f}); experts touched per layer "
-              f"{r['experts_touched_per_layer']:.1f}; waits: " + ", ".join(
+              f"{r['device_ms']:.2f} ms (first call {r['first_call_device_ms']:.2f}); experts "
+              f"touched per layer {r['experts_touched_per_layer']:.1f}; waits: " + ", ".join(
                   f"{k} x{v['calls']} ({v['ms']:.2f} ms)" for k, v in r["waits"].items()))
         print("  kernels by device time (one eager forward, under the profiler):")
         for o in r["top_kernels"]:

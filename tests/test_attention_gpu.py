@@ -75,18 +75,19 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     """The first extend (no request has a cached prefix) goes through SDPA: with the
     threshold lowered to 1 token for short prompts, and at the shipped threshold for a long
     one. The chunk after a prefix and the decode steps take the kernels."""
+    import moeserve.layers.attention_tiles as TL
     import moeserve.layers.attention_triton as AT
 
     calls = []
     real = AT.sdpa_fresh
     monkeypatch.setattr(AT, "sdpa_fresh", lambda *a: (calls.append(a[5]), real(*a)))
-    long = AT.SDPA_MIN_EXTEND + 40
+    long = TL.SDPA_MIN_EXTEND + 40
     errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None, [long + 20, 300],
                       [long, 290])
     assert max(errors) < TOL[torch.bfloat16], errors
     assert calls == [[(0, long), (long, 290)]]
     calls.clear()
-    monkeypatch.setattr(AT, "SDPA_MIN_EXTEND", 1)
+    monkeypatch.setattr(TL, "SDPA_MIN_EXTEND", 1)
     errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None,
                       [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
     assert max(errors) < TOL[torch.bfloat16], errors
@@ -100,6 +101,7 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
 def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
     """The startup runs SDPA once at each length a fresh prompt can be padded to (cuDNN builds
     a plan per length), and none for a backend config that never takes SDPA."""
+    import moeserve.layers.attention_tiles as TL
     import moeserve.layers.attention_triton as AT
 
     seen = []
@@ -108,16 +110,16 @@ def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
                         lambda q, *a, **k: (seen.append(q.shape[2]), real(q, *a, **k))[1])
     backend = create_attention_backend("triton")
     layer = PagedAttention(0, 32, 4, 128, 128 ** -0.5, backend)
-    top = AT.SDPA_MIN_EXTEND + 3 * AT.SDPA_BUCKET + 5
+    top = TL.SDPA_MIN_EXTEND + 3 * TL.SDPA_BUCKET + 5
     lengths = backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
-    want = [AT.SDPA_MIN_EXTEND + i * AT.SDPA_BUCKET for i in range(5)]
+    want = [TL.SDPA_MIN_EXTEND + i * TL.SDPA_BUCKET for i in range(5)]
     assert lengths == want and seen == want
-    assert backend.warm_up(layer, AT.SDPA_MIN_EXTEND - 1, torch.bfloat16,
+    assert backend.warm_up(layer, TL.SDPA_MIN_EXTEND - 1, torch.bfloat16,
                            torch.device("cuda")) == []
     assert backend.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
     assert seen == want
     seen.clear()  # past SDPA_MAX_EXTEND only the lengths up to it (longer ones take the kernel)
-    monkeypatch.setattr(AT, "SDPA_MAX_EXTEND", AT.SDPA_MIN_EXTEND + AT.SDPA_BUCKET)
+    monkeypatch.setattr(TL, "SDPA_MAX_EXTEND", TL.SDPA_MIN_EXTEND + TL.SDPA_BUCKET)
     assert backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda")) == want[:2]
     assert seen == want[:2]
 

@@ -11,9 +11,11 @@ length from device tensors, and launch a grid fixed by the batch size: decode is
 graph-capturable as it is.
 
 One exception: long prompts without a cached prefix. Their keys are only their new tokens,
-so the gather is small against the quadratic work, and SDPA's flash kernel is faster there
-than the extend kernel (SDPA_MIN_EXTEND). The prefill graphs run attention eagerly, so this
-choice is made per step, on the host's lengths.
+so the gather is small against the quadratic work, and SDPA (cuDNN's flash kernel) is faster
+there than the extend kernel. Each runs at its length padded to a bucket, and the startup
+builds cuDNN's plan for every bucket (warm_up), so that no request pays for a build. The
+prefill graphs run attention eagerly, so this choice is made per step, on the host's
+lengths. The tiles and these thresholds are in attention_tiles.py.
 
 Per-step metadata (query offsets of an extend, the split buffers of a decode) is computed once
 per ForwardBatch and shared by the layers (the backend is one object for the whole model).
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 import torch.nn.functional as F
 
+from moeserve.layers import attention_tiles as T
 from moeserve.layers.attention import AttentionBackend, register_attention_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -35,73 +38,6 @@ if TYPE_CHECKING:
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-# (largest batch, (BLOCK_N, num_warps, num_stages)) of the decode partial kernel: the first
-# entry whose bound holds the batch wins (a decode graph is captured per batch bucket, so
-# the config may follow the batch, not the lengths). H200, 2026-11-22: the kernel alone by
-# benchmarks/bench_decode_attention.py (1 x 32768 tokens: 80.3 us at the former (64, 4, 2),
-# 36.8 at (64, 4, 3); 32 x 8192: 215.6, 138.4 at (128, 4, 2)) and the decode step by
-# benchmarks/decode_timeline.py (ms, graph replays, (64, 4, 2) -> (64, 4, 3): context 512
-# batch 1 2.576 -> 2.603, batch 8 8.205 -> 8.185; context 8192 batch 1 3.493 -> 2.982, batch 8
-# 11.393 -> 10.014; (128, 4, 2): context 8192 batch 32 25.756 -> 21.621, context 512 batch 64
-# 19.325 -> 19.084, but batch 1 2.576 -> 2.770). MAX_SPLITS 64 (only batches of 1-2 reach
-# past 32): since the combine skips the splits that saw no keys, context 512 batch 1 2.577 ->
-# 2.590 ms, context 32768 batch 1 3.993 -> 3.606 (before that skip, 64 splits cost 0.08 ms at
-# context 512).
-DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
-    (8, (64, 4, 3)),
-    (1 << 62, (128, 4, 2)),
-)
-
-
-def decode_tiles(batch_size: int) -> tuple[int, int, int]:
-    return next(t for bound, t in DECODE_TILES if batch_size <= bound)
-# (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
-# first entry whose bound holds the step's longest extend wins; and whether the key blocks
-# before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
-# (benchmarks/bench_extend_attention.py, Qwen3-30B-A3B heads, bf16): 1024-token prompt best
-# at (64, 64, 4, 2) 0.077 ms; 4096: (128, 64, 4, 4) 0.490 against 0.527 ms at (64, 64, 4, 2);
-# 8192: 1.578 against 1.663; 2048 after 2048: 0.355 against 0.365. The split alone: 4096
-# 0.660 -> 0.527 ms, 8192 2.101 -> 1.663.
-EXTEND_TILES: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
-    (1024, (64, 64, 4, 2)),
-    (1 << 62, (128, 64, 4, 4)),
-)
-EXTEND_SPLIT = True
-# A step whose requests all start fresh (no cached prefix) and whose longest extend has at
-# least this many tokens (bf16/fp16, no window) runs torch's SDPA on each request instead:
-# its keys are exactly its new tokens, gathered from their slots (2 T K D elements, small
-# against the T^2 work), and SDPA's flash kernel outruns the extend kernel on long prompts
-# (H200, bench_extend_attention.py: 4096 tokens 0.295 against 0.506 ms, 8192 0.922 against
-# 1.576; at 1024 0.062 against 0.083 before the gather and the output copy). Its
-# temporaries (the gathered K/V, SDPA's output) are activations of the step, like the
-# projections' outputs, outside the static budget.
-SDPA_MIN_EXTEND = 2048
-# torch's cuDNN attention builds a plan per sequence length, ~45 ms the first time a length is
-# seen (H200, bench_extend_attention.py --first-calls), so a request's length is padded up to a
-# multiple of this many tokens, and the startup builds every such length (warm_up). Padded
-# queries come last: under the causal mask no real query sees a padded key.
-SDPA_BUCKET = 256
-# ... and only up to this many tokens (the startup builds (SDPA_MAX_EXTEND - SDPA_MIN_EXTEND)
-# / SDPA_BUCKET + 1 = 57 plans at most): longer extends take the extend kernel
-SDPA_MAX_EXTEND = 16384
-
-
-def sdpa_length(n: int) -> int:
-    return -(-n // SDPA_BUCKET) * SDPA_BUCKET
-
-
-def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
-    return next(t for bound, t in EXTEND_TILES if max_extend <= bound)
-
-
-def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
-    """Splits of each request's keys: enough programs to fill the GPU twice over, from the
-    batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device)."""
-    want = -(-2 * num_sms // max(1, batch_size * kv_heads))
-    return max(1, min(MAX_SPLITS, want))
-
-
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(1, n) - 1).bit_length())
 
@@ -122,7 +58,7 @@ class _StepMeta:
         dev = q.device
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
-            self.splits = decode_num_splits(bs, num_kv_heads, num_sms)
+            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms)
             self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32, device=dev)
             self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32, device=dev)
         else:
@@ -135,7 +71,7 @@ class _StepMeta:
             # (first row, tokens) of each request when the step goes through SDPA, else None
             self.sdpa: Optional[list[tuple[int, int]]] = None
             if (_sdpa_takes(dev, q.dtype, q.shape[-1])
-                    and SDPA_MIN_EXTEND <= self.max_extend <= SDPA_MAX_EXTEND
+                    and T.SDPA_MIN_EXTEND <= self.max_extend <= T.SDPA_MAX_EXTEND
                     and not any(fb.extend_prefix_lens_cpu)):
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
@@ -153,10 +89,10 @@ class TritonAttentionBackend(AttentionBackend):
         """SDPA once at every padded length a fresh prompt of up to max_extend tokens can take
         (cuDNN builds each length's plan on its first call)."""
         if (not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window
-                or max_extend < SDPA_MIN_EXTEND):
+                or max_extend < T.SDPA_MIN_EXTEND):
             return []
-        top = sdpa_length(min(max_extend, SDPA_MAX_EXTEND))
-        lengths = list(range(sdpa_length(SDPA_MIN_EXTEND), top + 1, SDPA_BUCKET))
+        top = T.sdpa_length(min(max_extend, T.SDPA_MAX_EXTEND))
+        lengths = list(range(T.sdpa_length(T.SDPA_MIN_EXTEND), top + 1, T.SDPA_BUCKET))
         for t in lengths:
             q = torch.zeros(t, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
             kv = torch.zeros(t, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
@@ -201,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             po, pl = meta.part_o, meta.part_lse
-            block_n, warps, stages = decode_tiles(bs)
+            block_n, warps, stages = T.decode_tiles(bs)
             pdl = pdl_args(q_TND.device)
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
@@ -214,7 +150,7 @@ class TritonAttentionBackend(AttentionBackend):
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(MAX_SPLITS, 2), num_warps=4,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
                 **pdl)
             return out_TND
         if meta.max_extend == 0:
@@ -231,8 +167,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 def describe() -> dict[str, Any]:
     """Tile constants, for benchmark reports."""
-    return {"decode_tiles": DECODE_TILES, "max_splits": MAX_SPLITS,
-            "extend_tiles": EXTEND_TILES, "extend_split": EXTEND_SPLIT}
+    return {"decode_tiles": T.DECODE_TILES, "max_splits": T.MAX_SPLITS,
+            "extend_tiles": T.EXTEND_TILES, "extend_split": T.EXTEND_SPLIT}
 
 
 def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -240,10 +176,10 @@ def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                requests: list[tuple[int, int]], scaling: float) -> None:
     """Causal attention of requests without a cached prefix through torch's SDPA: request
     (s, n) has query rows [s, s + n) and, as keys, exactly those tokens, in the slots
-    out_cache_loc[s:s + n] (already written). Each runs at its length padded to SDPA_BUCKET
-    (zero queries, copies of the last key)."""
+    out_cache_loc[s:s + n] (already written). Each runs at its length padded to
+    attention_tiles.SDPA_BUCKET (zero queries, copies of the last key)."""
     for s, n in requests:
-        t = sdpa_length(n)
+        t = T.sdpa_length(n)
         loc = out_cache_loc[s:s + n]
         q = q_TND[s:s + n]
         if t > n:
@@ -273,11 +209,11 @@ def launch_extend(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (benchmarks/bench_extend_attention.py measures the alternatives)."""
     from moeserve.layers import attention_kernels as K
 
-    block_m, block_n, warps, stages = tiles or extend_tiles(max_extend)
+    block_m, block_n, warps, stages = tiles or T.extend_tiles(max_extend)
     d = q_TND.shape[2]
     block_d = _pow2(d)
     if split is None:
-        split = EXTEND_SPLIT
+        split = T.EXTEND_SPLIT
     split = split and window >= NO_WINDOW and block_d == d
     grid = (rows.shape[0], q_TND.shape[1], math.ceil(max_extend / block_m))
     K.extend_kernel[grid](

@@ -1,0 +1,75 @@
+"""The triton attention backend's choices, by measurement: the kernels' tiles, the decode
+splits, and which extends go through torch's SDPA (pure Python: attention_triton.py reads these
+at call time, so tools and tests may set them).
+
+Measured on an H200, 2026-11-22, Qwen3-30B-A3B's heads (32 query, 4 KV, head dim 128), bf16;
+the tables and the step timings are in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+MAX_SPLITS = 64  # splits of a decode request's keys at most
+# (largest batch, (BLOCK_N, num_warps, num_stages)) of the decode partial kernel: the first
+# entry whose bound holds the batch wins (a decode graph is captured per batch bucket, so
+# the config may follow the batch, not the lengths). H200, 2026-11-22: the kernel alone by
+# benchmarks/bench_decode_attention.py (1 x 32768 tokens: 80.3 us at the former (64, 4, 2),
+# 36.8 at (64, 4, 3); 32 x 8192: 215.6, 138.4 at (128, 4, 2)) and the decode step by
+# benchmarks/decode_timeline.py (ms, graph replays, (64, 4, 2) -> (64, 4, 3): context 512
+# batch 1 2.576 -> 2.603, batch 8 8.205 -> 8.185; context 8192 batch 1 3.493 -> 2.982, batch 8
+# 11.393 -> 10.014; (128, 4, 2): context 8192 batch 32 25.756 -> 21.621, context 512 batch 64
+# 19.325 -> 19.084, but batch 1 2.576 -> 2.770). MAX_SPLITS 64 (only batches of 1-2 reach
+# past 32): since the combine skips the splits that saw no keys, context 512 batch 1 2.577 ->
+# 2.590 ms, context 32768 batch 1 3.993 -> 3.606 (before that skip, 64 splits cost 0.08 ms at
+# context 512).
+DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
+    (8, (64, 4, 3)),
+    (1 << 62, (128, 4, 2)),
+)
+# (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
+# first entry whose bound holds the step's longest extend wins; and whether the key blocks
+# before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22
+# (benchmarks/bench_extend_attention.py, Qwen3-30B-A3B heads, bf16): 1024-token prompt best
+# at (64, 64, 4, 2) 0.077 ms; 4096: (128, 64, 4, 4) 0.490 against 0.527 ms at (64, 64, 4, 2);
+# 8192: 1.578 against 1.663; 2048 after 2048: 0.355 against 0.365. The split alone: 4096
+# 0.660 -> 0.527 ms, 8192 2.101 -> 1.663.
+EXTEND_TILES: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
+    (1024, (64, 64, 4, 2)),
+    (1 << 62, (128, 64, 4, 4)),
+)
+EXTEND_SPLIT = True
+# A step whose requests all start fresh (no cached prefix) and whose longest extend has at
+# least this many tokens (bf16/fp16, no window) runs torch's SDPA on each request instead:
+# its keys are exactly its new tokens, gathered from their slots (2 T K D elements, small
+# against the T^2 work), and SDPA (cuDNN's flash kernel) outruns the extend kernel on long prompts
+# (H200, bench_extend_attention.py: 4096 tokens 0.295 against 0.506 ms, 8192 0.922 against
+# 1.576; at 1024 0.062 against 0.083 before the gather and the output copy). Its
+# temporaries (the gathered K/V, SDPA's output) are activations of the step, like the
+# projections' outputs, outside the static budget.
+SDPA_MIN_EXTEND = 2048
+# torch's cuDNN attention builds a plan per sequence length, ~45 ms the first time a length is
+# seen (H200, bench_extend_attention.py --first-calls), so a request's length is padded up to a
+# multiple of this many tokens, and the startup builds every such length (warm_up). Padded
+# queries come last: under the causal mask no real query sees a padded key.
+SDPA_BUCKET = 256
+# ... and only up to this many tokens (the startup builds (SDPA_MAX_EXTEND - SDPA_MIN_EXTEND)
+# / SDPA_BUCKET + 1 = 57 plans at most): longer extends take the extend kernel
+SDPA_MAX_EXTEND = 16384
+
+
+def sdpa_length(n: int) -> int:
+    return -(-n // SDPA_BUCKET) * SDPA_BUCKET
+
+
+def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
+    return next(t for bound, t in EXTEND_TILES if max_extend <= bound)
+
+
+def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
+    """Splits of each request's keys: enough programs to fill the GPU twice over, from the
+    batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device)."""
+    want = -(-2 * num_sms // max(1, batch_size * kv_heads))
+    return max(1, min(MAX_SPLITS, want))
+
+
+def decode_tiles(batch_size: int) -> tuple[int, int, int]:
+    return next(t for bound, t in DECODE_TILES if batch_size <= bound)
