@@ -1,0 +1,32 @@
+"""The attention backend's measured choices (layers/attention_tiles.py): every size finds its
+tiles, SDPA's padded lengths and the decode splits keep their contracts (CPU, no Triton)."""
+
+from __future__ import annotations
+
+from hypothesis import given, strategies as st
+
+from moeserve.layers import attention_tiles as TL
+
+
+def test_tile_tables_cover_every_size_in_ascending_bounds():
+    for table in (TL.EXTEND_TILES, TL.DECODE_TILES):
+        bounds = [b for b, _ in table]
+        assert bounds == sorted(bounds) and bounds[-1] >= 1 << 40
+    assert TL.extend_tiles(1) == TL.EXTEND_TILES[0][1]
+    assert TL.extend_tiles(TL.EXTEND_TILES[0][0] + 1) == TL.EXTEND_TILES[1][1]
+    assert TL.decode_tiles(1) == TL.DECODE_TILES[0][1]
+    assert TL.decode_tiles(TL.DECODE_TILES[0][0] + 1) == TL.DECODE_TILES[1][1]
+    assert TL.SDPA_MIN_EXTEND % TL.SDPA_BUCKET == 0 and TL.SDPA_MIN_EXTEND <= TL.SDPA_MAX_EXTEND
+
+
+@given(st.integers(1, 1 << 20))
+def test_sdpa_pads_a_length_to_the_next_bucket(n):
+    t = TL.sdpa_length(n)
+    assert t % TL.SDPA_BUCKET == 0 and n <= t < n + TL.SDPA_BUCKET
+
+
+@given(st.integers(1, 4096), st.integers(1, 16), st.integers(1, 264))
+def test_decode_splits_stay_in_range_and_fall_as_the_batch_grows(batch, kv_heads, sms):
+    splits = TL.decode_num_splits(batch, kv_heads, sms)
+    assert 1 <= splits <= TL.MAX_SPLITS
+    assert TL.decode_num_splits(batch + 1, kv_heads, sms) <= splits
