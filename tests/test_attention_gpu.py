@@ -14,6 +14,7 @@ import torch
 from moeserve.layers.attention import PagedAttention, create_attention_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
+from spies import spy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -78,9 +79,7 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     import moeserve.layers.attention_tiles as TL
     import moeserve.layers.attention_triton as AT
 
-    calls = []
-    real = AT.sdpa_fresh
-    monkeypatch.setattr(AT, "sdpa_fresh", lambda *a: (calls.append(a[5]), real(*a)))
+    calls = spy(monkeypatch, AT, "sdpa_fresh", lambda *a: a[5])
     long = TL.SDPA_MIN_EXTEND + 40
     errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None, [long + 20, 300],
                       [long, 290])
@@ -104,10 +103,7 @@ def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
     import moeserve.layers.attention_tiles as TL
     import moeserve.layers.attention_triton as AT
 
-    seen = []
-    real = AT.F.scaled_dot_product_attention
-    monkeypatch.setattr(AT.F, "scaled_dot_product_attention",
-                        lambda q, *a, **k: (seen.append(q.shape[2]), real(q, *a, **k))[1])
+    seen = spy(monkeypatch, AT.F, "scaled_dot_product_attention", lambda q, *a: q.shape[2])
     backend = create_attention_backend("triton")
     layer = PagedAttention(0, 32, 4, 128, 128 ** -0.5, backend)
     top = TL.SDPA_MIN_EXTEND + 3 * TL.SDPA_BUCKET + 5

@@ -30,3 +30,18 @@ def test_decode_splits_stay_in_range_and_fall_as_the_batch_grows(batch, kv_heads
     splits = TL.decode_num_splits(batch, kv_heads, sms)
     assert 1 <= splits <= TL.MAX_SPLITS
     assert TL.decode_num_splits(batch + 1, kv_heads, sms) <= splits
+
+
+def test_the_spy_records_each_call_and_keeps_the_result(monkeypatch):
+    """tests/spies.py, which the GPU tests use to count graph replays and SDPA calls."""
+    import spies
+
+    class Runner:
+        def replay(self, batch, size):
+            return batch * size
+
+    seen = spies.spy(monkeypatch, Runner, "replay", lambda self, batch, size: size)
+    assert [Runner().replay(2, 3), Runner().replay(5, 7)] == [6, 35] and seen == [3, 7]
+    seen_tiles = spies.spy(monkeypatch, TL, "sdpa_length", lambda n: n)
+    n = TL.SDPA_BUCKET + 1
+    assert TL.sdpa_length(n) == 2 * TL.SDPA_BUCKET and seen_tiles == [n]

@@ -16,6 +16,7 @@ from moeserve.runtime.cuda_graph import (DecodeGraphBuffers, DecodeGraphRunner, 
                                          graph_blockers)
 from moeserve.runtime.forward_batch import ForwardMode
 from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
+from spies import spy
 
 
 def test_bucket_is_the_smallest_that_holds_the_largest_dp_rank():
@@ -115,14 +116,7 @@ def test_disable_cuda_graph_leaves_no_buckets_and_cpu_models_are_refused():
 def test_cuda_graph_and_overlap_decode_give_the_eager_tokens(monkeypatch):
     from moeserve.runtime.engine import Engine
 
-    buckets: list[int] = []
-    replay = DecodeGraphRunner.replay
-
-    def counted(self, batch, bs):
-        buckets.append(bs)
-        return replay(self, batch, bs)
-
-    monkeypatch.setattr(DecodeGraphRunner, "replay", counted)
+    buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
     rng = random.Random(7)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 4, 17)]
     params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}

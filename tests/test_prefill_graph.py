@@ -14,6 +14,7 @@ from moeserve.models.spec import load_model_spec
 from moeserve.parallel.groups import single_process_state
 from moeserve.plan.capacity import build_plan
 from moeserve.runtime.prefill_graph import PrefillGraphRunner, choose_size
+from spies import spy
 
 
 def test_size_is_the_smallest_that_holds_the_largest_dp_rank():
@@ -92,14 +93,7 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(monkeypatch, runner):
     alone: the same greedy tokens and logprobs as eager prefills (fp32)."""
     from moeserve.runtime.engine import Engine
 
-    sizes: list[int] = []
-    replay = PrefillGraphRunner.replay
-
-    def counted(self, fb, size):
-        sizes.append(size)
-        return replay(self, fb, size)
-
-    monkeypatch.setattr(PrefillGraphRunner, "replay", counted)
+    sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
     rng = random.Random(3)
     shared = [rng.randrange(512) for _ in range(40)]
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 150, 17)]

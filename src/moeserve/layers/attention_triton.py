@@ -24,7 +24,7 @@ per ForwardBatch and shared by the layers (the backend is one object for the who
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -163,12 +163,6 @@ class TritonAttentionBackend(AttentionBackend):
                       fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts,
                       meta.max_extend, group, scale, window)
         return out_TND
-
-
-def describe() -> dict[str, Any]:
-    """Tile constants, for benchmark reports."""
-    return {"decode_tiles": T.DECODE_TILES, "max_splits": T.MAX_SPLITS,
-            "extend_tiles": T.EXTEND_TILES, "extend_split": T.EXTEND_SPLIT}
 
 
 def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
