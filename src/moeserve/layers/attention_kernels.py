@@ -10,9 +10,10 @@ consecutive slots) and needs no per-step page table.
 decode   one query token per request. Flash-decoding: program (b, kv head, split) scores the G
          query heads of one KV head against its split of the keys (one tl.dot of [G, D] x
          [D, BLOCK_N] per block, so each K/V row is read once for the whole group), and writes
-         a partial output with its log-sum-exp; a second kernel combines the S partials. The
-         grid depends only on (B, K, S): lengths are read from device tensors inside the
-         kernel, so a CUDA graph captured for a bucket of B serves any lengths.
+         a partial output with its log-sum-exp; a second kernel combines the S partials
+         (program (b, head, block of BLOCK_D dims): latent attention's 512-dim rows take
+         several). The grid depends only on (B, K, S): lengths are read from device tensors
+         inside the kernel, so a CUDA graph captured for a bucket of B serves any lengths.
 extend   new tokens after a cached prefix. Program (b, head, block of BLOCK_M new tokens) runs
          an online softmax over positions [window start, last query of the block], causal.
          Without a window (SPLIT), the key blocks wholly before the block's first query take
@@ -133,7 +134,7 @@ def decode_combine_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # a third grid axis: D blocks
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,

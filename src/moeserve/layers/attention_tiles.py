@@ -73,3 +73,19 @@ def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
 
 def decode_tiles(batch_size: int) -> tuple[int, int, int]:
     return next(t for bound, t in DECODE_TILES if batch_size <= bound)
+
+
+# Latent attention (MLA, mla_triton.py). A program's rows are BLOCK_T tokens x BLOCK_H heads
+# (a tl.dot takes 16 rows at least). Decode: (BLOCK_H, BLOCK_T, BLOCK_N, num_warps,
+# num_stages), one token a request, 16 heads a program (heads past N are masked rows).
+MLA_DECODE_TILES = (16, 1, 32, 4, 2)
+MLA_EXTEND_ROWS = 32  # rows of an extend program: up to 16 heads, the rest tokens
+MLA_EXTEND_TILES = (32, 4, 2)  # (BLOCK_N, num_warps, num_stages) of the extend kernel
+MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
+
+
+def mla_extend_tiles(heads: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_H, BLOCK_T, BLOCK_N, num_warps, num_stages) of the extend kernel for `heads`
+    local heads."""
+    block_h = min(16, 1 << (max(1, heads) - 1).bit_length())
+    return (block_h, MLA_EXTEND_ROWS // block_h) + MLA_EXTEND_TILES

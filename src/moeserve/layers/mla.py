@@ -28,7 +28,8 @@ Backends follow the attention backend contract (AttentionBackend.forward(q, laye
 q = [q_nope | q_pe] per head and an output of V dims per head. "torch" is the reference: per
 request it expands the cached latents through kv_b_proj and computes causal softmax attention
 in fp32; it serves extend after a cached prefix and decode alike. It does not absorb kv_b_proj
-into q and o for decode (the GPU optimisation that keeps decode in the latent space).
+into q and o, and reads host lengths (no CUDA graph). "triton" (mla_triton.py, the GPU default)
+absorbs it and attends in the latent space: every head reads the cached rows themselves.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def mla_backend_for(backend: AttentionBackend) -> AttentionBackend:
     """The MLA backend of the same name as `backend` (the one --attention-backend chose)."""
     name = next((n for n, cls in ATTENTION_BACKENDS.items() if type(backend) is cls),
                 type(backend).__name__)
+    if name == "triton":  # imported here: CPU-only installs never import the GPU backend
+        import moeserve.layers.mla_triton  # noqa: F401  (registers it)
     if name not in MLA_BACKENDS:
         raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) implementation; "
                          f"MLA backends: {', '.join(sorted(MLA_BACKENDS))}: pass "

@@ -74,7 +74,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
 
     from moeserve.runtime.devices import resolve_backends
 
-    auto_attention, auto_experts = resolve_backends(cfg, state.device, mla=spec.mla is not None)
+    auto_attention, auto_experts = resolve_backends(cfg, state.device)
     attention_backend = attention_backend or auto_attention
     experts = experts or auto_experts
     cls = model_class(spec.architecture)

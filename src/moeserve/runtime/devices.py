@@ -35,15 +35,14 @@ def runtime_config(cfg: EngineConfig) -> EngineConfig:
     return cfg
 
 
-def resolve_backends(cfg: EngineConfig, device: torch.device, *, mla: bool = False
-                     ) -> tuple[str, str]:
+def resolve_backends(cfg: EngineConfig, device: torch.device) -> tuple[str, str]:
     """(attention backend, expert runner) for a rank on `device`: the fast GPU ones on CUDA
-    when asked for "auto", the portable torch ones on a CPU. Latent attention (`mla`,
-    DeepSeek) has only the torch backend, which runs on GPUs too."""
+    when asked for "auto", the portable torch ones on a CPU. DeepSeek's latent attention has
+    both too, under the same names (layers/mla.py)."""
     gpu = device.type == "cuda"
     attention = cfg.attention_backend
     if attention == "auto":
-        attention = "triton" if gpu and not mla else "torch"
+        attention = "triton" if gpu else "torch"
     experts = cfg.moe_runner_backend
     if experts == "auto":
         experts = "triton" if gpu else "reference"

@@ -1,0 +1,181 @@
+"""DeepSeek's latent attention (MLA) on one GPU: the "triton" backend (absorbed, graph-capturable)
+against the "torch" reference backend, at DeepSeek-V2-Lite's dims (16 heads, latent 512, rope
+64, nope 128, values 128), bf16.
+
+    PYTHONPATH=src python benchmarks/bench_mla.py --out DIR [--parts attention,e2e]
+
+Parts, each in its own process:
+  attention  one layer's attention (backend.forward: the absorbing GEMMs, the kernels, the
+             output GEMM), random latent cache:
+             decode at batch x context: triton as CUDA-graph replays (20 calls per graph),
+             torch eagerly; GB/s on the bytes a step must read (the requests' cached rows,
+             (C + R) x 2 bytes each, plus kv_b_proj's weight), beside the copy bandwidth
+             measured in the same run;
+             extend (prompts, and a chunk after a cached prefix): ms and TFLOP/s on the
+             absorbed form's FLOPs (per visible (query, key) pair and head 2 (2C + R)).
+  e2e        DeepSeek-V2-Lite with dummy bf16 weights through the Engine, decode step ms at
+             batch 1, 8, 64 over --ctx cached tokens (bench_e2e.decode_timing: events around
+             the runner's forward, median of steady steps): triton with decode graphs, triton
+             eagerly, and the torch backend (eager: it reads host lengths); and the time to
+             first token of one --prompt-token prompt (Engine.generate, 1 new token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODEL = "preset:deepseek-v2-lite"
+N, C, R, P, V = 16, 512, 64, 128, 128
+
+
+def _setup(batch: int, ctx_new: list[tuple[int, int]], mode: Any, page_size: int = 1):
+    """(layer, triton backend, torch backend, pool, fb, q) for requests of (prefix, new) tokens
+    with a random latent cache."""
+    from moeserve.layers.attention import create_attention_backend
+    from moeserve.layers.mla import mla_backend_for
+    from moeserve.models.spec import MLASpec
+    from moeserve.runtime.forward_batch import prepare_batch
+    from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    total = sum(a + b for a, b in ctx_new)
+    pool = MLAKVCachePool(1, total + 2 * len(ctx_new) * page_size + 64, C, R, dtype, dev,
+                          page_size)
+    pool.kv_LSW.normal_(0, 0.5)
+    rows = ReqToTokenPool(batch + 1, max(a + b for a, b in ctx_new) + 8, dev)
+    req_rows = [rows.alloc() for _ in ctx_new]
+    for row, (prefix, _) in zip(req_rows, ctx_new):
+        if prefix:
+            rows.write(row, 0, pool.alloc(prefix))
+    fb = prepare_batch(mode, [[0] * b for _, b in ctx_new], [a for a, _ in ctx_new], req_rows,
+                       rows, pool)
+    w = torch.randn(N * (P + V), C, device=dev, dtype=dtype) * C ** -0.5
+    layer = SimpleNamespace(mla=MLASpec(None, C, P, R, V), heads_local=N, layer_id=0,
+                            kv_b_proj=SimpleNamespace(weight=w), scaling=(P + R) ** -0.5)
+    q = torch.randn(fb.input_ids.shape[0], N, P + R, device=dev, dtype=dtype)
+    return (layer, mla_backend_for(create_attention_backend("triton")),
+            mla_backend_for(create_attention_backend("torch")), fb, q)
+
+
+def part_attention(args: argparse.Namespace) -> dict[str, Any]:
+    from moe_common import capture, ceilings, time_us
+    from moeserve.runtime.forward_batch import ForwardMode
+
+    out: dict[str, Any] = {**ceilings(), "device": torch.cuda.get_device_name(),
+                           "decode": [], "extend": []}
+    w_bytes = N * (P + V) * C * 2
+    for ctx in args.ctx_list:
+        for b in args.batches:
+            layer, fast, ref, fb, q = _setup(b, [(ctx, 1)] * b, ForwardMode.DECODE)
+            calls = 20
+            replay = capture(lambda: [fast.forward(q, layer, fb) for _ in range(calls)])
+            fast_us = time_us(replay) / calls
+            ref_us = time_us(lambda: ref.forward(q, layer, fb), reps=5, warmup=1)
+            got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            nbytes = b * (ctx + 1) * (C + R) * 2 + w_bytes
+            row = {"batch": b, "ctx": ctx, "triton_us": fast_us, "torch_us": ref_us,
+                   "bytes": nbytes, "GBps": nbytes / fast_us / 1e3,
+                   "floor_us": nbytes / out["copy_GBps"] / 1e3, "rel_err": err}
+            out["decode"].append(row)
+            print(json.dumps(row), flush=True)
+            del layer, fast, ref, fb, q
+    for prefix, new in args.extends:
+        layer, fast, ref, fb, q = _setup(1, [(prefix, new)], ForwardMode.EXTEND)
+        fast_us = time_us(lambda: fast.forward(q, layer, fb), reps=10)
+        ref_us = time_us(lambda: ref.forward(q, layer, fb), reps=3, warmup=1)
+        got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        pairs = new * prefix + new * (new + 1) // 2
+        flops = pairs * N * 2 * (2 * C + R)
+        row = {"prefix": prefix, "new": new, "triton_us": fast_us, "torch_us": ref_us,
+               "TFLOPs": flops / fast_us / 1e6, "rel_err": err}
+        out["extend"].append(row)
+        print(json.dumps(row), flush=True)
+        del layer, fast, ref, fb, q
+        torch.cuda.empty_cache()
+    return out
+
+
+def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    from bench_e2e import decode_timing
+    from moeserve.runtime.engine import Engine
+
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend}
+    t0 = time.perf_counter()
+    engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                    attention_backend=args.backend, context_length=max(args.ctx,
+                                                                       args.prompt_tokens) + 64,
+                    max_running_requests=max(args.batches))
+    out["startup_s"] = time.perf_counter() - t0
+    runner = engine._thread._args[0].runner
+    runner.kv_pool.kv_LSW.normal_(0, 0.5)  # random cached latents
+    out["graphs"] = bool(runner.graphs)
+    modes = [("graphs", True), ("eager", False)] if runner.graphs else [("eager", False)]
+    for name, graphs in modes:
+        for b in args.batches:
+            steps = 30 if graphs or args.backend == "triton" else 5
+            ms = decode_timing(runner, b, args.ctx, graphs, steps)
+            out[f"decode_{name}_ms_{b}"] = ms
+            print(f"{args.backend} {name} decode batch {b}: {ms:.3f} ms/step", flush=True)
+    prompt = [[(7 * i) % 1000 + 5 for i in range(args.prompt_tokens)]]
+    params = [{"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}]
+    times = []
+    for _ in range(4):
+        t = time.perf_counter()
+        res = engine.generate(input_ids=prompt, sampling_params=params)
+        times.append(time.perf_counter() - t)
+        assert res[0]["error"] is None, res
+    out["ttft_ms"] = sorted(times[1:])[1] * 1e3  # median of the last three
+    print(f"{args.backend} one {args.prompt_tokens}-token prompt: {out['ttft_ms']:.1f} ms",
+          flush=True)
+    engine.shutdown()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="mla_out")
+    p.add_argument("--parts", default="attention,e2e")
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="triton", help=argparse.SUPPRESS)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--ctx", type=int, default=512, help="cached tokens of the e2e decode")
+    p.add_argument("--ctx-list", type=int, nargs="+", default=[512, 4096],
+                   help="contexts of the attention part's decode")
+    p.add_argument("--extends", type=lambda s: tuple(map(int, s.split(":"))), nargs="+",
+                   default=[(0, 1024), (0, 4096), (3072, 1024)], metavar="PREFIX:NEW")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    args = p.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.part:
+        fn = {"attention": part_attention, "e2e": part_e2e}[args.part]
+        (out_dir / f"{args.part}-{args.backend}.json").write_text(json.dumps(fn(args), indent=1))
+        return 0
+    rc = 0
+    jobs = []
+    for part in args.parts.split(","):
+        jobs += [(part, b) for b in (("triton", "torch") if part == "e2e" else ("triton",))]
+    for part, backend in jobs:
+        cmd = [sys.executable, __file__, "--part", part, "--backend", backend,
+               *sys.argv[1:]]
+        print("$", " ".join(cmd[1:]), flush=True)
+        rc |= subprocess.run(cmd, env=os.environ).returncode
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Triton kernels for latent attention (MLA) over the paged latent cache, in the absorbed form
+(imported only on the GPU path and by the interpreter tests).
+
+Legend: B requests, T new tokens, N query heads (local), C kv_lora_rank, R rope dims.
+
+With kv_b_proj's key half absorbed into the query (q_lat = q_nope @ W_UK, [T, N, C]) and its
+value half applied after attention (o = o_lat @ W_UV^T), every head attends over the same
+cached rows [latent (C) | k_pe (R)]: multi-query attention with keys of C + R dims and values
+of C dims, the values being the keys' first C dims. So each cached row is read once for all
+the heads a program holds, and nothing is expanded per head.
+
+    score(row r, key s) = q_lat[r] . latent[s] + q_pe[r] . k_pe[s]     (two tl.dots)
+    o_lat[r]           = softmax over s of the scores @ latent
+
+A program's rows are (token, head) pairs, token-major: BLOCK_T tokens x BLOCK_H heads. A key
+is read through the request table (slot = req_to_token[row, position]) as in
+attention_kernels.py, so any page size works and every length comes from device tensors.
+
+decode   one token per request; program (b, head block, split) writes a partial output and
+         its log-sum-exp per row, and attention_kernels.decode_combine_kernel combines the
+         splits. The grid depends only on (B, heads, splits): graph-capturable.
+extend   program (b, head block, block of BLOCK_T new tokens), causal over [0, last query of
+         the block]; the key blocks wholly before the block's first query take no mask.
+
+Softmax in base 2 with the scale folded into log2(e) * scaling, as in attention_kernels.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moeserve.layers.attention_kernels import NEG_INIT, _dot
+from moeserve.layers.pdl import pdl_gate
+
+
+@triton.jit
+def _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt, stride_cs, k_pos, n_mask,
+                   visible, offs_c, c_mask, offs_r, r_mask, m_i, l_i, acc, scale_log2,
+                   KV_RANK: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one block of cached rows (positions k_pos of request-table row `row`) into the
+    online softmax of the program's rows. MASKED=False: every key is in range and visible to
+    every row (n_mask and visible are not read)."""
+    if MASKED:
+        slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
+        lat = tl.load(Cache + slot[:, None] * stride_cs + offs_c[None, :],
+                      mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+        pe = tl.load(Cache + slot[:, None] * stride_cs + KV_RANK + offs_r[None, :],
+                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    else:
+        slot = tl.load(ReqToToken + row * stride_rt + k_pos).to(tl.int64)
+        lat = tl.load(Cache + slot[:, None] * stride_cs + offs_c[None, :],
+                      mask=c_mask[None, :], other=0.0)
+        pe = tl.load(Cache + slot[:, None] * stride_cs + KV_RANK + offs_r[None, :],
+                     mask=r_mask[None, :], other=0.0)
+    qk = (_dot(q_lat, tl.trans(lat), IEEE) + _dot(q_pe, tl.trans(pe), IEEE)) * scale_log2
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(lat.dtype), lat, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_queries(QL, QR, tok, heads, rows_mask, offs_c, c_mask, offs_r, r_mask,
+                  stride_lt, stride_lh, stride_pt, stride_ph, dtype):
+    """The rows' absorbed queries [rows, BLOCK_C] and rope queries [rows, BLOCK_R]."""
+    q_lat = tl.load(QL + tok[:, None] * stride_lt + heads[:, None] * stride_lh + offs_c[None, :],
+                    mask=rows_mask[:, None] & c_mask[None, :], other=0.0)
+    q_pe = tl.load(QR + tok[:, None] * stride_pt + heads[:, None] * stride_ph + offs_r[None, :],
+                   mask=rows_mask[:, None] & r_mask[None, :], other=0.0)
+    return q_lat.to(dtype), q_pe.to(dtype)
+
+
+@triton.jit
+def mla_decode_kernel(
+        QL, QR, Cache, ReqToToken, ReqRows, SeqLens, PartO, PartLse,
+        stride_lt, stride_lh, stride_pt, stride_ph, stride_cs, stride_rt,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh2,
+        scale_log2, num_heads, num_splits,
+        KV_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
+    b = tl.program_id(0)
+    hblk = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqRows + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    c_mask = offs_c < KV_RANK
+    r_mask = offs_r < ROPE
+    tok = tl.full([BLOCK_H], 0, tl.int64) + b.to(tl.int64)
+    q_lat, q_pe = _load_queries(QL, QR, tok, heads, h_mask, offs_c, c_mask, offs_r, r_mask,
+                                stride_lt, stride_lh, stride_pt, stride_ph,
+                                Cache.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        m_i, l_i, acc = _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt,
+                                       stride_cs, pos, n_mask, n_mask[None, :], offs_c, c_mask,
+                                       offs_r, r_mask, m_i, l_i, acc, scale_log2,
+                                       KV_RANK, IEEE, True)
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    base_o = PartO + b.to(tl.int64) * stride_ob + split * stride_os
+    # a split past the keys writes only its lse (-inf): the combine reads none of its output
+    tl.store(base_o + heads[:, None] * stride_oh + offs_c[None, :], out,
+             mask=h_mask[:, None] & c_mask[None, :] & (end > start))
+    tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh2 + split, lse,
+             mask=h_mask)
+
+
+@triton.jit
+def mla_extend_kernel(
+        QL, QR, Cache, Out, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
+        stride_lt, stride_lh, stride_pt, stride_ph, stride_cs, stride_rt,
+        stride_xt, stride_xh, scale_log2, num_heads,
+        KV_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    hblk = tl.program_id(1)
+    tblk = tl.program_id(2)
+    ext = tl.load(ExtendLens + b).to(tl.int32)
+    if tblk * BLOCK_T >= ext:
+        return
+    prefix = tl.load(PrefixLens + b).to(tl.int32)
+    q0 = tl.load(QStarts + b).to(tl.int64)
+    row = tl.load(ReqRows + b).to(tl.int64)
+
+    # rows: (token, head) pairs, token-major
+    offs_row = tl.arange(0, BLOCK_T * BLOCK_H)
+    t_in = tblk * BLOCK_T + offs_row // BLOCK_H
+    heads = hblk * BLOCK_H + offs_row % BLOCK_H
+    rows_mask = (t_in < ext) & (heads < num_heads)
+    tok = q0 + t_in
+    q_pos = prefix + t_in
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    c_mask = offs_c < KV_RANK
+    r_mask = offs_r < ROPE
+    q_lat, q_pe = _load_queries(QL, QR, tok, heads, rows_mask, offs_c, c_mask, offs_r, r_mask,
+                                stride_lt, stride_lh, stride_pt, stride_ph,
+                                Cache.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_T * BLOCK_H], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_C], tl.float32)
+    first = (prefix + tblk * BLOCK_T) // BLOCK_N * BLOCK_N  # keys before it: seen by every row
+    for n0 in range(0, first, BLOCK_N):
+        m_i, l_i, acc = _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt,
+                                       stride_cs, n0 + offs_n, None, None, offs_c, c_mask,
+                                       offs_r, r_mask, m_i, l_i, acc, scale_log2,
+                                       KV_RANK, IEEE, False)
+    hi = tl.minimum(prefix + (tblk + 1) * BLOCK_T, prefix + ext)
+    for n0 in range(first, hi, BLOCK_N):
+        k_pos = n0 + offs_n
+        n_mask = k_pos < hi
+        visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt,
+                                       stride_cs, k_pos, n_mask, visible, offs_c, c_mask,
+                                       offs_r, r_mask, m_i, l_i, acc, scale_log2,
+                                       KV_RANK, IEEE, True)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + tok[:, None] * stride_xt + heads[:, None] * stride_xh + offs_c[None, :],
+             out.to(Out.dtype.element_ty), mask=rows_mask[:, None] & c_mask[None, :])

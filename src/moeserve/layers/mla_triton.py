@@ -1,0 +1,127 @@
+"""The "triton" latent attention (MLA) backend: DeepSeek's attention on the GPU, absorbed
+(kernels in mla_kernels.py; imported on first use, so CPU-only installs never import Triton).
+
+Legend as in mla.py: T new tokens, N local heads, C kv_lora_rank, R rope dims, P nope dims,
+V value dims; W = kv_b_proj's weight viewed [N, P + V, C], W_UK = W[:, :P], W_UV = W[:, P:].
+
+    q_lat_NTC = q_nope_NTP @ W_UK            one batched GEMM over the heads (torch.bmm)
+    o_lat     = attention over the cached [latent | k_pe] rows (the kernels)
+    o_NTV     = o_lat_NTC @ W_UV^T           one batched GEMM over the heads
+
+Why absorbed for both modes: the cache holds only the latent rows, so the torch backend's way
+(expand every cached row through kv_b_proj for every head, each step) moves N (P + V) / (C + R)
+times the cache's bytes and a [S, N, P + V] copy per request. Absorbed, each cached row is
+read once per program and feeds all its heads; decode reads C + R values per cached token,
+the least any exact method can. Extend computes (C + R + C) / (P + R + V) times the FLOPs of
+the expanded form (DeepSeek-V2-Lite: 3.4x), which long prompts pay; it needs no [S, N, P + V]
+copy, serves a cached prefix as it serves new tokens, and is exact.
+
+Decode reads every length from device tensors and launches a grid fixed by the batch size:
+graph-capturable (runtime/cuda_graph.py). Extend sizes its grid from the step's longest
+extend (host lengths), as the GQA backend does; prefill graphs do not cut latent attention
+out (runtime/prefill_graph.py), so prompts run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+import torch
+
+from moeserve.layers import attention_tiles as T
+from moeserve.layers.attention import AttentionBackend
+from moeserve.layers.attention_triton import LOG2E, _pow2
+from moeserve.layers.mla import register_mla_backend
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from moeserve.layers.mla import MLAttention
+
+
+class _StepMeta:
+    """What every layer of one forward shares: the split count of a decode, the query offsets
+    and longest extend of an extend."""
+
+    def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int, num_sms: int):
+        self.fb = fb
+        if fb.mode is ForwardMode.DECODE:
+            self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms)
+        else:
+            lens = fb.extend_seq_lens_cpu
+            starts = [0]
+            for e in lens[:-1]:
+                starts.append(starts[-1] + e)
+            self.q_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+            self.max_extend = max(lens, default=0)
+
+
+@register_mla_backend("triton")
+class TritonMLABackend(AttentionBackend):
+    graph_capturable: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._meta: Optional[_StepMeta] = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _step_meta(self, fb: ForwardBatch, device: torch.device, head_blocks: int) -> _StepMeta:
+        if self._meta is None or self._meta.fb is not fb:
+            if device not in self._num_sms:  # (a CPU device: Triton's interpreter, in tests)
+                self._num_sms[device] = (
+                    torch.cuda.get_device_properties(device).multi_processor_count
+                    if device.type == "cuda" else 8)
+            self._meta = _StepMeta(fb, device, head_blocks, self._num_sms[device])
+        return self._meta
+
+    def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch
+                ) -> torch.Tensor:
+        """q_TNQ = [q_nope | roped q_pe] per head -> o [T, N, V] (a transposed view)."""
+        from moeserve.layers import attention_kernels as AK
+        from moeserve.layers import mla_kernels as K
+        from moeserve.layers.pdl import pdl_args
+
+        m, n = layer.mla, layer.heads_local
+        p, r, c, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        t = q_TNQ.shape[0]
+        if fb.mode is ForwardMode.IDLE or t == 0:
+            return q_TNQ.new_empty(t, n, v)
+        w_NWC = layer.kv_b_proj.weight.view(n, p + v, c)
+        q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
+        q_pe_TNR = q_TNQ[..., p:]
+        o_lat_NTC = torch.empty_like(q_lat_NTC)
+        cache = fb.kv_pool.latent_cache(layer.layer_id)
+        table = fb.req_to_token
+        decode = fb.mode is ForwardMode.DECODE
+        block_h, block_t, block_n, warps, stages = (T.MLA_DECODE_TILES if decode
+                                                    else T.mla_extend_tiles(n))
+        head_blocks = -(-n // block_h)
+        meta = self._step_meta(fb, q_TNQ.device, head_blocks)
+        scale = layer.scaling * LOG2E
+        common = dict(KV_RANK=c, ROPE=r, BLOCK_H=block_h, BLOCK_C=_pow2(c), BLOCK_R=_pow2(r),
+                      BLOCK_N=block_n, IEEE=cache.dtype == torch.float32, num_warps=warps,
+                      num_stages=stages)
+        q_strides = (q_lat_NTC.stride(1), q_lat_NTC.stride(0), q_pe_TNR.stride(0),
+                     q_pe_TNR.stride(1), cache.stride(0), table.stride(0))
+        if decode:
+            bs = fb.batch_size
+            assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
+            splits = meta.splits
+            po = torch.empty(bs, n, splits, c, dtype=torch.float32, device=q_TNQ.device)
+            pl = torch.empty(bs, n, splits, dtype=torch.float32, device=q_TNQ.device)
+            pdl = pdl_args(q_TNQ.device)
+            K.mla_decode_kernel[(bs, head_blocks, splits)](
+                q_lat_NTC, q_pe_TNR, cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
+                *q_strides, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                pl.stride(1), scale, n, splits, **common, **pdl)
+            block_d = min(_pow2(c), T.MLA_COMBINE_BLOCK_D)
+            AK.decode_combine_kernel[(bs, n, -(-c // block_d))](
+                po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
+                HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
+                **pdl)
+        elif meta.max_extend:
+            grid = (fb.req_pool_indices.shape[0], head_blocks, -(-meta.max_extend // block_t))
+            K.mla_extend_kernel[grid](
+                q_lat_NTC, q_pe_TNR, cache, o_lat_NTC, table, fb.req_pool_indices,
+                fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts, *q_strides,
+                o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, BLOCK_T=block_t, **common)
+        return torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2)).transpose(0, 1)

@@ -1,0 +1,179 @@
+"""The "triton" latent attention (layers/mla_triton.py) against the torch MLA backend, on a GPU.
+
+Prompts, then chunks after a cached prefix, then decode steps, over one latent pool; page
+sizes 1 and 16; DeepSeek-V2-Lite's dims (16 heads, latent 512, rope 64, nope 128, values 128)
+and small odd ones (heads not a multiple of 16, rope dims below a tl.dot's 16); bf16 and fp32.
+The decode is also captured in a CUDA graph for a bucket and replayed with other lengths and
+padded rows (dummy request row, dummy slot). tests/test_mla_interpreter.py runs run_case on
+the CPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.layers.attention import create_attention_backend
+from moeserve.layers.mla import mla_backend_for
+from moeserve.models.spec import MLASpec
+from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
+from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, MLAKVCachePool, ReqToTokenPool
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+LITE = (16, 512, 64, 128, 128)  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope, nope, value
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def fake_layer(n: int, c: int, r: int, p: int, v: int, dtype: torch.dtype, device,
+               gen: torch.Generator, layer_id: int = 1) -> SimpleNamespace:
+    """What an MLA backend reads of MLAttention: dims, local heads, kv_b_proj, the scale."""
+    w = (torch.randn(n * (p + v), c, generator=gen) * c ** -0.5).to(device, dtype)
+    return SimpleNamespace(mla=MLASpec(None, c, p, r, v), heads_local=n, layer_id=layer_id,
+                           kv_b_proj=SimpleNamespace(weight=w), scaling=(p + r) ** -0.5)
+
+
+def backends() -> tuple:
+    """(triton MLA backend, torch MLA backend), through the same lookup the model uses."""
+    return (mla_backend_for(create_attention_backend("triton")),
+            mla_backend_for(create_attention_backend("torch")))
+
+
+def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens, split,
+             seed: int = 0) -> list[float]:
+    """Errors of the triton MLA backend against torch for: prompts, chunks after a prefix,
+    and three decode steps, all requests of a forward batched together."""
+    n, c, r, p, v = dims
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens) + 8
+    pool = MLAKVCachePool(2, (total // page_size + len(lens) + 2) * page_size, c, r, dtype,
+                          device, page_size=page_size)
+    rows = ReqToTokenPool(len(lens) + 1, max(lens) + 4, device)
+    req_rows = [rows.alloc() for _ in lens]
+    layer = fake_layer(n, c, r, p, v, dtype, device, gen)
+    fast, ref = backends()
+    seqs = [(torch.randn(s, n, p + r, generator=gen).to(device, dtype),
+             torch.randn(s, c, generator=gen).to(device, dtype),
+             torch.randn(s, r, generator=gen).to(device, dtype)) for s in lens]
+    errors = []
+
+    def step(mode, starts, ends):
+        new = [list(range(e - s)) for s, e in zip(starts, ends)]
+        fb = prepare_batch(mode, new, starts, req_rows, rows, pool)
+        cat = lambda i: torch.cat([seqs[j][i][s:e] for j, (s, e) in enumerate(zip(starts, ends))])
+        q = cat(0)
+        pool.set_latent(layer.layer_id, fb.out_cache_loc, cat(1), cat(2))
+        got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
+        assert got.shape == want.shape == (q.shape[0], n, v)
+        assert torch.isfinite(got).all()
+        errors.append(rel_err(got, want))
+
+    step(ForwardMode.EXTEND, [0] * len(lens), split)
+    step(ForwardMode.EXTEND, split, [s - 3 for s in lens])
+    for back in (3, 2, 1):
+        step(ForwardMode.DECODE, [s - back for s in lens], [s - back + 1 for s in lens])
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dims", [LITE, (20, 64, 4, 8, 12), (4, 16, 8, 8, 8)])
+def test_triton_mla_matches_torch(dtype, page_size, dims):
+    lens = [70, 4, 203, 129, 9]  # whole length of each request (prompt + decode)
+    split = [33, 0, 140, 64, 1]  # first chunk (the second one runs after this prefix)
+    errors = run_case("cuda", dtype, page_size, dims, lens, split)
+    assert max(errors) < TOL[dtype], errors
+
+
+def test_triton_mla_long_context_decode_matches_torch():
+    """Contexts past many key blocks per split (2 requests, so 64+ splits each)."""
+    errors = run_case("cuda", torch.bfloat16, 16, LITE, [3000, 1700], [2000, 1690])
+    assert max(errors) < TOL[torch.bfloat16], errors
+
+
+def test_triton_mla_decode_replays_in_a_cuda_graph():
+    """Captured once for a bucket of 8 rows with short lengths, replayed with longer lengths,
+    5 real rows and 3 padded rows (request row 0, slot 0): the real rows match torch."""
+    torch.manual_seed(1)
+    dev, dtype, bucket = "cuda", torch.bfloat16, 8
+    n, c, r, p, v = LITE
+    pool = MLAKVCachePool(2, 4096, c, r, dtype, dev, page_size=16)
+    rows = ReqToTokenPool(bucket + 1, 1024, dev)
+    pool.kv_LSW.normal_()
+    layer = fake_layer(n, c, r, p, v, dtype, dev, torch.Generator().manual_seed(2))
+    fast, ref = backends()
+
+    i64 = dict(dtype=torch.int64, device=dev)
+    q = torch.randn(bucket, n, p + r, device=dev, dtype=dtype)
+    loc = torch.full((bucket,), DUMMY_SLOT, **i64)
+    req = torch.full((bucket,), DUMMY_REQ_ROW, **i64)
+    seq = torch.ones(bucket, **i64)
+    fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(bucket, **i64), seq - 1, loc, req, seq,
+                      seq - 1, torch.ones(bucket, **i64), rows.table, pool)
+    out = fast.forward(q, layer, fb)  # warm-up (compiles) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fast.forward(q, layer, fb)
+
+    lens = [700, 33, 1000, 5, 256]
+    real = []
+    for length in lens:
+        row = rows.alloc()
+        rows.write(row, 0, pool.alloc(length))
+        real.append(row)
+    new_slots = torch.tensor([int(rows.table[row, length - 1]) for row, length in
+                              zip(real, lens)], **i64)
+    req[:5], seq[:5], loc[:5] = torch.tensor(real, **i64), torch.tensor(lens, **i64), new_slots
+    for _ in range(2):  # twice: the replay reads the inputs anew each time
+        q.normal_()
+        graph.replay()
+    torch.cuda.synchronize()
+    plain = ForwardBatch.from_requests(ForwardMode.DECODE, [[0]] * 5, [x - 1 for x in lens],
+                                       real, new_slots, rows.table, pool)
+    want = ref.forward(q[:5], layer, plain)
+    assert torch.isfinite(out).all()
+    assert rel_err(out[:5], want) < TOL[dtype]
+
+
+def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch, tmp_path):
+    """A small DeepSeek-V2 (V2-Lite's attention dims, 2 layers, dummy fp32 weights) through
+    the Engine: the triton MLA backend with decode graphs (and without) gives the greedy
+    tokens of the torch MLA backend, and its decode steps replay graphs."""
+    import json
+    import random
+
+    from moeserve.models.presets import PRESETS
+    from moeserve.runtime.cuda_graph import DecodeGraphRunner
+    from moeserve.runtime.engine import Engine
+    from spies import spy
+
+    config = {**PRESETS["deepseek-v2-lite"], "hidden_size": 256, "num_hidden_layers": 2,
+              "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,
+              "vocab_size": 512, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 17)]
+    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
+              for m in (20, 9, 14, 3, 25)]
+    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
+                 max_running_requests=8, max_total_tokens=4096, context_length=256,
+                 moe_runner_backend="reference")
+    results = {}
+    for backend, graphs in (("torch", False), ("triton", True), ("triton", False)):
+        with Engine(str(tmp_path), attention_backend=backend, disable_cuda_graph=not graphs,
+                    **flags) as engine:
+            out = engine.generate(input_ids=prompts, sampling_params=params)
+        assert all(o["error"] is None for o in out), out
+        results[backend, graphs] = [o["token_ids"] for o in out]
+        if graphs:
+            assert buckets, "no decode step replayed a graph"
+    assert [len(t) for t in results["torch", False]] == [p["max_new_tokens"] for p in params]
+    assert results["triton", True] == results["torch", False] == results["triton", False]
