@@ -59,6 +59,12 @@ def decode_bytes(spec: Any, batch: int, ctx: int, elem: int = 2) -> dict[str, fl
 
 # --- parts (each runs in its own process) -----------------------------------------------------
 
+def randomize_kv(pool: Any) -> None:
+    """Random cached K/V (or latent rows): the timings never read zeros."""
+    storage = pool.kv_LSW if hasattr(pool, "kv_LSW") else pool.kv_LSKD
+    storage.normal_(0, 0.5)
+
+
 def part_ceilings(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from moe_common import ceilings  # the same ceilings bench_moe.py measures
@@ -164,7 +170,7 @@ def part_ours(args: argparse.Namespace) -> dict[str, Any]:
     # the single rank runs in a thread of this process; its loop is idle between requests,
     # so the runner can be driven directly for the step timings
     runner = engine._thread._args[0].runner
-    runner.kv_pool.kv_LSKD.normal_(0, 0.5)  # random cached K/V (the timings never read zeros)
+    randomize_kv(runner.kv_pool)
     out: dict[str, Any] = {"startup_s": startup, "experts": experts,
                            "graph_buckets": list(runner.graphs.buckets) if runner.graphs
                            else [], "decode_ms": {}, "decode_eager_ms": {}, "bench": []}

@@ -110,7 +110,7 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
-    from bench_e2e import decode_timing
+    from bench_e2e import decode_timing, randomize_kv
     from moeserve.runtime.engine import Engine
 
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend}
@@ -121,7 +121,7 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
                     max_running_requests=max(args.batches))
     out["startup_s"] = time.perf_counter() - t0
     runner = engine._thread._args[0].runner
-    runner.kv_pool.kv_LSW.normal_(0, 0.5)  # random cached latents
+    randomize_kv(runner.kv_pool)
     out["graphs"] = bool(runner.graphs)
     modes = [("graphs", True), ("eager", False)] if runner.graphs else [("eager", False)]
     for name, graphs in modes:

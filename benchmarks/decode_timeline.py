@@ -1,7 +1,7 @@
-"""Where a decode step's time goes: the kernels of one CUDA-graph decode step (Qwen3-30B-A3B
-shape, dummy bf16 weights, one GPU) in the order they ran, under torch.profiler, grouped by
-kernel name: launches per step, mean duration, and the mean gap between the end of the kernel
-before and its start (the time no kernel of the step ran).
+"""Where a decode step's time goes: the kernels of one CUDA-graph decode step (--model, by
+default the Qwen3-30B-A3B shape; dummy bf16 weights, one GPU) in the order they ran, under
+torch.profiler, grouped by kernel name: launches per step, mean duration, and the mean gap
+between the end of the kernel before and its start (the time no kernel of the step ran).
 
     PYTHONPATH=src python benchmarks/decode_timeline.py --out DIR [--batch 1] [--ctx 512] \
         [--more-batches 8 64 256]
@@ -27,16 +27,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
+def timeline(model: str, batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_e2e import MODEL, decode_timing
+    from bench_e2e import decode_timing, randomize_kv
     from moeserve.runtime.engine import Engine
 
-    engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+    engine = Engine(model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                     context_length=ctx + 64, max_running_requests=max(batch, 8, *more))
     runner = engine._thread._args[0].runner
-    runner.kv_pool.kv_LSKD.normal_(0, 0.5)
+    randomize_kv(runner.kv_pool)
     step_ms = decode_timing(runner, batch, ctx, True, 30)
     replay_ms = replay_only_ms(runner, batch, ctx)
     host = host_us(runner, batch, ctx)
@@ -48,11 +48,13 @@ def timeline(batch: int, ctx: int, more: list[int]) -> dict[str, Any]:
 
     kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0)
-    # a step ends with its LM head, the one GEMM of the step that cuBLAS runs: the last step
-    # is what follows the one before
-    heads = [i for i, k in enumerate(kernels) if k[2].startswith(("nvjet", "sm90_xmma"))
-             or "gemm" in k[2].lower()]
-    last = kernels[heads[-2] + 1:heads[-1] + 1]
+    # 6 steps, each the same graph replay, and a few one-off kernels: the last step is the
+    # latest run of len // 6 kernels whose names repeat the run just before it
+    names = [k[2] for k in kernels]
+    per = len(kernels) // 6
+    end = next(e for e in range(len(names), 2 * per - 1, -1)
+               if names[e - per:e] == names[e - 2 * per:e - per])
+    last = kernels[end - per:end]
     by_name: dict[str, dict[str, float]] = {}
     prev_end = last[0][0]
     for start, end, name in last:
@@ -144,6 +146,7 @@ def table(res: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="timeline_out")
+    p.add_argument("--model", default="preset:qwen3-30b-a3b")
     p.add_argument("--batch", type=int, default=1, help="the batch profiled")
     p.add_argument("--more-batches", type=int, nargs="*", default=[],
                    help="batches timed too (step and replays), not profiled")
@@ -162,7 +165,7 @@ def main() -> int:
         if args.decode_attention:
             TL.DECODE_TILES = ((1 << 62, tuple(args.decode_attention[:3])),)
             TL.MAX_SPLITS = args.decode_attention[3]
-        res = timeline(args.batch, args.ctx, args.more_batches)
+        res = timeline(args.model, args.batch, args.ctx, args.more_batches)
         res["decode_attention"] = ([*args.decode_attention] if args.decode_attention
                                    else "shipped")
         res["pdl"] = os.environ.get("MOESERVE_PDL", "1")

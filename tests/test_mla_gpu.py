@@ -40,6 +40,45 @@ def fake_layer(n: int, c: int, r: int, p: int, v: int, dtype: torch.dtype, devic
                            kv_b_proj=SimpleNamespace(weight=w), scaling=(p + r) ** -0.5)
 
 
+def prep_errors(device: str, dtype: torch.dtype, interleaved: bool, heads: int = 20,
+                tokens: int = 7) -> tuple[float, float]:
+    """mla_kernels.mla_prep against MLAttention's torch formulation (_prep) on the same
+    inputs: (error of the queries, error of the cache rows written)."""
+    from moeserve.layers.mla import MLAttention
+    from moeserve.layers.mla_kernels import mla_prep
+    from moeserve.layers.rotary import RotaryEmbedding
+    from moeserve.models.presets import PRESETS
+    from moeserve.models.spec import spec_from_hf_config
+    from moeserve.parallel.groups import single_process_state
+
+    cfg = dict(PRESETS["deepseek-v2-lite"], hidden_size=64, num_attention_heads=heads,
+               kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12)
+    spec = spec_from_hf_config(cfg, name="prep")
+    rotary = RotaryEmbedding(8, spec.rope_theta, spec.rope_scaling_dict,
+                             spec.max_position_embeddings)
+    layer = MLAttention(spec, single_process_state(), 0, dtype, rotary, None,
+                        interleaved_rope=interleaved).to(device)
+    gen = torch.Generator().manual_seed(heads + interleaved)
+    layer.kv_a_layernorm.weight.copy_(torch.rand(32, generator=gen) + 0.5)
+    q = torch.randn(tokens, heads, 16, generator=gen).to(device, dtype)
+    kv = torch.randn(tokens, 40, generator=gen).to(device, dtype)
+    positions = torch.tensor([0, 5, 17, 100, 1000, 4095, 3][:tokens], device=device)
+    loc = torch.tensor([3, 9, 4, 12, 7, 8, 1][:tokens], device=device)
+    rows = []
+    for fast in (False, True):
+        pool = MLAKVCachePool(1, 16, 32, 8, dtype, device)
+        if fast:
+            got = mla_prep(positions, q, kv, layer.kv_a_layernorm.weight, 1e-6,
+                           rotary.inv_freq(torch.device(device)), rotary.attention_factor, loc,
+                           pool.latent_cache(0), 8, interleaved)
+        else:
+            fb = SimpleNamespace(kv_pool=pool, out_cache_loc=loc)
+            got = layer._prep(positions, q, kv, fb)
+        rows.append((got, pool.latent_cache(0)))
+    (q_ref, cache_ref), (q_got, cache_got) = rows
+    return rel_err(q_got, q_ref), rel_err(cache_got, cache_ref)
+
+
 def backends() -> tuple:
     """(triton MLA backend, torch MLA backend), through the same lookup the model uses."""
     return (mla_backend_for(create_attention_backend("triton")),
@@ -90,6 +129,15 @@ def test_triton_mla_matches_torch(dtype, page_size, dims):
     split = [33, 0, 140, 64, 1]  # first chunk (the second one runs after this prefix)
     errors = run_case("cuda", dtype, page_size, dims, lens, split)
     assert max(errors) < TOL[dtype], errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [20, 3])
+def test_mla_prep_kernel_matches_the_torch_formulation(dtype, interleaved, heads):
+    q_err, cache_err = prep_errors("cuda", dtype, interleaved, heads)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert q_err < tol and cache_err < tol, (q_err, cache_err)
 
 
 def test_triton_mla_long_context_decode_matches_torch():

@@ -1,4 +1,5 @@
-"""Where the layers reach the fused GPU kernels (layers/fused_kernels.py, layers/skinny_gemm.py).
+"""Where the layers reach the fused GPU kernels (layers/fused_kernels.py, layers/skinny_gemm.py,
+layers/mla_kernels.py).
 
 `fused(name, device)` returns the kernel wrapper `name` (one of KERNELS) for CUDA tensors, or
 None (CPU tensors, Triton absent, or a kernel that failed to build here: then the layer keeps
@@ -20,7 +21,7 @@ KERNELS = {"rms_norm": "fused_kernels", "add_rms_norm": "fused_kernels",
            "rotary": "fused_kernels", "topk_softmax": "fused_kernels",
            "store_kv": "fused_kernels", "act_and_mul": "fused_kernels",
            "unpack_decode_inputs": "fused_kernels",
-           "skinny_linear": "skinny_gemm"}
+           "skinny_linear": "skinny_gemm", "mla_prep": "mla_kernels"}
 _broken: set[str] = set()
 _wrappers: dict[str, Callable[..., Any]] = {}
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend
+from moeserve.layers.fast_path import fused
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
@@ -189,16 +190,32 @@ class MLAttention(nn.Module):
             q = self.q_proj(h_TH)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h_TH)))
-        q_nope_TNP, q_pe_TNR = q.view(t, n, m.qk_head_dim).split(
-            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent_TC, k_pe_TR = self.kv_a_proj_with_mqa(h_TH).split(
-            [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        q_TNQ = q.view(t, n, m.qk_head_dim)
+        kv_TW = self.kv_a_proj_with_mqa(h_TH)
+        kernel = fused("mla_prep", h_TH.device) if t else None
+        roped = None if kernel is None else kernel(
+            positions_T, q_TNQ, kv_TW, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            self.rotary.inv_freq(h_TH.device), self.rotary.attention_factor, fb.out_cache_loc,
+            fb.kv_pool.latent_cache(self.layer_id), m.qk_nope_head_dim, self.interleaved_rope)
+        if roped is not None:  # one launch on a GPU (layers/mla_kernels.py)
+            q_TNQ = roped
+        else:
+            q_TNQ = self._prep(positions_T, q_TNQ, kv_TW, fb)
+        o_TNV = self.backend.forward(q_TNQ, self, fb)
+        return self.o_proj(o_TNV.reshape(t, n * m.v_head_dim))
+
+    def _prep(self, positions_T: torch.Tensor, q_TNQ: torch.Tensor, kv_TW: torch.Tensor,
+              fb: ForwardBatch) -> torch.Tensor:
+        """The new tokens' cache rows [kv_a_layernorm(latent) | rope(k_pe)] stored, and
+        [q_nope | rope(q_pe)] returned (what mla_kernels.mla_prep does in one launch)."""
+        m = self.mla
+        q_nope_TNP, q_pe_TNR = q_TNQ.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent_TC, k_pe_TR = kv_TW.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent_TC = self.kv_a_layernorm(latent_TC.contiguous())
         q_pe_TNR, k_pe_TR = self._rope(positions_T, q_pe_TNR, k_pe_TR)
-        if t:
+        if q_TNQ.shape[0]:
             fb.kv_pool.set_latent(self.layer_id, fb.out_cache_loc, latent_TC, k_pe_TR)
-        o_TNV = self.backend.forward(torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), self, fb)
-        return self.o_proj(o_TNV.reshape(t, n * m.v_head_dim))
+        return torch.cat((q_nope_TNP, q_pe_TNR), dim=-1)
 
     # --- weights (names relative to "self_attn.") ----------------------------------------
     def _shapes(self) -> dict[str, tuple[int, ...]]:

@@ -184,3 +184,94 @@ def mla_extend_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + tok[:, None] * stride_xt + heads[:, None] * stride_xh + offs_c[None, :],
              out.to(Out.dtype.element_ty), mask=rows_mask[:, None] & c_mask[None, :])
+
+
+# --- before attention: the latent's norm and the rope, stored (one launch a step) ------------
+
+@triton.jit
+def _mla_prep_kernel(Q, KV, NormW, Pos, InvFreq, Loc, Cache, QOut,
+                     stride_qt, stride_qh, stride_kvt, stride_cs, num_heads, eps, factor,
+                     NOPE: tl.constexpr, KV_RANK: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+                     BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
+    """Program (token t, block of BLOCK_H heads): q_out[t, heads] = [q_nope | rope(q_pe)];
+    head block 0 also writes the token's cache row [RMSNorm(latent) | rope(k_pe)]. The rope
+    reads the pairs (x[2i], x[2i + 1]) (INTERLEAVED, DeepSeek's layout) or (x[i], x[i + HALF])
+    and writes [rotated firsts | rotated seconds], as layers/mla.py's torch path does."""
+    pdl_gate(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    offs_f = tl.arange(0, BLOCK_F)
+    f_mask = offs_f < HALF
+    inv = tl.load(InvFreq + offs_f, mask=f_mask, other=0.0)
+    angle = tl.load(Pos + t).to(tl.float32) * inv
+    # cos/sin rounded to the activations' dtype, as the torch path multiplies in that dtype
+    c = (tl.cos(angle) * factor).to(QOut.dtype.element_ty).to(tl.float32)
+    s = (tl.sin(angle) * factor).to(QOut.dtype.element_ty).to(tl.float32)
+    if INTERLEAVED:
+        i1 = 2 * offs_f
+        i2 = 2 * offs_f + 1
+    else:
+        i1 = offs_f
+        i2 = offs_f + HALF
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_p = tl.arange(0, BLOCK_P)
+    src = Q + t * stride_qt + heads[:, None] * stride_qh
+    dst = QOut + (t * num_heads + heads[:, None]) * (NOPE + 2 * HALF)
+    p_mask = h_mask[:, None] & (offs_p < NOPE)[None, :]
+    tl.store(dst + offs_p[None, :], tl.load(src + offs_p[None, :], mask=p_mask), mask=p_mask)
+    fm = h_mask[:, None] & f_mask[None, :]
+    x1 = tl.load(src + NOPE + i1[None, :], mask=fm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + NOPE + i2[None, :], mask=fm, other=0.0).to(tl.float32)
+    tl.store(dst + NOPE + offs_f[None, :],
+             (x1 * c[None, :] - x2 * s[None, :]).to(QOut.dtype.element_ty), mask=fm)
+    tl.store(dst + NOPE + HALF + offs_f[None, :],
+             (x2 * c[None, :] + x1 * s[None, :]).to(QOut.dtype.element_ty), mask=fm)
+
+    if hb == 0:
+        row = Cache + tl.load(Loc + t).to(tl.int64) * stride_cs
+        offs_c = tl.arange(0, BLOCK_C)
+        c_mask = offs_c < KV_RANK
+        x = tl.load(KV + t * stride_kvt + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        y = (x * tl.rsqrt(tl.sum(x * x, 0) / KV_RANK + eps)).to(KV.dtype.element_ty)
+        w = tl.load(NormW + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        latent = (w * y.to(tl.float32)).to(KV.dtype.element_ty)  # RMSNorm's rounding
+        tl.store(row + offs_c, latent.to(Cache.dtype.element_ty), mask=c_mask)
+        k1 = tl.load(KV + t * stride_kvt + KV_RANK + i1, mask=f_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(KV + t * stride_kvt + KV_RANK + i2, mask=f_mask, other=0.0).to(tl.float32)
+        o1 = (k1 * c - k2 * s).to(QOut.dtype.element_ty)
+        o2 = (k2 * c + k1 * s).to(QOut.dtype.element_ty)
+        tl.store(row + KV_RANK + offs_f, o1.to(Cache.dtype.element_ty), mask=f_mask)
+        tl.store(row + KV_RANK + HALF + offs_f, o2.to(Cache.dtype.element_ty), mask=f_mask)
+
+
+MLA_PREP_HEADS = 16  # heads of one program of the prep kernel
+
+
+def mla_prep(positions_T, q_TNQ, kv_TW, norm_weight, eps: float, inv_freq, factor: float,
+             loc_T, cache_SW, nope: int, interleaved: bool):
+    """Latent attention's work between the projections and the attention, in one launch:
+    the new tokens' cache rows [RMSNorm(latent) | rope(k_pe)] written at loc_T, and the
+    queries [q_nope | rope(q_pe)] returned as a new [T, N, Q] tensor. q_TNQ: q_proj's output
+    per head; kv_TW: kv_a_proj_with_mqa's [latent | k_pe] per token."""
+    import torch
+
+    from moeserve.layers.pdl import pdl_args
+
+    t, n, qd = q_TNQ.shape
+    rank = norm_weight.shape[0]
+    half = (qd - nope) // 2
+    assert q_TNQ.stride(-1) == 1 and kv_TW.stride(-1) == 1 and kv_TW.shape[1] == rank + 2 * half
+    out = torch.empty(t, n, qd, dtype=q_TNQ.dtype, device=q_TNQ.device)
+    if t == 0:
+        return out
+    block_h = min(MLA_PREP_HEADS, triton.next_power_of_2(n))
+    _mla_prep_kernel[(t, triton.cdiv(n, block_h))](
+        q_TNQ, kv_TW, norm_weight, positions_T, inv_freq, loc_T, cache_SW, out,
+        q_TNQ.stride(0), q_TNQ.stride(1), kv_TW.stride(0), cache_SW.stride(0), n, eps, factor,
+        NOPE=nope, KV_RANK=rank, HALF=half, BLOCK_P=triton.next_power_of_2(nope),
+        BLOCK_C=triton.next_power_of_2(rank), BLOCK_F=triton.next_power_of_2(half),
+        BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, **pdl_args(q_TNQ.device))
+    return out

@@ -108,11 +108,14 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_cpu = inv_freq
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The frequencies [head_dim / 2] (fp32) on `device` (copied there once)."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq_cpu.to(device)
+        return self._inv_freq[device]
+
     def cos_sin(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = positions_T.device
-        if dev not in self._inv_freq:
-            self._inv_freq[dev] = self._inv_freq_cpu.to(dev)
-        freqs_TD2 = positions_T.float()[:, None] * self._inv_freq[dev][None, :]
+        freqs_TD2 = positions_T.float()[:, None] * self.inv_freq(positions_T.device)[None, :]
         emb_TD = torch.cat((freqs_TD2, freqs_TD2), dim=-1)
         return emb_TD.cos() * self.attention_factor, emb_TD.sin() * self.attention_factor
 
@@ -126,11 +129,9 @@ class RotaryEmbedding(nn.Module):
         if (kernel is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
                 and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1
                 and q_TND.dtype == k_TKD.dtype):
-            dev = q_TND.device
-            if dev not in self._inv_freq:
-                self._inv_freq[dev] = self._inv_freq_cpu.to(dev)
             extra = () if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
-            out = kernel(positions_T, q_TND, k_TKD, self._inv_freq[dev], self.attention_factor,
+            out = kernel(positions_T, q_TND, k_TKD, self.inv_freq(q_TND.device),
+                         self.attention_factor,
                          *extra, kv_cache=None if kv_write is None else kv_write.kernel_args())
             if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
                 return out
