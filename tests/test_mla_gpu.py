@@ -192,14 +192,16 @@ def test_triton_mla_decode_replays_in_a_cuda_graph():
 
 def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch, tmp_path):
     """A small DeepSeek-V2 (V2-Lite's attention dims, 2 layers, dummy fp32 weights) through
-    the Engine: the triton MLA backend with decode graphs (and without) gives the greedy
-    tokens of the torch MLA backend, and its decode steps replay graphs."""
+    the Engine: the triton MLA backend with decode and prefill graphs (and without either)
+    gives the greedy tokens of the torch MLA backend, and its steps replay graphs of both
+    kinds."""
     import json
     import random
 
     from moeserve.models.presets import PRESETS
     from moeserve.runtime.cuda_graph import DecodeGraphRunner
     from moeserve.runtime.engine import Engine
+    from moeserve.runtime.prefill_graph import PrefillGraphRunner
     from spies import spy
 
     config = {**PRESETS["deepseek-v2-lite"], "hidden_size": 256, "num_hidden_layers": 2,
@@ -207,6 +209,7 @@ def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch
               "vocab_size": 512, "torch_dtype": "float32"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
+    sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 17)]
     params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
@@ -216,12 +219,16 @@ def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch
                  moe_runner_backend="reference")
     results = {}
     for backend, graphs in (("torch", False), ("triton", True), ("triton", False)):
+        buckets.clear()
+        sizes.clear()
         with Engine(str(tmp_path), attention_backend=backend, disable_cuda_graph=not graphs,
-                    **flags) as engine:
+                    disable_piecewise_cuda_graph=not graphs, **flags) as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
         results[backend, graphs] = [o["token_ids"] for o in out]
         if graphs:
-            assert buckets, "no decode step replayed a graph"
+            assert buckets and sizes, (buckets, sizes)
+        else:
+            assert not buckets and not sizes
     assert [len(t) for t in results["torch", False]] == [p["max_new_tokens"] for p in params]
     assert results["triton", True] == results["torch", False] == results["triton", False]

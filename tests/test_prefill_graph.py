@@ -42,23 +42,38 @@ def test_prefill_graph_buffers_come_from_the_plan():
     off = build_plan(cfg.replace(disable_piecewise_cuda_graph=True), spec)
     assert off.budget.prefill_token_sizes == ()
     assert not [r for r in off.buffers if r.name.startswith("graph.prefill.")]
-    # latent attention has no capturable backend: no buffers for it
+    # latent attention hands over [q_nope | q_pe] (192 dims) and gets v_head_dim (128) back
     ds = EngineConfig(model="preset:deepseek-v2-lite", gpu_memory_gb=80.0,
                       skip_tokenizer_init=True)
     ds_plan = build_plan(ds, load_model_spec(ds.model))
-    assert ds_plan.ok and ds_plan.budget.prefill_token_sizes
-    assert not [r for r in ds_plan.buffers if r.name.startswith("graph.prefill.")]
+    t = max(ds_plan.budget.prefill_token_sizes)
+    assert ds_plan.ok and t
+    assert ds_plan.buffer("graph.prefill.q").shape == (t, 16, 192)
+    assert ds_plan.buffer("graph.prefill.attn_out").shape == (t, 16, 128)
 
 
-def test_the_forward_is_cut_once_per_layer_at_its_attention():
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v2"])
+def test_the_forward_is_cut_once_per_layer_at_its_attention(arch, tmp_path):
     """hidden_states + logits is the forward; an attention hook sees every layer's query in
-    order and its output is the attention's (what a capture relies on)."""
+    order and its output is the attention's (what a capture relies on), latent attention
+    (DeepSeek-V2, [q_nope | q_pe] of 8 + 8 dims) included."""
+    import json
+
+    from moeserve.models.presets import PRESETS
     from moeserve.models.registry import load_model
     from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
     from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
     from moeserve.parallel.step import step_from_counts
 
-    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
+    model_name = "preset:tiny"
+    if arch == "deepseek-v2":
+        (tmp_path / "config.json").write_text(json.dumps(dict(
+            PRESETS["deepseek-v2-lite"], hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=12, intermediate_size=96, moe_intermediate_size=16,
+            n_routed_experts=8, vocab_size=512, torch_dtype="float32")))
+        model_name = str(tmp_path)
+    cfg = EngineConfig(model=model_name, device="cpu", gpu_memory_gb=1.0,
                        load_format="dummy", max_running_requests=4, context_length=64,
                        skip_tokenizer_init=True)
     plan = build_plan(cfg, load_model_spec(cfg.model))

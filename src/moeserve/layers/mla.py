@@ -201,7 +201,10 @@ class MLAttention(nn.Module):
             q_TNQ = roped
         else:
             q_TNQ = self._prep(positions_T, q_TNQ, kv_TW, fb)
-        o_TNV = self.backend.forward(q_TNQ, self, fb)
+        if fb.attention_hook is not None:  # a prefill graph's capture cuts the forward here
+            o_TNV = fb.attention_hook(q_TNQ, self, fb)
+        else:
+            o_TNV = self.backend.forward(q_TNQ, self, fb)
         return self.o_proj(o_TNV.reshape(t, n * m.v_head_dim))
 
     def _prep(self, positions_T: torch.Tensor, q_TNQ: torch.Tensor, kv_TW: torch.Tensor,

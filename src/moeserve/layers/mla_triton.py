@@ -18,8 +18,8 @@ copy, serves a cached prefix as it serves new tokens, and is exact.
 
 Decode reads every length from device tensors and launches a grid fixed by the batch size:
 graph-capturable (runtime/cuda_graph.py). Extend sizes its grid from the step's longest
-extend (host lengths), as the GQA backend does; prefill graphs do not cut latent attention
-out (runtime/prefill_graph.py), so prompts run eagerly.
+extend (host lengths), as the GQA backend does: the prefill graphs run it between their
+pieces (runtime/prefill_graph.py), with `out=` their static output buffer.
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ class TritonMLABackend(AttentionBackend):
             self._meta = _StepMeta(fb, device, head_blocks, self._num_sms[device])
         return self._meta
 
-    def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch
-                ) -> torch.Tensor:
-        """q_TNQ = [q_nope | roped q_pe] per head -> o [T, N, V] (a transposed view)."""
+    def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q_TNQ = [q_nope | roped q_pe] per head -> o [T, N, V] (a transposed view), or into
+        `out` [T, N, V] (a prefill graph's static buffer) when given."""
         from moeserve.layers import attention_kernels as AK
         from moeserve.layers import mla_kernels as K
         from moeserve.layers.pdl import pdl_args
@@ -83,7 +84,7 @@ class TritonMLABackend(AttentionBackend):
         p, r, c, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
         t = q_TNQ.shape[0]
         if fb.mode is ForwardMode.IDLE or t == 0:
-            return q_TNQ.new_empty(t, n, v)
+            return q_TNQ.new_empty(t, n, v) if out is None else out
         w_NWC = layer.kv_b_proj.weight.view(n, p + v, c)
         q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
         q_pe_TNR = q_TNQ[..., p:]
@@ -124,4 +125,7 @@ class TritonMLABackend(AttentionBackend):
                 q_lat_NTC, q_pe_TNR, cache, o_lat_NTC, table, fb.req_pool_indices,
                 fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts, *q_strides,
                 o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, BLOCK_T=block_t, **common)
-        return torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2)).transpose(0, 1)
+        o_NTV = torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2))
+        if out is None:
+            return o_NTV.transpose(0, 1)
+        return out.copy_(o_NTV.transpose(0, 1))

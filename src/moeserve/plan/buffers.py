@@ -157,20 +157,26 @@ PREFILL_GRAPH_KNOBS = ("--piecewise-cuda-graph-max-tokens", "--chunked-prefill-s
 def prefill_graph_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
                           dtype: str) -> list[BufferRecord]:
     """The inputs of the prefill graphs and the two tensors that cross each cut at an
-    attention (runtime/prefill_graph.py). None for latent attention (MLA): no GPU backend of
-    it can be captured, so its prefill runs eagerly."""
-    if not budget.prefill_token_sizes or spec.mla is not None:
+    attention (runtime/prefill_graph.py). Latent attention (MLA) hands over [q_nope | q_pe]
+    per head and gets v_head_dim values per head back."""
+    if not budget.prefill_token_sizes:
         return []
     t = max(budget.prefill_token_sizes)
-    q = (t, spec.num_heads // layout.attn_tp, spec.head_dim)
-    per_head = "max prefill graph tokens x heads/attn_tp x head_dim"
+    heads = spec.num_heads // layout.attn_tp
+    if spec.mla is None:
+        q = o = (t, heads, spec.head_dim)
+        per_head = q_dims = o_dims = "max prefill graph tokens x heads/attn_tp x head_dim"
+    else:
+        q, o = (t, heads, spec.mla.qk_head_dim), (t, heads, spec.mla.v_head_dim)
+        per_head = "max prefill graph tokens x heads/attn_tp x "
+        q_dims, o_dims = per_head + "qk_head_dim", per_head + "v_head_dim"
     return [
         BufferRecord("graph.prefill.inputs", (3, t), "int64",
                      "(token, position, KV slot) x max prefill graph tokens",
                      PREFILL_GRAPH_KNOBS),
-        BufferRecord("graph.prefill.q", q, dtype, per_head + " (each attention's query)",
+        BufferRecord("graph.prefill.q", q, dtype, q_dims + " (each attention's query)",
                      PREFILL_GRAPH_KNOBS),
-        BufferRecord("graph.prefill.attn_out", q, dtype, per_head + " (each attention's output)",
+        BufferRecord("graph.prefill.attn_out", o, dtype, o_dims + " (each attention's output)",
                      PREFILL_GRAPH_KNOBS),
     ]
 

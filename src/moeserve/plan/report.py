@@ -43,10 +43,7 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
             console.print(f"all-to-all: cap {plan.a2a_cap} tokens per rank, workspace "
                           f"{plan.a2a_workspace_bytes_per_rank / MIB:.1f} MiB per rank")
         console.print(f"decode graph batch sizes: {_graphs_line(b.decode_batch_sizes)}")
-        eager = (" (latent attention: not captured, prefill runs eagerly)"
-                 if b.prefill_token_sizes and plan.spec.mla is not None else "")
-        console.print(f"prefill graph token sizes: {_graphs_line(b.prefill_token_sizes)}"
-                      + eager)
+        console.print(f"prefill graph token sizes: {_graphs_line(b.prefill_token_sizes)}")
     if plan.buffers:
         t = Table(title="static buffers per rank")
         for col in ("buffer", "shape", "dtype", "MiB", "formula", "knobs"):

@@ -49,6 +49,9 @@ from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, Re
 if TYPE_CHECKING:
     from moeserve.config import EngineConfig
     from moeserve.layers.attention import PagedAttention
+    from moeserve.layers.mla import MLAttention
+
+    AttentionLayer = PagedAttention | MLAttention  # what a forward is cut at
     from moeserve.parallel.groups import ParallelState
     from moeserve.parallel.step import StepContext
     from moeserve.plan.capacity import CapacityPlan
@@ -71,7 +74,7 @@ class _Pieces:
     def __init__(self, runner: "PrefillGraphRunner", size: int) -> None:
         self.runner, self.size = runner, size
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.layers: list["PagedAttention"] = []
+        self.layers: list["AttentionLayer"] = []
         self.hidden: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         self._open: Optional[torch.cuda.CUDAGraph] = None
 
@@ -85,13 +88,13 @@ class _Pieces:
         self.graphs.append(self._open)
         self._open = None
 
-    def skip(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
+    def skip(self, q_TND: torch.Tensor, layer: "AttentionLayer", fb: ForwardBatch
              ) -> torch.Tensor:
         """The attention hook of the eager warm-up: what `cut` launches, no cut."""
         self.runner.q[:self.size].copy_(q_TND)
         return self.runner.attn_out[:self.size]
 
-    def cut(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
+    def cut(self, q_TND: torch.Tensor, layer: "AttentionLayer", fb: ForwardBatch
             ) -> torch.Tensor:
         """The attention hook while capturing: the query to its static buffer (the last op of
         this piece), a new piece, and the static output buffer as the attention's output."""
@@ -132,8 +135,6 @@ class PrefillGraphRunner:
         if cfg.disable_piecewise_cuda_graph or not sizes or state.device.type != "cuda":
             return None
         blockers = graph_blockers(model, state.device)
-        if plan.spec.mla is not None:
-            blockers.append("latent attention (MLA) has no capturable backend")
         if blockers:
             log.warning("prefill runs without CUDA graphs: %s (--disable-piecewise-cuda-graph "
                         "silences this)", "; ".join(blockers))
@@ -173,7 +174,7 @@ class PrefillGraphRunner:
         t0 = time.perf_counter()
         reserved = torch.cuda.memory_reserved()
         self.pool = torch.cuda.graph_pool_handle()
-        layers: Optional[list["PagedAttention"]] = None
+        layers: Optional[list["AttentionLayer"]] = None
         stream = torch.cuda.Stream()
         for t in reversed(self.sizes):  # largest first: the smaller fit in what it freed
             fb = self._capture_batch(t)
