@@ -11,8 +11,10 @@ Parts, each in its own process:
              torch eagerly; GB/s on the bytes a step must read (the requests' cached rows,
              (C + R) x 2 bytes each, plus kv_b_proj's weight), beside the copy bandwidth
              measured in the same run;
-             extend (prompts, and a chunk after a cached prefix): ms and TFLOP/s on the
-             absorbed form's FLOPs (per visible (query, key) pair and head 2 (2C + R)).
+             extend (prompts, and a chunk after a cached prefix): µs of the absorbed
+             kernel (TFLOP/s on its FLOPs: per visible (query, key) pair and head 2 (2C + R))
+             and, for fresh prompts, of the expanded form through SDPA (on 2 x 2 (P + R):
+             q/k/v padded to P + R dims), against the torch backend.
   e2e        DeepSeek-V2-Lite with dummy bf16 weights through the Engine, decode step ms at
              batch 1, 8, 64 over --ctx cached tokens (bench_e2e.decode_timing: events around
              the runner's forward, median of steady steps): triton with decode graphs, triton
@@ -92,16 +94,29 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
             out["decode"].append(row)
             print(json.dumps(row), flush=True)
             del layer, fast, ref, fb, q
+    from moeserve.layers import attention_tiles as TL
+
+    shipped = TL.MLA_SDPA_MIN_EXTEND
     for prefix, new in args.extends:
         layer, fast, ref, fb, q = _setup(1, [(prefix, new)], ForwardMode.EXTEND)
-        fast_us = time_us(lambda: fast.forward(q, layer, fb), reps=10)
-        ref_us = time_us(lambda: ref.forward(q, layer, fb), reps=3, warmup=1)
-        got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        row: dict[str, Any] = {"prefix": prefix, "new": new}
         pairs = new * prefix + new * (new + 1) // 2
-        flops = pairs * N * 2 * (2 * C + R)
-        row = {"prefix": prefix, "new": new, "triton_us": fast_us, "torch_us": ref_us,
-               "TFLOPs": flops / fast_us / 1e6, "rel_err": err}
+        # the absorbed kernel, then (fresh prompts) the expanded form through SDPA
+        for name, threshold in (("kernel", 1 << 62), ("sdpa", 1)):
+            if name == "sdpa" and prefix:
+                continue
+            TL.MLA_SDPA_MIN_EXTEND = threshold
+            fast._meta = None  # the backend decides on the step's first call
+            layer_us = time_us(lambda: fast.forward(q, layer, fb), reps=10)
+            row[f"{name}_us"] = layer_us
+            got = fast.forward(q, layer, fb)
+            want = ref.forward(q, layer, fb)
+            row[f"{name}_rel_err"] = ((got.float() - want.float()).norm()
+                                      / want.float().norm()).item()
+            flops = pairs * N * 2 * (2 * C + R if name == "kernel" else 2 * (P + R))
+            row[f"{name}_TFLOPs"] = flops / layer_us / 1e6
+        TL.MLA_SDPA_MIN_EXTEND = shipped
+        row["torch_us"] = time_us(lambda: ref.forward(q, layer, fb), reps=3, warmup=1)
         out["extend"].append(row)
         print(json.dumps(row), flush=True)
         del layer, fast, ref, fb, q
@@ -156,7 +171,8 @@ def main() -> int:
     p.add_argument("--ctx-list", type=int, nargs="+", default=[512, 4096],
                    help="contexts of the attention part's decode")
     p.add_argument("--extends", type=lambda s: tuple(map(int, s.split(":"))), nargs="+",
-                   default=[(0, 1024), (0, 4096), (3072, 1024)], metavar="PREFIX:NEW")
+                   default=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 4096), (3072, 1024)],
+                   metavar="PREFIX:NEW")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     args = p.parse_args()
     out_dir = Path(args.out)

@@ -20,6 +20,7 @@ from moeserve.layers.mla import mla_backend_for
 from moeserve.models.spec import MLASpec
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, MLAKVCachePool, ReqToTokenPool
+from spies import spy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -140,10 +141,46 @@ def test_mla_prep_kernel_matches_the_torch_formulation(dtype, interleaved, heads
     assert q_err < tol and cache_err < tol, (q_err, cache_err)
 
 
-def test_triton_mla_long_context_decode_matches_torch():
-    """Contexts past many key blocks per split (2 requests, so 64+ splits each)."""
+def test_triton_mla_long_context_decode_matches_torch(monkeypatch):
+    """Contexts past many key blocks per split (2 requests, so 64+ splits each); the fresh
+    prompts (past MLA_SDPA_MIN_EXTEND) go through SDPA in the expanded form, the chunks after
+    them through the kernel."""
+    import moeserve.layers.mla_triton as MT
+
+    calls = spy(monkeypatch, MT, "mla_sdpa_fresh", lambda *a: a[4])
     errors = run_case("cuda", torch.bfloat16, 16, LITE, [3000, 1700], [2000, 1690])
     assert max(errors) < TOL[torch.bfloat16], errors
+    assert calls == [[(0, 2000), (2000, 1690)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fresh_prompts_through_sdpa_match_torch(monkeypatch, dtype):
+    """With the threshold at 1 token every fresh step takes SDPA (bf16 only: fp32 stays on
+    the kernel), padded to the bucket; odd dims (v wider than q) included."""
+    import moeserve.layers.attention_tiles as TL
+    import moeserve.layers.mla_triton as MT
+
+    calls = spy(monkeypatch, MT, "mla_sdpa_fresh", lambda *a: a[4])
+    monkeypatch.setattr(TL, "MLA_SDPA_MIN_EXTEND", 1)
+    for dims in (LITE, (20, 64, 4, 8, 16)):
+        errors = run_case("cuda", dtype, 16, dims, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+        assert max(errors) < TOL[dtype], errors
+    want = [[(0, 33), (33, 140), (173, 64), (237, 1)]] * 2 if dtype == torch.bfloat16 else []
+    assert calls == want
+
+
+def test_mla_sdpa_warm_up_runs_every_padded_length(monkeypatch):
+    import moeserve.layers.attention_tiles as TL
+    import moeserve.layers.attention_triton as AT
+
+    seen = spy(monkeypatch, AT.F, "scaled_dot_product_attention", lambda q, *a: q.shape[2:])
+    fast, _ = backends()
+    layer = fake_layer(*LITE, torch.bfloat16, "cuda", torch.Generator())
+    top = TL.MLA_SDPA_MIN_EXTEND + 2 * TL.SDPA_BUCKET + 1
+    lengths = fast.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
+    want = [TL.sdpa_length(TL.MLA_SDPA_MIN_EXTEND) + i * TL.SDPA_BUCKET for i in range(4)]
+    assert lengths == want and seen == [(x, 192) for x in want]
+    assert fast.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
 
 
 def test_triton_mla_decode_replays_in_a_cuda_graph():
@@ -202,7 +239,6 @@ def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch
     from moeserve.runtime.cuda_graph import DecodeGraphRunner
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.prefill_graph import PrefillGraphRunner
-    from spies import spy
 
     config = {**PRESETS["deepseek-v2-lite"], "hidden_size": 256, "num_hidden_layers": 2,
               "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,

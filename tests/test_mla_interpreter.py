@@ -32,3 +32,33 @@ print("interpreter ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_mla_under_the_interpreter():
     run_interpreted(SCRIPT)
+
+
+def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
+    """mla_triton.mla_sdpa_fresh (fresh prompts: rows expanded through kv_b_proj, SDPA on
+    zero-padded head dims, lengths padded to the bucket) equals the torch MLA backend; fp32
+    on the CPU, where SDPA runs its math kernel."""
+    import torch
+
+    import moeserve.layers.attention_tiles as TL
+    from moeserve.layers.mla_triton import mla_sdpa_fresh
+    from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
+    from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
+    from test_mla_gpu import backends, fake_layer, rel_err
+
+    monkeypatch.setattr(TL, "SDPA_BUCKET", 16)  # 5 and 37 tokens run padded to 16 and 48
+    for n, c, r, p, v in ((4, 16, 8, 8, 8), (3, 32, 4, 8, 16)):
+        gen = torch.Generator().manual_seed(n)
+        layer = fake_layer(n, c, r, p, v, torch.float32, "cpu", gen, layer_id=0)
+        pool = MLAKVCachePool(1, 64, c, r, torch.float32, "cpu")
+        rows = ReqToTokenPool(3, 48, "cpu")
+        fb = prepare_batch(ForwardMode.EXTEND, [[0] * 5, [0] * 37], [0, 0],
+                           [rows.alloc(), rows.alloc()], rows, pool)
+        pool.kv_LSW.normal_(generator=gen)
+        q = torch.randn(42, n, p + r, generator=gen)
+        got = torch.full((42, n, v), float("nan"))
+        w = layer.kv_b_proj.weight.view(n, p + v, c)
+        mla_sdpa_fresh(q, pool.latent_cache(0), fb.out_cache_loc, w, [(0, 5), (5, 37)],
+                       layer.scaling, got)
+        want = backends()[1].forward(q, layer, fb)
+        assert rel_err(got, want) < 1e-5

@@ -82,6 +82,11 @@ MLA_DECODE_TILES = (16, 1, 32, 4, 2)
 MLA_EXTEND_ROWS = 32  # rows of an extend program: up to 16 heads, the rest tokens
 MLA_EXTEND_TILES = (32, 4, 2)  # (BLOCK_N, num_warps, num_stages) of the extend kernel
 MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
+# A step whose requests all start fresh, with an extend of at least this many tokens, runs
+# latent attention in the expanded form through SDPA (mla_triton.mla_sdpa_fresh): 2 (P + R + V)
+# FLOPs per (query, key) pair and head at cuDNN's rate, against the absorbed kernel's
+# 2 (2C + R). Lengths are padded to SDPA_BUCKET and built at startup as for GQA.
+MLA_SDPA_MIN_EXTEND = 512
 
 
 def mla_extend_tiles(heads: int) -> tuple[int, int, int, int, int]:

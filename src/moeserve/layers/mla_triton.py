@@ -8,13 +8,17 @@ V value dims; W = kv_b_proj's weight viewed [N, P + V, C], W_UK = W[:, :P], W_UV
     o_lat     = attention over the cached [latent | k_pe] rows (the kernels)
     o_NTV     = o_lat_NTC @ W_UV^T           one batched GEMM over the heads
 
-Why absorbed for both modes: the cache holds only the latent rows, so the torch backend's way
-(expand every cached row through kv_b_proj for every head, each step) moves N (P + V) / (C + R)
-times the cache's bytes and a [S, N, P + V] copy per request. Absorbed, each cached row is
-read once per program and feeds all its heads; decode reads C + R values per cached token,
-the least any exact method can. Extend computes (C + R + C) / (P + R + V) times the FLOPs of
-the expanded form (DeepSeek-V2-Lite: 3.4x), which long prompts pay; it needs no [S, N, P + V]
-copy, serves a cached prefix as it serves new tokens, and is exact.
+Why absorbed: the cache holds only the latent rows, so the torch backend's way (expand every
+cached row through kv_b_proj for every head, each step) moves N (P + V) / (C + R) times the
+cache's bytes and a [S, N, P + V] copy per request. Absorbed, each cached row is read once per
+program and feeds all its heads; decode reads C + R values per cached token, the least any
+exact method can. Extend computes (C + R + C) / (P + R + V) times the FLOPs of the expanded
+form (DeepSeek-V2-Lite: 3.4x); it needs no [S, N, P + V] copy and serves a cached prefix as it
+serves new tokens.
+
+One exception, as in the GQA backend: prompts without a cached prefix (from
+attention_tiles.MLA_SDPA_MIN_EXTEND tokens) expand their own rows (one GEMM, [T, N, P + V]:
+small against the T^2 work) and run the expanded form through torch's SDPA (mla_sdpa_fresh).
 
 Decode reads every length from device tensors and launches a grid fixed by the batch size:
 graph-capturable (runtime/cuda_graph.py). Extend sizes its grid from the step's longest
@@ -27,10 +31,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
 from moeserve.layers.attention import AttentionBackend
-from moeserve.layers.attention_triton import LOG2E, _pow2
+from moeserve.layers.attention_triton import LOG2E, _pow2, _sdpa, _sdpa_takes
 from moeserve.layers.mla import register_mla_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -53,6 +58,11 @@ class _StepMeta:
                 starts.append(starts[-1] + e)
             self.q_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
             self.max_extend = max(lens, default=0)
+            # (first row, tokens) of each request when the step goes through SDPA, else None
+            self.sdpa: Optional[list[tuple[int, int]]] = None
+            if (T.MLA_SDPA_MIN_EXTEND <= self.max_extend <= T.SDPA_MAX_EXTEND
+                    and not any(fb.extend_prefix_lens_cpu)):
+                self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
 
 @register_mla_backend("triton")
@@ -62,6 +72,20 @@ class TritonMLABackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
         self._num_sms: dict[torch.device, int] = {}
+
+    def warm_up(self, layer: "MLAttention", max_extend: int, dtype: torch.dtype,
+                device: torch.device) -> list[int]:
+        """SDPA once at every padded length a fresh prompt of up to max_extend tokens can take
+        (cuDNN builds each length's plan on its first call)."""
+        dim = _sdpa_dim(layer)
+        if not _sdpa_takes(device, dtype, dim) or max_extend < T.MLA_SDPA_MIN_EXTEND:
+            return []
+        top = T.sdpa_length(min(max_extend, T.SDPA_MAX_EXTEND))
+        lengths = list(range(T.sdpa_length(T.MLA_SDPA_MIN_EXTEND), top + 1, T.SDPA_BUCKET))
+        for t in lengths:
+            x = torch.zeros(t, layer.heads_local, dim, dtype=dtype, device=device)
+            _sdpa(x, x, x, layer.scaling)
+        return lengths
 
     def _step_meta(self, fb: ForwardBatch, device: torch.device, head_blocks: int) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
@@ -86,16 +110,22 @@ class TritonMLABackend(AttentionBackend):
         if fb.mode is ForwardMode.IDLE or t == 0:
             return q_TNQ.new_empty(t, n, v) if out is None else out
         w_NWC = layer.kv_b_proj.weight.view(n, p + v, c)
-        q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
-        q_pe_TNR = q_TNQ[..., p:]
-        o_lat_NTC = torch.empty_like(q_lat_NTC)
         cache = fb.kv_pool.latent_cache(layer.layer_id)
-        table = fb.req_to_token
         decode = fb.mode is ForwardMode.DECODE
         block_h, block_t, block_n, warps, stages = (T.MLA_DECODE_TILES if decode
                                                     else T.mla_extend_tiles(n))
         head_blocks = -(-n // block_h)
         meta = self._step_meta(fb, q_TNQ.device, head_blocks)
+        if (not decode and meta.sdpa is not None
+                and _sdpa_takes(q_TNQ.device, q_TNQ.dtype, _sdpa_dim(layer))):
+            out_TNV = q_TNQ.new_empty(t, n, v) if out is None else out
+            mla_sdpa_fresh(q_TNQ, cache, fb.out_cache_loc, w_NWC, meta.sdpa, layer.scaling,
+                           out_TNV)
+            return out_TNV
+        q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
+        q_pe_TNR = q_TNQ[..., p:]
+        o_lat_NTC = torch.empty_like(q_lat_NTC)
+        table = fb.req_to_token
         scale = layer.scaling * LOG2E
         common = dict(KV_RANK=c, ROPE=r, BLOCK_H=block_h, BLOCK_C=_pow2(c), BLOCK_R=_pow2(r),
                       BLOCK_N=block_n, IEEE=cache.dtype == torch.float32, num_warps=warps,
@@ -129,3 +159,36 @@ class TritonMLABackend(AttentionBackend):
         if out is None:
             return o_NTV.transpose(0, 1)
         return out.copy_(o_NTV.transpose(0, 1))
+
+
+def _sdpa_dim(layer: "MLAttention") -> int:
+    """The head dim the expanded form runs SDPA at: q/k (nope + rope) and v padded alike."""
+    return max(layer.mla.qk_head_dim, layer.mla.v_head_dim)
+
+
+def mla_sdpa_fresh(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, out_cache_loc: torch.Tensor,
+                   w_NWC: torch.Tensor, requests: list[tuple[int, int]], scaling: float,
+                   out_TNV: torch.Tensor) -> None:
+    """Causal attention of requests without a cached prefix in the expanded form, through
+    torch's SDPA: request (s, n) has query rows [s, s + n) and, as keys, exactly those tokens,
+    whose cache rows (already written) expand through kv_b_proj into per-head k_nope and v
+    (one GEMM); k = [k_nope | k_pe], the same k_pe for every head. q/k and v are zero-padded
+    to one head dim (SDPA's flash-class kernels take one), and the length to
+    attention_tiles.SDPA_BUCKET as in attention_triton.sdpa_fresh."""
+    n_heads, width, c = w_NWC.shape
+    qd, vd = q_TNQ.shape[-1], out_TNV.shape[-1]
+    nope, dim = width - vd, max(qd, vd)
+    w_XC = w_NWC.reshape(n_heads * width, c)
+    for s, n in requests:
+        t = T.sdpa_length(n)
+        loc, q = out_cache_loc[s:s + n], q_TNQ[s:s + n]
+        if t > n:
+            loc = torch.cat((loc, loc[-1:].expand(t - n)))
+            q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
+        rows_TW = cache_SW.index_select(0, loc)
+        kv_TNW = (rows_TW[:, :c] @ w_XC.t()).view(t, n_heads, width)
+        k_pe = rows_TW[:, None, c:].expand(t, n_heads, qd - nope)
+        k = torch.cat((kv_TNW[..., :nope], k_pe), dim=-1)
+        o = _sdpa(F.pad(q, (0, dim - qd)), F.pad(k, (0, dim - qd)),
+                  F.pad(kv_TNW[..., nope:], (0, dim - vd)), scaling)
+        out_TNV[s:s + n].copy_(o[:n, :, :vd])

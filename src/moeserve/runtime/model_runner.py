@@ -24,6 +24,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.layers.attention import PagedAttention
+from moeserve.layers.mla import MLAttention
 from moeserve.moe.experts.base import Experts
 from moeserve.models.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
@@ -100,12 +101,13 @@ class ModelRunner:
     def warm_up_attention(self) -> list[int]:
         """The attention backend's per-shape builds for extends of up to the plan's extend
         budget (AttentionBackend.warm_up). Returns the lengths run."""
-        layer = next((m for m in self.model.modules() if isinstance(m, PagedAttention)), None)
+        layer = next((m for m in self.model.modules()
+                      if isinstance(m, (PagedAttention, MLAttention))), None)
         if layer is None or self.plan.budget is None:
             return []
         t0 = time.perf_counter()
-        lengths = layer.backend.warm_up(layer, self.plan.budget.extend,
-                                        self.kv_pool.kv_LSKD.dtype, self.device)
+        lengths = layer.backend.warm_up(layer, self.plan.budget.extend, self.kv_pool.dtype,
+                                        self.device)
         if lengths:
             log.info("attention warmed up for %d extend lengths (%d-%d) in %.1f s",
                      len(lengths), lengths[0], lengths[-1], time.perf_counter() - t0)
