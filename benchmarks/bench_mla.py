@@ -19,7 +19,8 @@ Parts, each in its own process:
              batch 1, 8, 64 over --ctx cached tokens (bench_e2e.decode_timing: events around
              the runner's forward, median of steady steps): triton with decode graphs, triton
              eagerly, and the torch backend (eager: it reads host lengths); and the time to
-             first token of one --prompt-token prompt (Engine.generate, 1 new token).
+             first token of one prompt of each --prompt-tokens length (Engine.generate, 1 new
+             token, a fresh prompt each time).
 """
 
 from __future__ import annotations
@@ -128,11 +129,16 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
     from bench_e2e import decode_timing, randomize_kv
     from moeserve.runtime.engine import Engine
 
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend}
+    from moeserve.layers import attention_tiles as TL
+
+    if args.mla_sdpa_min_extend is not None:
+        TL.MLA_SDPA_MIN_EXTEND = args.mla_sdpa_min_extend
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend,
+                           "mla_sdpa_min_extend": TL.MLA_SDPA_MIN_EXTEND}
     t0 = time.perf_counter()
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                    attention_backend=args.backend, context_length=max(args.ctx,
-                                                                       args.prompt_tokens) + 64,
+                    attention_backend=args.backend,
+                    context_length=max(args.ctx, *args.prompt_tokens) + 64,
                     max_running_requests=max(args.batches))
     out["startup_s"] = time.perf_counter() - t0
     runner = engine._thread._args[0].runner
@@ -145,17 +151,18 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
             ms = decode_timing(runner, b, args.ctx, graphs, steps)
             out[f"decode_{name}_ms_{b}"] = ms
             print(f"{args.backend} {name} decode batch {b}: {ms:.3f} ms/step", flush=True)
-    prompt = [[(7 * i) % 1000 + 5 for i in range(args.prompt_tokens)]]
     params = [{"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}]
-    times = []
-    for _ in range(4):
-        t = time.perf_counter()
-        res = engine.generate(input_ids=prompt, sampling_params=params)
-        times.append(time.perf_counter() - t)
-        assert res[0]["error"] is None, res
-    out["ttft_ms"] = sorted(times[1:])[1] * 1e3  # median of the last three
-    print(f"{args.backend} one {args.prompt_tokens}-token prompt: {out['ttft_ms']:.1f} ms",
-          flush=True)
+    out["ttft_ms"] = {}
+    for n in args.prompt_tokens:
+        times = []
+        for i in range(4):  # a new prompt each time: no cached prefix
+            prompt = [[(7 * j + 13 * i) % 1000 + 5 for j in range(n)]]
+            t = time.perf_counter()
+            res = engine.generate(input_ids=prompt, sampling_params=params)
+            times.append(time.perf_counter() - t)
+            assert res[0]["error"] is None, res
+        out["ttft_ms"][n] = sorted(times[1:])[1] * 1e3  # median of the last three
+        print(f"{args.backend} one {n}-token prompt: {out['ttft_ms'][n]:.1f} ms", flush=True)
     engine.shutdown()
     return out
 
@@ -173,18 +180,23 @@ def main() -> int:
     p.add_argument("--extends", type=lambda s: tuple(map(int, s.split(":"))), nargs="+",
                    default=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 4096), (3072, 1024)],
                    metavar="PREFIX:NEW")
-    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--mla-sdpa-min-extend", type=int,
+                   help="attention_tiles.MLA_SDPA_MIN_EXTEND for the e2e part (default: shipped)")
+    p.add_argument("--backends", default="triton,torch", help="backends of the e2e part")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.part:
         fn = {"attention": part_attention, "e2e": part_e2e}[args.part]
-        (out_dir / f"{args.part}-{args.backend}.json").write_text(json.dumps(fn(args), indent=1))
+        tag = "" if args.mla_sdpa_min_extend is None else f"-sdpa{args.mla_sdpa_min_extend}"
+        (out_dir / f"{args.part}-{args.backend}{tag}.json").write_text(
+            json.dumps(fn(args), indent=1))
         return 0
     rc = 0
     jobs = []
     for part in args.parts.split(","):
-        jobs += [(part, b) for b in (("triton", "torch") if part == "e2e" else ("triton",))]
+        jobs += [(part, b) for b in (args.backends.split(",") if part == "e2e" else ("triton",))]
     for part, backend in jobs:
         cmd = [sys.executable, __file__, "--part", part, "--backend", backend,
                *sys.argv[1:]]
