@@ -153,10 +153,12 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{args.backend} {name} decode batch {b}: {ms:.3f} ms/step", flush=True)
     params = [{"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}]
     out["ttft_ms"] = {}
+    fresh = 0
     for n in args.prompt_tokens:
         times = []
-        for i in range(4):  # a new prompt each time: no cached prefix
-            prompt = [[(7 * j + 13 * i) % 1000 + 5 for j in range(n)]]
+        for _ in range(4):  # a first token no prompt before had: nothing in the prefix cache
+            fresh += 1
+            prompt = [[1000 + fresh] + [(7 * j) % 1000 + 5 for j in range(n - 1)]]
             t = time.perf_counter()
             res = engine.generate(input_ids=prompt, sampling_params=params)
             times.append(time.perf_counter() - t)

@@ -1,5 +1,6 @@
 """Where an eager prefill's time goes: the host's launch against the device's work, for one
-request of N new tokens (Qwen3-30B-A3B shape, dummy bf16 weights, one GPU).
+request of N new tokens (--model, by default the Qwen3-30B-A3B shape; dummy bf16 weights, one
+GPU).
 
     PYTHONPATH=src python benchmarks/prefill_host.py --out DIR [--tokens 256 4096]
 
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-MODEL = "preset:qwen3-30b-a3b"
 FIRST: list[float] = []  # device ms of each timed() series' first call
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
          "cudaMemcpy", "cudaMemcpyAsync")
@@ -150,6 +150,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="prefill_out")
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
+    p.add_argument("--model", default="preset:qwen3-30b-a3b")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--extend-tiles", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                    help="the extend attention kernel's tiles (default: the shipped ones)")
@@ -158,6 +159,8 @@ def main() -> int:
     p.add_argument("--sdpa-min-extend", type=int,
                    help="fresh prompts of at least this many tokens go through SDPA "
                         "(default: the shipped threshold; a huge value: never)")
+    p.add_argument("--mla-sdpa-min-extend", type=int,
+                   help="the same for latent attention (DeepSeek)")
     args = p.parse_args()
     from moeserve.layers import attention_tiles
 
@@ -167,12 +170,15 @@ def main() -> int:
         attention_tiles.EXTEND_SPLIT = False
     if args.sdpa_min_extend is not None:
         attention_tiles.SDPA_MIN_EXTEND = args.sdpa_min_extend
+    if args.mla_sdpa_min_extend is not None:
+        attention_tiles.MLA_SDPA_MIN_EXTEND = args.mla_sdpa_min_extend
     print(f"extend attention: tiles {attention_tiles.EXTEND_TILES}, "
           f"split {attention_tiles.EXTEND_SPLIT}, SDPA from "
-          f"{attention_tiles.SDPA_MIN_EXTEND} tokens", flush=True)
+          f"{attention_tiles.SDPA_MIN_EXTEND} tokens (latent attention: "
+          f"{attention_tiles.MLA_SDPA_MIN_EXTEND})", flush=True)
     from moeserve.runtime.engine import Engine
 
-    engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+    engine = Engine(args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                     context_length=max(args.tokens) + 64, max_running_requests=8,
                     chunked_prefill_size=max(args.tokens))
     runner = engine._thread._args[0].runner

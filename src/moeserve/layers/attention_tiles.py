@@ -85,8 +85,13 @@ MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
 # A step whose requests all start fresh, with an extend of at least this many tokens, runs
 # latent attention in the expanded form through SDPA (mla_triton.mla_sdpa_fresh): 2 (P + R + V)
 # FLOPs per (query, key) pair and head at cuDNN's rate, against the absorbed kernel's
-# 2 (2C + R). Lengths are padded to SDPA_BUCKET and built at startup as for GQA.
-MLA_SDPA_MIN_EXTEND = 512
+# 2 (2C + R). Lengths are padded to SDPA_BUCKET and built at startup as for GQA. H200,
+# 2026-11-22, DeepSeek-V2-Lite with dummy weights, one prompt through the prefill graphs
+# (benchmarks/prefill_host.py, device ms): 1024 tokens 15.18 against 17.57 on the kernel,
+# 4096 tokens 45.58 against 79.55. One layer's attention alone (bench_mla.py, eager, bound by
+# its host below 1024 tokens): 4096 tokens 0.372 against 1.734 ms; 512 tokens 0.223 against
+# 0.128 ms (not measured on the device alone: shorter prompts keep the kernel).
+MLA_SDPA_MIN_EXTEND = 1024
 
 
 def mla_extend_tiles(heads: int) -> tuple[int, int, int, int, int]:
