@@ -41,8 +41,12 @@ MODEL = "preset:qwen3-30b-a3b"
 
 def decode_bytes(spec: Any, batch: int, ctx: int, elem: int = 2) -> dict[str, float]:
     """Bytes one decode step of `batch` requests with `ctx` cached tokens each must read."""
-    h, d, layers = spec.hidden_size, spec.head_dim, spec.num_layers
-    attn = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 2 * h + 2 * d
+    from moeserve.parallel.layout import ParallelLayout
+    from moeserve.plan.memory import attention_params, kv_elems_per_token_per_layer
+
+    one_gpu = ParallelLayout(tp=1, dp=1, ep=1, dense_tp=1, a2a=False)
+    h, layers = spec.hidden_size, spec.num_layers
+    attn = attention_params(spec, one_gpu) + 2 * h  # and the layer's two norms
     moe_layers = len(spec.moe_layers)
     e, k = spec.num_experts, spec.top_k
     touched = e * (1 - (1 - k / e) ** batch)
@@ -52,7 +56,7 @@ def decode_bytes(spec: Any, batch: int, ctx: int, elem: int = 2) -> dict[str, fl
              + 3 * h * spec.dense_intermediate_size * (layers - moe_layers)
              + spec.vocab_size * h + batch * h) * elem
     experts = touched * expert * moe_layers * elem
-    kv = batch * ctx * layers * 2 * spec.num_kv_heads * d * elem
+    kv = batch * ctx * layers * kv_elems_per_token_per_layer(spec, one_gpu) * elem
     return {"dense": dense, "experts": experts, "kv": kv, "total": dense + experts + kv,
             "touched_experts_per_layer": touched}
 

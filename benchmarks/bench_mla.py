@@ -18,7 +18,8 @@ Parts, each in its own process:
   e2e        DeepSeek-V2-Lite with dummy bf16 weights through the Engine, decode step ms at
              batch 1, 8, 64 over --ctx cached tokens (bench_e2e.decode_timing: events around
              the runner's forward, median of steady steps): triton with decode graphs, triton
-             eagerly, and the torch backend (eager: it reads host lengths); and the time to
+             eagerly, and the torch backend (eager: it reads host lengths), beside the floor
+             (bench_e2e.decode_bytes over the copy bandwidth measured first); and the time to
              first token of one prompt of each --prompt-tokens length (Engine.generate, 1 new
              token, a fresh prompt each time).
 """
@@ -126,7 +127,8 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
-    from bench_e2e import decode_timing, randomize_kv
+    from bench_e2e import decode_bytes, decode_timing, randomize_kv
+    from moe_common import ceilings
     from moeserve.runtime.engine import Engine
 
     from moeserve.layers import attention_tiles as TL
@@ -134,7 +136,7 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
     if args.mla_sdpa_min_extend is not None:
         TL.MLA_SDPA_MIN_EXTEND = args.mla_sdpa_min_extend
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend,
-                           "mla_sdpa_min_extend": TL.MLA_SDPA_MIN_EXTEND}
+                           "mla_sdpa_min_extend": TL.MLA_SDPA_MIN_EXTEND, **ceilings()}
     t0 = time.perf_counter()
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                     attention_backend=args.backend,
@@ -144,6 +146,11 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
     runner = engine._thread._args[0].runner
     randomize_kv(runner.kv_pool)
     out["graphs"] = bool(runner.graphs)
+    for b in args.batches:  # the roofline: the bytes a step must read / copy bandwidth
+        need = decode_bytes(runner.spec, b, args.ctx)["total"]
+        out[f"floor_ms_{b}"] = need / out["copy_GBps"] / 1e6
+        print(f"batch {b}: {need / 1e9:.2f} GB a step, floor {out[f'floor_ms_{b}']:.3f} ms",
+              flush=True)
     modes = [("graphs", True), ("eager", False)] if runner.graphs else [("eager", False)]
     for name, graphs in modes:
         for b in args.batches:

@@ -33,7 +33,7 @@ def kv_bytes_per_token(spec: ModelSpec, layout: ParallelLayout, dtype: str) -> i
     return spec.num_layers * kv_elems_per_token_per_layer(spec, layout) * DTYPE_BYTES[dtype]
 
 
-def _attention_params(spec: ModelSpec, layout: ParallelLayout) -> int:
+def attention_params(spec: ModelSpec, layout: ParallelLayout) -> int:
     h, a = spec.hidden_size, layout.attn_tp
     if spec.mla is not None:
         m, nh = spec.mla, spec.num_heads
@@ -62,7 +62,7 @@ def weight_params_per_rank(spec: ModelSpec, layout: ParallelLayout) -> int:
     vocab = spec.vocab_size * h // layout.attn_tp
     total = vocab if spec.tie_word_embeddings else 2 * vocab
     total += h  # final norm
-    per_layer_common = _attention_params(spec, layout) + 2 * h
+    per_layer_common = attention_params(spec, layout) + 2 * h
     experts = (spec.num_experts // layout.ep) * 3 * h * spec.moe_intermediate_size // layout.moe_tp
     router = spec.num_experts * h + (spec.num_experts if spec.scoring == "sigmoid" else 0)
     shared = 3 * h * spec.shared_expert_intermediate_size // layout.shared_expert_tp
