@@ -147,25 +147,33 @@ def test_triton_mla_long_context_decode_matches_torch(monkeypatch):
     them through the kernel."""
     import moeserve.layers.mla_triton as MT
 
-    calls = spy(monkeypatch, MT, "mla_sdpa_fresh", lambda *a: a[4])
+    calls = spy(monkeypatch, MT, "mla_sdpa", lambda *a: a[4])
     errors = run_case("cuda", torch.bfloat16, 16, LITE, [3000, 1700], [2000, 1690])
     assert max(errors) < TOL[torch.bfloat16], errors
-    assert calls == [[(0, 2000), (2000, 1690)]]
+    assert calls == [[(0, 0, 2000, 0), (1, 2000, 1690, 0)]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fresh_prompts_through_sdpa_match_torch(monkeypatch, dtype):
-    """With the threshold at 1 token every fresh step takes SDPA (bf16 only: fp32 stays on
-    the kernel), padded to the bucket; odd dims (v wider than q) included."""
+@pytest.mark.parametrize("threshold", [1, 50])
+def test_requests_through_sdpa_match_torch(monkeypatch, dtype, threshold):
+    """With the threshold at 1 token every request of an extend takes SDPA, fresh (padded to
+    the bucket) or after a prefix (mask aligned to the last key); at 50 the long ones do and
+    the kernel takes the others in the same step. bf16 only: fp32 stays on the kernel. Odd
+    dims (v wider than q) included."""
     import moeserve.layers.attention_tiles as TL
     import moeserve.layers.mla_triton as MT
 
-    calls = spy(monkeypatch, MT, "mla_sdpa_fresh", lambda *a: a[4])
-    monkeypatch.setattr(TL, "MLA_SDPA_MIN_EXTEND", 1)
+    calls = spy(monkeypatch, MT, "mla_sdpa", lambda *a: a[4])
+    monkeypatch.setattr(TL, "MLA_SDPA_MIN_EXTEND", threshold)
     for dims in (LITE, (20, 64, 4, 8, 16)):
         errors = run_case("cuda", dtype, 16, dims, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
         assert max(errors) < TOL[dtype], errors
-    want = [[(0, 33), (33, 140), (173, 64), (237, 1)]] * 2 if dtype == torch.bfloat16 else []
+    # first step: new [33, 0, 140, 64, 1], no prefix; second: new [34, 1, 60, 62, 5] after
+    # the first's; (batch index, first row, new, prefix)
+    first = [(0, 0, 33, 0), (2, 33, 140, 0), (3, 173, 64, 0), (4, 237, 1, 0)]
+    second = [(0, 0, 34, 33), (1, 34, 1, 0), (2, 35, 60, 140), (3, 95, 62, 64), (4, 157, 5, 1)]
+    picked = [[r for r in step if r[2] >= threshold] for step in (first, second)]
+    want = picked * 2 if dtype == torch.bfloat16 else []
     assert calls == want
 
 

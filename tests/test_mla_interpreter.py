@@ -35,13 +35,13 @@ def test_triton_mla_under_the_interpreter():
 
 
 def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
-    """mla_triton.mla_sdpa_fresh (fresh prompts: rows expanded through kv_b_proj, SDPA on
-    zero-padded head dims, lengths padded to the bucket) equals the torch MLA backend; fp32
-    on the CPU, where SDPA runs its math kernel."""
+    """mla_triton.mla_sdpa (rows expanded through kv_b_proj, SDPA on zero-padded head dims;
+    fresh prompts padded to the bucket, chunks after a prefix under a mask aligned to the last
+    key) equals the torch MLA backend; fp32 on the CPU, where SDPA runs its math kernel."""
     import torch
 
     import moeserve.layers.attention_tiles as TL
-    from moeserve.layers.mla_triton import mla_sdpa_fresh
+    from moeserve.layers.mla_triton import mla_sdpa
     from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
     from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
     from test_mla_gpu import backends, fake_layer, rel_err
@@ -50,15 +50,18 @@ def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
     for n, c, r, p, v in ((4, 16, 8, 8, 8), (3, 32, 4, 8, 16)):
         gen = torch.Generator().manual_seed(n)
         layer = fake_layer(n, c, r, p, v, torch.float32, "cpu", gen, layer_id=0)
-        pool = MLAKVCachePool(1, 64, c, r, torch.float32, "cpu")
-        rows = ReqToTokenPool(3, 48, "cpu")
-        fb = prepare_batch(ForwardMode.EXTEND, [[0] * 5, [0] * 37], [0, 0],
-                           [rows.alloc(), rows.alloc()], rows, pool)
+        pool = MLAKVCachePool(1, 128, c, r, torch.float32, "cpu")
         pool.kv_LSW.normal_(generator=gen)
-        q = torch.randn(42, n, p + r, generator=gen)
-        got = torch.full((42, n, v), float("nan"))
+        rows = ReqToTokenPool(3, 64, "cpu")
+        req_rows = [rows.alloc(), rows.alloc()]
         w = layer.kv_b_proj.weight.view(n, p + v, c)
-        mla_sdpa_fresh(q, pool.latent_cache(0), fb.out_cache_loc, w, [(0, 5), (5, 37)],
-                       layer.scaling, got)
-        want = backends()[1].forward(q, layer, fb)
-        assert rel_err(got, want) < 1e-5
+        # fresh prompts of 5 and 37 tokens, then 9 and 20 more after them
+        for news, prefixes, reqs in (([5, 37], [0, 0], [(0, 0, 5, 0), (1, 5, 37, 0)]),
+                                     ([9, 20], [5, 37], [(0, 0, 9, 5), (1, 9, 20, 37)])):
+            fb = prepare_batch(ForwardMode.EXTEND, [[0] * k for k in news], prefixes,
+                               req_rows, rows, pool)
+            q = torch.randn(sum(news), n, p + r, generator=gen)
+            got = torch.full((sum(news), n, v), float("nan"))
+            mla_sdpa(q, pool.latent_cache(0), fb, w, reqs, layer.scaling, got)
+            want = backends()[1].forward(q, layer, fb)
+            assert rel_err(got, want) < 1e-5, (news, prefixes)

@@ -82,10 +82,11 @@ MLA_DECODE_TILES = (16, 1, 32, 4, 2)
 MLA_EXTEND_ROWS = 32  # rows of an extend program: up to 16 heads, the rest tokens
 MLA_EXTEND_TILES = (32, 4, 2)  # (BLOCK_N, num_warps, num_stages) of the extend kernel
 MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
-# A step whose requests all start fresh, with an extend of at least this many tokens, runs
-# latent attention in the expanded form through SDPA (mla_triton.mla_sdpa_fresh): 2 (P + R + V)
+# A request of at least this many new tokens (and at most SDPA_MAX_EXTEND keys) runs latent
+# attention in the expanded form through SDPA (mla_triton.mla_sdpa): 2 (P + R + V)
 # FLOPs per (query, key) pair and head at cuDNN's rate, against the absorbed kernel's
-# 2 (2C + R). Lengths are padded to SDPA_BUCKET and built at startup as for GQA. H200,
+# 2 (2C + R). Fresh prompts' lengths are padded to SDPA_BUCKET and built at startup as for
+# GQA; after a cached prefix the mask is aligned to the last key (no per-length plan). H200,
 # 2026-11-22, DeepSeek-V2-Lite with dummy weights, one prompt through the prefill graphs
 # (benchmarks/prefill_host.py, device ms): 1024 tokens 15.18 against 17.57 on the kernel,
 # 4096 tokens 45.58 against 79.55. One layer's attention alone (bench_mla.py, eager, bound by

@@ -16,9 +16,10 @@ exact method can. Extend computes (C + R + C) / (P + R + V) times the FLOPs of t
 form (DeepSeek-V2-Lite: 3.4x); it needs no [S, N, P + V] copy and serves a cached prefix as it
 serves new tokens.
 
-One exception, as in the GQA backend: prompts without a cached prefix (from
-attention_tiles.MLA_SDPA_MIN_EXTEND tokens) expand their own rows (one GEMM, [T, N, P + V]:
-small against the T^2 work) and run the expanded form through torch's SDPA (mla_sdpa_fresh).
+One exception: a request with many new tokens (attention_tiles.MLA_SDPA_MIN_EXTEND or more,
+with or without a cached prefix, up to SDPA_MAX_EXTEND keys) expands its cached rows (one GEMM,
+[S, N, P + V]: small against the T S work) and runs the expanded form through torch's SDPA
+(mla_sdpa); the kernel takes the step's other requests.
 
 Decode reads every length from device tensors and launches a grid fixed by the batch size:
 graph-capturable (runtime/cuda_graph.py). Extend sizes its grid from the step's longest
@@ -44,25 +45,32 @@ if TYPE_CHECKING:
 
 
 class _StepMeta:
-    """What every layer of one forward shares: the split count of a decode, the query offsets
-    and longest extend of an extend."""
+    """What every layer of one forward shares: the split count of a decode; the query offsets
+    of an extend, its requests that go through SDPA in the expanded form (mla_sdpa) and what
+    the kernel keeps (their new tokens zeroed)."""
 
     def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int, num_sms: int):
         self.fb = fb
         if fb.mode is ForwardMode.DECODE:
             self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms)
-        else:
-            lens = fb.extend_seq_lens_cpu
-            starts = [0]
-            for e in lens[:-1]:
-                starts.append(starts[-1] + e)
-            self.q_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
-            self.max_extend = max(lens, default=0)
-            # (first row, tokens) of each request when the step goes through SDPA, else None
-            self.sdpa: Optional[list[tuple[int, int]]] = None
-            if (T.MLA_SDPA_MIN_EXTEND <= self.max_extend <= T.SDPA_MAX_EXTEND
-                    and not any(fb.extend_prefix_lens_cpu)):
-                self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
+            return
+        lens = fb.extend_seq_lens_cpu
+        starts = [0]
+        for e in lens[:-1]:
+            starts.append(starts[-1] + e)
+        self.q_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        self.max_extend = max(lens, default=0)
+        # (batch index, first row, new tokens, cached prefix) of each request SDPA takes
+        self.sdpa = [(i, s, n, p) for i, (s, n, p)
+                     in enumerate(zip(starts, lens, fb.extend_prefix_lens_cpu))
+                     if n >= T.MLA_SDPA_MIN_EXTEND and p + n <= T.SDPA_MAX_EXTEND]
+        self.kernel_lens, self.kernel_max = fb.extend_seq_lens, self.max_extend
+        if self.sdpa:
+            taken = {i for i, *_ in self.sdpa}
+            left = [0 if i in taken else n for i, n in enumerate(lens)]
+            self.kernel_lens = torch.tensor(left, dtype=torch.int64).to(device,
+                                                                       non_blocking=True)
+            self.kernel_max = max(left)
 
 
 @register_mla_backend("triton")
@@ -100,39 +108,54 @@ class TritonMLABackend(AttentionBackend):
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q_TNQ = [q_nope | roped q_pe] per head -> o [T, N, V] (a transposed view), or into
         `out` [T, N, V] (a prefill graph's static buffer) when given."""
+        m, n = layer.mla, layer.heads_local
+        t = q_TNQ.shape[0]
+        if fb.mode is ForwardMode.IDLE or t == 0:
+            return q_TNQ.new_empty(t, n, m.v_head_dim) if out is None else out
+        decode = fb.mode is ForwardMode.DECODE
+        tiles = T.MLA_DECODE_TILES if decode else T.mla_extend_tiles(n)
+        meta = self._step_meta(fb, q_TNQ.device, -(-n // tiles[0]))
+        sdpa = (not decode and meta.sdpa
+                and _sdpa_takes(q_TNQ.device, q_TNQ.dtype, _sdpa_dim(layer)))
+        if not sdpa:
+            o_TNV = self._absorbed(q_TNQ, layer, fb, meta, tiles, fb.extend_seq_lens,
+                                   0 if decode else meta.max_extend)
+            return o_TNV if out is None else out.copy_(o_TNV)
+        out_TNV = q_TNQ.new_empty(t, n, m.v_head_dim) if out is None else out
+        if meta.kernel_max:  # every row; those of SDPA's requests are overwritten below
+            out_TNV.copy_(self._absorbed(q_TNQ, layer, fb, meta, tiles, meta.kernel_lens,
+                                         meta.kernel_max))
+        mla_sdpa(q_TNQ, fb.kv_pool.latent_cache(layer.layer_id), fb, _kv_b(layer), meta.sdpa,
+                 layer.scaling, out_TNV)
+        return out_TNV
+
+    def _absorbed(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
+                  meta: _StepMeta, tiles: tuple[int, ...], extend_lens: torch.Tensor,
+                  max_extend: int) -> torch.Tensor:
+        """The kernels' attention (decode, or the extend of `extend_lens` new tokens per
+        request, at most max_extend) -> [T, N, V], a transposed view."""
         from moeserve.layers import attention_kernels as AK
         from moeserve.layers import mla_kernels as K
         from moeserve.layers.pdl import pdl_args
 
         m, n = layer.mla, layer.heads_local
-        p, r, c, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        p, r, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         t = q_TNQ.shape[0]
-        if fb.mode is ForwardMode.IDLE or t == 0:
-            return q_TNQ.new_empty(t, n, v) if out is None else out
-        w_NWC = layer.kv_b_proj.weight.view(n, p + v, c)
+        w_NWC = _kv_b(layer)
         cache = fb.kv_pool.latent_cache(layer.layer_id)
-        decode = fb.mode is ForwardMode.DECODE
-        block_h, block_t, block_n, warps, stages = (T.MLA_DECODE_TILES if decode
-                                                    else T.mla_extend_tiles(n))
-        head_blocks = -(-n // block_h)
-        meta = self._step_meta(fb, q_TNQ.device, head_blocks)
-        if (not decode and meta.sdpa is not None
-                and _sdpa_takes(q_TNQ.device, q_TNQ.dtype, _sdpa_dim(layer))):
-            out_TNV = q_TNQ.new_empty(t, n, v) if out is None else out
-            mla_sdpa_fresh(q_TNQ, cache, fb.out_cache_loc, w_NWC, meta.sdpa, layer.scaling,
-                           out_TNV)
-            return out_TNV
+        table = fb.req_to_token
         q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
         q_pe_TNR = q_TNQ[..., p:]
         o_lat_NTC = torch.empty_like(q_lat_NTC)
-        table = fb.req_to_token
+        block_h, block_t, block_n, warps, stages = tiles
+        head_blocks = -(-n // block_h)
         scale = layer.scaling * LOG2E
         common = dict(KV_RANK=c, ROPE=r, BLOCK_H=block_h, BLOCK_C=_pow2(c), BLOCK_R=_pow2(r),
                       BLOCK_N=block_n, IEEE=cache.dtype == torch.float32, num_warps=warps,
                       num_stages=stages)
         q_strides = (q_lat_NTC.stride(1), q_lat_NTC.stride(0), q_pe_TNR.stride(0),
                      q_pe_TNR.stride(1), cache.stride(0), table.stride(0))
-        if decode:
+        if fb.mode is ForwardMode.DECODE:
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             splits = meta.splits
@@ -149,16 +172,20 @@ class TritonMLABackend(AttentionBackend):
                 pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
                 HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
                 **pdl)
-        elif meta.max_extend:
-            grid = (fb.req_pool_indices.shape[0], head_blocks, -(-meta.max_extend // block_t))
+        elif max_extend:
+            grid = (fb.req_pool_indices.shape[0], head_blocks, -(-max_extend // block_t))
             K.mla_extend_kernel[grid](
                 q_lat_NTC, q_pe_TNR, cache, o_lat_NTC, table, fb.req_pool_indices,
-                fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts, *q_strides,
+                fb.extend_prefix_lens, extend_lens, meta.q_starts, *q_strides,
                 o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, BLOCK_T=block_t, **common)
-        o_NTV = torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2))
-        if out is None:
-            return o_NTV.transpose(0, 1)
-        return out.copy_(o_NTV.transpose(0, 1))
+        return torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2)).transpose(0, 1)
+
+
+def _kv_b(layer: "MLAttention") -> torch.Tensor:
+    """kv_b_proj's weight as [N, P + V, C]: W_UK = [:, :P], W_UV = [:, P:]."""
+    m = layer.mla
+    return layer.kv_b_proj.weight.view(layer.heads_local, m.qk_nope_head_dim + m.v_head_dim,
+                                       m.kv_lora_rank)
 
 
 def _sdpa_dim(layer: "MLAttention") -> int:
@@ -166,29 +193,45 @@ def _sdpa_dim(layer: "MLAttention") -> int:
     return max(layer.mla.qk_head_dim, layer.mla.v_head_dim)
 
 
-def mla_sdpa_fresh(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, out_cache_loc: torch.Tensor,
-                   w_NWC: torch.Tensor, requests: list[tuple[int, int]], scaling: float,
-                   out_TNV: torch.Tensor) -> None:
-    """Causal attention of requests without a cached prefix in the expanded form, through
-    torch's SDPA: request (s, n) has query rows [s, s + n) and, as keys, exactly those tokens,
-    whose cache rows (already written) expand through kv_b_proj into per-head k_nope and v
-    (one GEMM); k = [k_nope | k_pe], the same k_pe for every head. q/k and v are zero-padded
-    to one head dim (SDPA's flash-class kernels take one), and the length to
-    attention_tiles.SDPA_BUCKET as in attention_triton.sdpa_fresh."""
+def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, fb: ForwardBatch,
+             w_NWC: torch.Tensor, requests: list[tuple[int, int, int, int]], scaling: float,
+             out_TNV: torch.Tensor) -> None:
+    """Causal attention of the given requests (batch index i, first row s, n new tokens,
+    cached prefix p) in the expanded form, through torch's SDPA: request i's query rows are
+    [s, s + n) and its keys its p + n cached rows (the new ones already written), expanded
+    through kv_b_proj into per-head k_nope and v (one GEMM); k = [k_nope | k_pe], the same
+    k_pe for every head. q/k and v are zero-padded to one head dim (SDPA's flash-class kernels
+    take one). A fresh prompt (p = 0) runs at its length padded to attention_tiles.SDPA_BUCKET
+    (its cuDNN plan built at startup), as attention_triton.sdpa_fresh does; after a prefix,
+    the causal mask is aligned to the last key (torch's causal_lower_right)."""
+    from torch.nn.attention.bias import causal_lower_right
+
     n_heads, width, c = w_NWC.shape
     qd, vd = q_TNQ.shape[-1], out_TNV.shape[-1]
     nope, dim = width - vd, max(qd, vd)
     w_XC = w_NWC.reshape(n_heads * width, c)
-    for s, n in requests:
-        t = T.sdpa_length(n)
-        loc, q = out_cache_loc[s:s + n], q_TNQ[s:s + n]
-        if t > n:
-            loc = torch.cat((loc, loc[-1:].expand(t - n)))
-            q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
-        rows_TW = cache_SW.index_select(0, loc)
+    for i, s, n, p in requests:
+        q = q_TNQ[s:s + n]
+        if p == 0:
+            t = T.sdpa_length(n)
+            loc = fb.out_cache_loc[s:s + n]
+            if t > n:
+                loc = torch.cat((loc, loc[-1:].expand(t - n)))
+                q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
+        else:
+            t = p + n
+            # the request's table row by a gather (indexing by a device scalar would wait)
+            loc = fb.req_to_token.index_select(0, fb.req_pool_indices[i:i + 1])[0, :t]
+        rows_TW = cache_SW.index_select(0, loc.long())
         kv_TNW = (rows_TW[:, :c] @ w_XC.t()).view(t, n_heads, width)
         k_pe = rows_TW[:, None, c:].expand(t, n_heads, qd - nope)
-        k = torch.cat((kv_TNW[..., :nope], k_pe), dim=-1)
-        o = _sdpa(F.pad(q, (0, dim - qd)), F.pad(k, (0, dim - qd)),
-                  F.pad(kv_TNW[..., nope:], (0, dim - vd)), scaling)
+        k = F.pad(torch.cat((kv_TNW[..., :nope], k_pe), dim=-1), (0, dim - qd))
+        v = F.pad(kv_TNW[..., nope:], (0, dim - vd))
+        q = F.pad(q, (0, dim - qd))
+        if p == 0:
+            o = _sdpa(q, k, v, scaling)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=causal_lower_right(n, t), scale=scaling)[0].transpose(0, 1)
         out_TNV[s:s + n].copy_(o[:n, :, :vd])
