@@ -13,8 +13,9 @@ Parts, each in its own process:
              measured in the same run;
              extend (prompts, and a chunk after a cached prefix): µs of the absorbed
              kernel (TFLOP/s on its FLOPs: per visible (query, key) pair and head 2 (2C + R))
-             and, for fresh prompts, of the expanded form through SDPA (on 2 x 2 (P + R):
-             q/k/v padded to P + R dims), against the torch backend.
+             and of the expanded form through SDPA (on 2 x 2 (P + R): q/k/v padded to
+             P + R dims; after a prefix with the mask aligned to the last key), against the
+             torch backend.
   e2e        DeepSeek-V2-Lite with dummy bf16 weights through the Engine, decode step ms at
              batch 1, 8, 64 over --ctx cached tokens (bench_e2e.decode_timing: events around
              the runner's forward, median of steady steps): triton with decode graphs, triton
@@ -105,8 +106,6 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
         pairs = new * prefix + new * (new + 1) // 2
         # the absorbed kernel, then (fresh prompts) the expanded form through SDPA
         for name, threshold in (("kernel", 1 << 62), ("sdpa", 1)):
-            if name == "sdpa" and prefix:
-                continue
             TL.MLA_SDPA_MIN_EXTEND = threshold
             fast._meta = None  # the backend decides on the step's first call
             layer_us = time_us(lambda: fast.forward(q, layer, fb), reps=10)
@@ -187,7 +186,7 @@ def main() -> int:
     p.add_argument("--ctx-list", type=int, nargs="+", default=[512, 4096],
                    help="contexts of the attention part's decode")
     p.add_argument("--extends", type=lambda s: tuple(map(int, s.split(":"))), nargs="+",
-                   default=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 4096), (3072, 1024)],
+                   default=[(0, 512), (0, 1024), (0, 4096), (3072, 1024), (12288, 4096)],
                    metavar="PREFIX:NEW")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--mla-sdpa-min-extend", type=int,
