@@ -8,7 +8,7 @@ Parts, each in its own process:
   attention  one layer's attention (backend.forward: the absorbing GEMMs, the kernels, the
              output GEMM), random latent cache:
              decode at batch x context: triton as CUDA-graph replays (20 calls per graph),
-             torch eagerly; GB/s on the bytes a step must read (the requests' cached rows,
+             with the shipped tiles and each --decode-tiles, torch eagerly; GB/s on the bytes a step must read (the requests' cached rows,
              (C + R) x 2 bytes each, plus kv_b_proj's weight), beside the copy bandwidth
              measured in the same run;
              extend (prompts, and a chunk after a cached prefix): µs of the absorbed
@@ -80,24 +80,38 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {**ceilings(), "device": torch.cuda.get_device_name(),
                            "decode": [], "extend": []}
+    from moeserve.layers import attention_tiles as TL
+
     w_bytes = N * (P + V) * C * 2
+    shipped_tiles = TL.MLA_DECODE_TILES
     for ctx in args.ctx_list:
         for b in args.batches:
             layer, fast, ref, fb, q = _setup(b, [(ctx, 1)] * b, ForwardMode.DECODE)
-            calls = 20
-            replay = capture(lambda: [fast.forward(q, layer, fb) for _ in range(calls)])
-            fast_us = time_us(replay) / calls
-            ref_us = time_us(lambda: ref.forward(q, layer, fb), reps=5, warmup=1)
-            got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            want = ref.forward(q, layer, fb)
             nbytes = b * (ctx + 1) * (C + R) * 2 + w_bytes
-            row = {"batch": b, "ctx": ctx, "triton_us": fast_us, "torch_us": ref_us,
-                   "bytes": nbytes, "GBps": nbytes / fast_us / 1e3,
-                   "floor_us": nbytes / out["copy_GBps"] / 1e3, "rel_err": err}
+            row: dict[str, Any] = {
+                "batch": b, "ctx": ctx, "bytes": nbytes,
+                "floor_us": nbytes / out["copy_GBps"] / 1e3,
+                "torch_us": time_us(lambda: ref.forward(q, layer, fb), reps=5, warmup=1)}
+            # the shipped tiles ("triton"), then each --decode-tiles (BLOCK_N, warps, stages)
+            for i, tiles in enumerate([shipped_tiles[2:]] + args.decode_tiles):
+                TL.MLA_DECODE_TILES = shipped_tiles[:2] + tuple(tiles)
+                key = "triton" if i == 0 else "tiles_" + "_".join(map(str, tiles))
+                calls = 20
+                try:
+                    replay = capture(lambda: [fast.forward(q, layer, fb) for _ in range(calls)])
+                except Exception as exc:  # e.g. a tile that needs more shared memory
+                    row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                us = time_us(replay) / calls
+                got = fast.forward(q, layer, fb)
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                row.update({f"{key}_us": us, f"{key}_GBps": nbytes / us / 1e3,
+                            f"{key}_rel_err": err})
+            TL.MLA_DECODE_TILES = shipped_tiles
             out["decode"].append(row)
             print(json.dumps(row), flush=True)
             del layer, fast, ref, fb, q
-    from moeserve.layers import attention_tiles as TL
 
     shipped = TL.MLA_SDPA_MIN_EXTEND
     for prefix, new in args.extends:
@@ -188,6 +202,9 @@ def main() -> int:
     p.add_argument("--extends", type=lambda s: tuple(map(int, s.split(":"))), nargs="+",
                    default=[(0, 512), (0, 1024), (0, 4096), (3072, 1024), (12288, 4096)],
                    metavar="PREFIX:NEW")
+    p.add_argument("--decode-tiles", type=lambda s: tuple(map(int, s.split(":"))), nargs="*",
+                   default=[], metavar="BLOCK_N:WARPS:STAGES",
+                   help="decode kernel tiles timed beside the shipped ones (attention part)")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--mla-sdpa-min-extend", type=int,
                    help="attention_tiles.MLA_SDPA_MIN_EXTEND for the e2e part (default: shipped)")

@@ -77,7 +77,10 @@ def decode_tiles(batch_size: int) -> tuple[int, int, int]:
 
 # Latent attention (MLA, mla_triton.py). A program's rows are BLOCK_T tokens x BLOCK_H heads
 # (a tl.dot takes 16 rows at least). Decode: (BLOCK_H, BLOCK_T, BLOCK_N, num_warps,
-# num_stages), one token a request, 16 heads a program (heads past N are masked rows).
+# num_stages), one token a request, 16 heads a program (heads past N are masked rows). H200,
+# 2026-11-22, DeepSeek-V2-Lite dims (benchmarks/bench_mla.py --decode-tiles, 7 others at
+# batch 1 / 8 / 64 x context 512 / 4096 / 16384): best at 6 of the 9; (64, 4, 2) gains up to
+# 10% at batch <= 8 with 16384 cached tokens and loses 10-15% at 512.
 MLA_DECODE_TILES = (16, 1, 32, 4, 2)
 MLA_EXTEND_ROWS = 32  # rows of an extend program: up to 16 heads, the rest tokens
 MLA_EXTEND_TILES = (32, 4, 2)  # (BLOCK_N, num_warps, num_stages) of the extend kernel
