@@ -1,4 +1,5 @@
-"""End to end on one GPU: the Qwen3-30B-A3B shape with dummy bf16 weights.
+"""End to end on one GPU: the Qwen3-30B-A3B shape (or --model, ours only) with dummy bf16
+weights.
 
     PYTHONPATH=src python benchmarks/bench_e2e.py --out /tmp/e2e          # everything
     PYTHONPATH=src python benchmarks/bench_e2e.py --splice benchmarks/RESULTS.md \
@@ -169,7 +170,7 @@ def part_ours(args: argparse.Namespace) -> dict[str, Any]:
     flags = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                  context_length=args.ctx + args.output_len + 64,
                  max_running_requests=max(args.batches + args.concurrency))
-    engine = Engine(MODEL, moe_runner_backend=experts, **flags)
+    engine = Engine(args.model, moe_runner_backend=experts, **flags)
     startup = time.perf_counter() - t0
     # the single rank runs in a thread of this process; its loop is idle between requests,
     # so the runner can be driven directly for the step timings
@@ -220,6 +221,9 @@ def part_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     from moeserve.models.spec import load_hf_config
 
+    if args.model != MODEL:
+        raise SystemExit(f"the hf part builds transformers' Qwen3-MoE only ({MODEL}), not "
+                         f"{args.model}: run --parts ceilings,ours for it")
     cfg_dict = load_hf_config(MODEL)
     cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items()
                                          if k not in ("architectures", "model_type",
@@ -281,8 +285,8 @@ PARTS = {"ceilings": part_ceilings, "ours": part_ours, "hf": part_hf}
 def section(res: dict[str, Any], command: str) -> str:
     from moeserve.models.spec import load_model_spec
 
-    spec = load_model_spec(MODEL)
     c, ours, hf, a = res["ceilings"], res.get("ours", {}), res.get("hf", {}), res["args"]
+    spec = load_model_spec(a.get("model", MODEL))
     bw = c["copy_GBps"] * 1e9
     lines = [f"Device: {c['device']}; {res['date']}; torch {c['torch']} (CUDA {c['cuda']}), "
              f"triton {res.get('triton', '?')}, transformers {hf.get('transformers', '?')}; "
@@ -373,6 +377,8 @@ def main() -> int:
     p.add_argument("--out", default="e2e_out")
     p.add_argument("--parts", default="ceilings,ours,hf")
     p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--model", default=MODEL, help="our engine's model (the hf part: the "
+                   "default only)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)

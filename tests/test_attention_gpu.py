@@ -12,18 +12,14 @@ import pytest
 import torch
 
 from moeserve.layers.attention import PagedAttention, create_attention_backend
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
-from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
+from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from attention_cases import compare_phases, rel_err, replay_decode_graph
 from spies import spy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d: int,
@@ -41,23 +37,13 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
     ref = create_attention_backend("torch")
     seqs = [tuple(torch.randn(s, h, d, generator=gen).to(device, dtype) for h in (n, kh, kh))
             for s in lens]
-    errors = []
 
-    def step(mode, starts, ends):
-        new = [list(range(e - s)) for s, e in zip(starts, ends)]
-        fb = prepare_batch(mode, new, starts, req_rows, rows, pool)
-        cat = lambda i: torch.cat([seqs[r][i][s:e] for r, (s, e) in enumerate(zip(starts, ends))])
-        q = cat(0)
-        got = fast(q, cat(1), cat(2), fb)  # writes the new K/V, then attends
-        want = ref.forward(q, fast, fb)
-        assert torch.isfinite(got).all()
-        errors.append(rel_err(got, want))
+    def attend(fb, parts):
+        q, k, v = parts
+        got = fast(q, k, v, fb)  # writes the new K/V, then attends
+        return got, ref.forward(q, fast, fb)
 
-    step(ForwardMode.EXTEND, [0] * len(lens), split)
-    step(ForwardMode.EXTEND, split, [s - 3 for s in lens])
-    for back in (3, 2, 1):
-        step(ForwardMode.DECODE, [s - back for s in lens], [s - back + 1 for s in lens])
-    return errors
+    return compare_phases(lens, split, req_rows, rows, pool, seqs, attend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -131,37 +117,11 @@ def test_triton_decode_replays_in_a_cuda_graph():
     backend = create_attention_backend("triton")
     layer = PagedAttention(0, n, kh, d, d ** -0.5, backend)
 
-    i64 = dict(dtype=torch.int64, device=dev)
     q = torch.randn(bucket, n, d, device=dev, dtype=dtype)
     k_new, v_new = (torch.randn(bucket, kh, d, device=dev, dtype=dtype) for _ in range(2))
-    loc = torch.full((bucket,), DUMMY_SLOT, **i64)
-    req = torch.full((bucket,), DUMMY_REQ_ROW, **i64)
-    seq = torch.ones(bucket, **i64)
-    fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(bucket, **i64), seq - 1, loc, req, seq,
-                      seq - 1, torch.ones(bucket, **i64), rows.table, pool,
-                      return_all_logits=True)
-    out = layer(q, k_new, v_new, fb)  # warm-up: compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(q, k_new, v_new, fb)
-
-    lens = [300, 1, 17, 1000, 64]
-    real = []
-    for length in lens:
-        r = rows.alloc()
-        rows.write(r, 0, pool.alloc(length))
-        real.append(r)
-    new_slots = torch.tensor([int(rows.table[r, length - 1]) for r, length in
-                              zip(real, lens)], **i64)
-    req[:5] = torch.tensor(real, **i64)
-    seq[:5] = torch.tensor(lens, **i64)
-    loc[:5] = new_slots
-    for _ in range(2):  # twice: the replay reads the inputs anew each time
-        q.normal_()
-        graph.replay()
-    torch.cuda.synchronize()
-    plain = ForwardBatch.from_requests(ForwardMode.DECODE, [[0]] * 5, [x - 1 for x in lens],
-                                       real, new_slots, rows.table, pool)
+    out, plain = replay_decode_graph(rows, pool, bucket, q,
+                                     lambda fb: layer(q, k_new, v_new, fb),
+                                     [300, 1, 17, 1000, 64])
     want = create_attention_backend("torch").forward(q[:5], layer, plain)
     assert torch.isfinite(out).all()
     assert rel_err(out[:5], want) < TOL[dtype]

@@ -25,6 +25,25 @@ def test_sdpa_pads_a_length_to_the_next_bucket(n):
     assert t % TL.SDPA_BUCKET == 0 and n <= t < n + TL.SDPA_BUCKET
 
 
+@given(st.integers(1, 20000), st.integers(1, 40000))
+def test_warm_up_lengths_are_every_padded_length_an_extend_can_take(low, high):
+    lengths = TL.sdpa_warm_lengths(low, high)
+    top = min(high, TL.SDPA_MAX_EXTEND)
+    takes = {TL.sdpa_length(n) for n in (low, top, (low + top) // 2) if low <= n <= top}
+    assert takes <= set(lengths)
+    assert lengths == sorted(set(lengths))
+    assert all(x % TL.SDPA_BUCKET == 0 and x <= TL.sdpa_length(top) for x in lengths)
+    assert not lengths or lengths[0] == TL.sdpa_length(low)
+    assert (lengths == []) == (high < low or low > TL.SDPA_MAX_EXTEND)
+
+
+def test_mla_extend_rows_are_a_dot_of_16_or_more():
+    for heads in (1, 3, 16, 20, 128):
+        block_h, block_t, *_ = TL.mla_extend_tiles(heads)
+        assert block_h * block_t == TL.MLA_EXTEND_ROWS >= 16 and block_h <= 16
+        assert block_h >= min(heads, 16)
+
+
 @given(st.integers(1, 4096), st.integers(1, 16), st.integers(1, 264))
 def test_decode_splits_stay_in_range_and_fall_as_the_batch_grows(batch, kv_heads, sms):
     splits = TL.decode_num_splits(batch, kv_heads, sms)

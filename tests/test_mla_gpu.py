@@ -18,8 +18,8 @@ import torch
 from moeserve.layers.attention import create_attention_backend
 from moeserve.layers.mla import mla_backend_for
 from moeserve.models.spec import MLASpec
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
-from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, MLAKVCachePool, ReqToTokenPool
+from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
+from attention_cases import compare_phases, rel_err, replay_decode_graph
 from spies import spy
 
 pytestmark = [pytest.mark.gpu,
@@ -27,10 +27,6 @@ pytestmark = [pytest.mark.gpu,
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 LITE = (16, 512, 64, 128, 128)  # DeepSeek-V2-Lite: heads, kv_lora_rank, rope, nope, value
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def fake_layer(n: int, c: int, r: int, p: int, v: int, dtype: torch.dtype, device,
@@ -102,24 +98,15 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens,
     seqs = [(torch.randn(s, n, p + r, generator=gen).to(device, dtype),
              torch.randn(s, c, generator=gen).to(device, dtype),
              torch.randn(s, r, generator=gen).to(device, dtype)) for s in lens]
-    errors = []
 
-    def step(mode, starts, ends):
-        new = [list(range(e - s)) for s, e in zip(starts, ends)]
-        fb = prepare_batch(mode, new, starts, req_rows, rows, pool)
-        cat = lambda i: torch.cat([seqs[j][i][s:e] for j, (s, e) in enumerate(zip(starts, ends))])
-        q = cat(0)
-        pool.set_latent(layer.layer_id, fb.out_cache_loc, cat(1), cat(2))
+    def attend(fb, parts):
+        q, latent, k_pe = parts
+        pool.set_latent(layer.layer_id, fb.out_cache_loc, latent, k_pe)
         got, want = fast.forward(q, layer, fb), ref.forward(q, layer, fb)
         assert got.shape == want.shape == (q.shape[0], n, v)
-        assert torch.isfinite(got).all()
-        errors.append(rel_err(got, want))
+        return got, want
 
-    step(ForwardMode.EXTEND, [0] * len(lens), split)
-    step(ForwardMode.EXTEND, split, [s - 3 for s in lens])
-    for back in (3, 2, 1):
-        step(ForwardMode.DECODE, [s - back for s in lens], [s - back + 1 for s in lens])
-    return errors
+    return compare_phases(lens, split, req_rows, rows, pool, seqs, attend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -203,33 +190,9 @@ def test_triton_mla_decode_replays_in_a_cuda_graph():
     layer = fake_layer(n, c, r, p, v, dtype, dev, torch.Generator().manual_seed(2))
     fast, ref = backends()
 
-    i64 = dict(dtype=torch.int64, device=dev)
     q = torch.randn(bucket, n, p + r, device=dev, dtype=dtype)
-    loc = torch.full((bucket,), DUMMY_SLOT, **i64)
-    req = torch.full((bucket,), DUMMY_REQ_ROW, **i64)
-    seq = torch.ones(bucket, **i64)
-    fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(bucket, **i64), seq - 1, loc, req, seq,
-                      seq - 1, torch.ones(bucket, **i64), rows.table, pool)
-    out = fast.forward(q, layer, fb)  # warm-up (compiles) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fast.forward(q, layer, fb)
-
-    lens = [700, 33, 1000, 5, 256]
-    real = []
-    for length in lens:
-        row = rows.alloc()
-        rows.write(row, 0, pool.alloc(length))
-        real.append(row)
-    new_slots = torch.tensor([int(rows.table[row, length - 1]) for row, length in
-                              zip(real, lens)], **i64)
-    req[:5], seq[:5], loc[:5] = torch.tensor(real, **i64), torch.tensor(lens, **i64), new_slots
-    for _ in range(2):  # twice: the replay reads the inputs anew each time
-        q.normal_()
-        graph.replay()
-    torch.cuda.synchronize()
-    plain = ForwardBatch.from_requests(ForwardMode.DECODE, [[0]] * 5, [x - 1 for x in lens],
-                                       real, new_slots, rows.table, pool)
+    out, plain = replay_decode_graph(rows, pool, bucket, q, lambda fb: fast.forward(q, layer, fb),
+                                     [700, 33, 1000, 5, 256])
     want = ref.forward(q[:5], layer, plain)
     assert torch.isfinite(out).all()
     assert rel_err(out[:5], want) < TOL[dtype]

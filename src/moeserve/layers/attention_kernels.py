@@ -74,6 +74,31 @@ def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, st
 
 
 @triton.jit
+def split_range(SeqLens, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """(seq_len, start, end): request b's length and the keys [start, end) of its split, the
+    keys cut into num_splits runs of whole BLOCK_N blocks (a split past them is empty)."""
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return seq_len, start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
+def store_partial(PartO, PartLse, b, split, heads, h_mask, offs_d, d_mask, m_i, l_i, acc,
+                  has_keys, stride_ob, stride_oh, stride_os, stride_lb, stride_lh):
+    """A split's normalised output [heads, D] and its log-sum-exp per head. A split past the
+    keys (a short request in a graph of many splits) writes only its lse, -inf: the combine
+    reads no output of such a split."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    base_o = PartO + b.to(tl.int64) * stride_ob + split * stride_os
+    tl.store(base_o + heads[:, None] * stride_oh + offs_d[None, :], out,
+             mask=h_mask[:, None] & d_mask[None, :] & has_keys)
+    tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
 def decode_partial_kernel(
         Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -85,11 +110,8 @@ def decode_partial_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    seq_len, start, end = split_range(SeqLens, b, split, num_splits, BLOCK_N)
     row = tl.load(ReqRows + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
     start = tl.maximum(start, seq_len - window)  # the query sits at seq_len - 1
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -113,15 +135,8 @@ def decode_partial_kernel(
                                      n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
                                      scale_log2, IEEE)
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    base_o = PartO + b.to(tl.int64) * stride_ob + split * stride_os
-    # a split past the keys (a short request in a graph of many splits) writes only its lse:
-    # the combine reads no output of a split whose lse is -inf
-    tl.store(base_o + heads[:, None] * stride_oh + offs_d[None, :], out,
-             mask=g_mask[:, None] & d_mask[None, :] & (end > start))
-    tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    store_partial(PartO, PartLse, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
 
 
 @triton.jit
@@ -150,6 +165,13 @@ def decode_combine_kernel(
 
 
 @triton.jit
+def extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b):
+    """(new tokens, cached prefix, first query row, request-table row) of request b."""
+    return (tl.load(ExtendLens + b).to(tl.int32), tl.load(PrefixLens + b).to(tl.int32),
+            tl.load(QStarts + b).to(tl.int64), tl.load(ReqRows + b).to(tl.int64))
+
+
+@triton.jit
 def extend_kernel(
         Q, Kc, Vc, Out, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -160,12 +182,9 @@ def extend_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
-    ext = tl.load(ExtendLens + b).to(tl.int32)
+    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b)
     if mblk * BLOCK_M >= ext:
         return
-    prefix = tl.load(PrefixLens + b).to(tl.int32)
-    q0 = tl.load(QStarts + b).to(tl.int64)
-    row = tl.load(ReqRows + b).to(tl.int64)
     kvh = h // GROUP
 
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -60,6 +60,15 @@ def sdpa_length(n: int) -> int:
     return -(-n // SDPA_BUCKET) * SDPA_BUCKET
 
 
+def sdpa_warm_lengths(min_extend: int, max_extend: int) -> list[int]:
+    """Every padded length an extend of min_extend..max_extend tokens takes through SDPA (up
+    to SDPA_MAX_EXTEND): what a backend's startup warm-up runs once each."""
+    if max_extend < min_extend:
+        return []
+    top = sdpa_length(min(max_extend, SDPA_MAX_EXTEND))
+    return list(range(sdpa_length(min_extend), top + 1, SDPA_BUCKET))
+
+
 def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
     return next(t for bound, t in EXTEND_TILES if max_extend <= bound)
 

@@ -88,11 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
                 device: torch.device) -> list[int]:
         """SDPA once at every padded length a fresh prompt of up to max_extend tokens can take
         (cuDNN builds each length's plan on its first call)."""
-        if (not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window
-                or max_extend < T.SDPA_MIN_EXTEND):
+        if not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window:
             return []
-        top = T.sdpa_length(min(max_extend, T.SDPA_MAX_EXTEND))
-        lengths = list(range(T.sdpa_length(T.SDPA_MIN_EXTEND), top + 1, T.SDPA_BUCKET))
+        lengths = T.sdpa_warm_lengths(T.SDPA_MIN_EXTEND, max_extend)
         for t in lengths:
             q = torch.zeros(t, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
             kv = torch.zeros(t, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.layers.attention_kernels import NEG_INIT, _dot
+from moeserve.layers.attention_kernels import (NEG_INIT, _dot, extend_request, split_range,
+                                               store_partial)
 from moeserve.layers.pdl import pdl_gate
 
 
@@ -88,11 +89,8 @@ def mla_decode_kernel(
     b = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    _, start, end = split_range(SeqLens, b, split, num_splits, BLOCK_N)
     row = tl.load(ReqRows + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
 
     heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -117,15 +115,8 @@ def mla_decode_kernel(
                                        offs_r, r_mask, m_i, l_i, acc, scale_log2,
                                        KV_RANK, IEEE, True)
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    base_o = PartO + b.to(tl.int64) * stride_ob + split * stride_os
-    # a split past the keys writes only its lse (-inf): the combine reads none of its output
-    tl.store(base_o + heads[:, None] * stride_oh + offs_c[None, :], out,
-             mask=h_mask[:, None] & c_mask[None, :] & (end > start))
-    tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh2 + split, lse,
-             mask=h_mask)
+    store_partial(PartO, PartLse, b, split, heads, h_mask, offs_c, c_mask, m_i, l_i, acc,
+                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh2)
 
 
 @triton.jit
@@ -139,12 +130,9 @@ def mla_extend_kernel(
     b = tl.program_id(0)
     hblk = tl.program_id(1)
     tblk = tl.program_id(2)
-    ext = tl.load(ExtendLens + b).to(tl.int32)
+    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b)
     if tblk * BLOCK_T >= ext:
         return
-    prefix = tl.load(PrefixLens + b).to(tl.int32)
-    q0 = tl.load(QStarts + b).to(tl.int64)
-    row = tl.load(ReqRows + b).to(tl.int64)
 
     # rows: (token, head) pairs, token-major
     offs_row = tl.arange(0, BLOCK_T * BLOCK_H)

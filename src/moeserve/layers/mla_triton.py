@@ -86,10 +86,9 @@ class TritonMLABackend(AttentionBackend):
         """SDPA once at every padded length a fresh prompt of up to max_extend tokens can take
         (cuDNN builds each length's plan on its first call)."""
         dim = _sdpa_dim(layer)
-        if not _sdpa_takes(device, dtype, dim) or max_extend < T.MLA_SDPA_MIN_EXTEND:
+        if not _sdpa_takes(device, dtype, dim):
             return []
-        top = T.sdpa_length(min(max_extend, T.SDPA_MAX_EXTEND))
-        lengths = list(range(T.sdpa_length(T.MLA_SDPA_MIN_EXTEND), top + 1, T.SDPA_BUCKET))
+        lengths = T.sdpa_warm_lengths(T.MLA_SDPA_MIN_EXTEND, max_extend)
         for t in lengths:
             x = torch.zeros(t, layer.heads_local, dim, dtype=dtype, device=device)
             _sdpa(x, x, x, layer.scaling)
@@ -224,10 +223,12 @@ def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, fb: ForwardBatch,
             loc = fb.req_to_token.index_select(0, fb.req_pool_indices[i:i + 1])[0, :t]
         rows_TW = cache_SW.index_select(0, loc.long())
         kv_TNW = (rows_TW[:, :c] @ w_XC.t()).view(t, n_heads, width)
-        k_pe = rows_TW[:, None, c:].expand(t, n_heads, qd - nope)
-        k = F.pad(torch.cat((kv_TNW[..., :nope], k_pe), dim=-1), (0, dim - qd))
-        v = F.pad(kv_TNW[..., nope:], (0, dim - vd))
-        q = F.pad(q, (0, dim - qd))
+        k = q.new_zeros(t, n_heads, dim) if dim > qd else q.new_empty(t, n_heads, dim)
+        k[..., :nope] = kv_TNW[..., :nope]
+        k[..., nope:qd] = rows_TW[:, None, c:]  # k_pe, the same for every head
+        v = F.pad(kv_TNW[..., nope:], (0, dim - vd)) if dim > vd else kv_TNW[..., nope:]
+        if dim > qd:
+            q = F.pad(q, (0, dim - qd))
         if p == 0:
             o = _sdpa(q, k, v, scaling)
         else:
