@@ -41,6 +41,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def online_softmax(qk, visible, m_i, l_i, MASKED: tl.constexpr):
+    """One block of base-2 scores [rows, BLOCK_N] into the running max and sum: (new max, the
+    factor that rescales what was accumulated, the block's weights, new sum). MASKED: scores
+    outside `visible` count as -inf."""
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, stride_vs,
                  stride_vh, kvh, k_pos, n_mask, visible, offs_d, d_mask, m_i, l_i, acc,
                  scale_log2, IEEE: tl.constexpr, MASKED: tl.constexpr = True):
@@ -58,12 +71,7 @@ def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, st
         slot = tl.load(ReqToToken + row * stride_rt + k_pos).to(tl.int64)
         k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :])
     qk = _dot(q, tl.trans(k), IEEE) * scale_log2
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = online_softmax(qk, visible, m_i, l_i, MASKED)
     if MASKED:
         v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)

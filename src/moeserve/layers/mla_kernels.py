@@ -30,8 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.layers.attention_kernels import (NEG_INIT, _dot, extend_request, split_range,
-                                               store_partial)
+from moeserve.layers.attention_kernels import (NEG_INIT, _dot, extend_request, online_softmax,
+                                               split_range, store_partial)
 from moeserve.layers.pdl import pdl_gate
 
 
@@ -55,12 +55,7 @@ def _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt, stride_cs, k_
         pe = tl.load(Cache + slot[:, None] * stride_cs + KV_RANK + offs_r[None, :],
                      mask=r_mask[None, :], other=0.0)
     qk = (_dot(q_lat, tl.trans(lat), IEEE) + _dot(q_pe, tl.trans(pe), IEEE)) * scale_log2
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = online_softmax(qk, visible, m_i, l_i, MASKED)
     acc = acc * alpha[:, None] + _dot(p.to(lat.dtype), lat, IEEE)
     return m_new, l_i, acc
 
