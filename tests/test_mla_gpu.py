@@ -198,11 +198,24 @@ def test_triton_mla_decode_replays_in_a_cuda_graph():
     assert rel_err(out[:5], want) < TOL[dtype]
 
 
-def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch, tmp_path):
-    """A small DeepSeek-V2 (V2-Lite's attention dims, 2 layers, dummy fp32 weights) through
-    the Engine: the triton MLA backend with decode and prefill graphs (and without either)
-    gives the greedy tokens of the torch MLA backend, and its steps replay graphs of both
-    kinds."""
+SMALL = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+             moe_intermediate_size=64, n_routed_experts=8, vocab_size=512, torch_dtype="float32")
+ENGINE_CASES = {
+    "v2-lite": ("deepseek-v2-lite", {}),
+    # q LoRA, sigmoid routing over groups, 8 heads, rope not interleaved (neox)
+    "v3": ("deepseek-v3", dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64,
+                               n_group=2, topk_group=1, num_experts_per_tok=2,
+                               first_k_dense_replace=1, rope_interleave=False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch, tmp_path,
+                                                                     case):
+    """A small DeepSeek (V2-Lite's latent dims, 2 layers, dummy fp32 weights; a V2 and a V3)
+    through the Engine: the triton MLA backend with decode and prefill graphs (and without
+    either) gives the greedy tokens of the torch MLA backend, and its steps replay graphs of
+    both kinds."""
     import json
     import random
 
@@ -211,9 +224,8 @@ def test_deepseek_engine_graph_decode_gives_the_torch_backend_tokens(monkeypatch
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.prefill_graph import PrefillGraphRunner
 
-    config = {**PRESETS["deepseek-v2-lite"], "hidden_size": 256, "num_hidden_layers": 2,
-              "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,
-              "vocab_size": 512, "torch_dtype": "float32"}
+    preset, extra = ENGINE_CASES[case]
+    config = {**PRESETS[preset], **SMALL, **extra}
     (tmp_path / "config.json").write_text(json.dumps(config))
     buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
     sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
