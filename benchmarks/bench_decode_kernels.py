@@ -5,7 +5,7 @@ kernel), the rope that writes K/V into their cache slots against the rope, then 
 launches), with the device's copy bandwidth from the same run.
 
     PYTHONPATH=src python benchmarks/bench_decode_kernels.py --out DIR [--rows 1 2 4 8] \
-        [--try-tiles]
+        [--try-tiles] [--model deepseek-v2-lite]
 
 Timing: a CUDA graph of 20 back-to-back calls (so launch gaps count, as in the engine's decode
 graphs), replayed; the median of CUDA events over the replays, per call. Each call of a
@@ -45,9 +45,16 @@ DEVICE, DTYPE = "cuda", torch.bfloat16
 CALLS = 20
 COLD_BYTES = 256 << 20
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 32, 4, 128, 48
-# name -> (N, K): the Qwen3-30B-A3B projections a decode step runs per layer
-SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
-          "dense": (1536, 2048)}
+# model -> name -> (N, K): the projections a decode step runs per layer (tp = 1)
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
+                      "dense": (1536, 2048)},
+    # latent attention's q_proj and kv_a_proj_with_mqa, o_proj, the router, the two shared
+    # experts' gate_up and down
+    "deepseek-v2-lite": {"q_proj": (3072, 2048), "kv_a": (576, 2048), "o_proj": (2048, 2048),
+                         "router": (64, 2048), "shared_gate_up": (5632, 2048),
+                         "shared_down": (2048, 2816)},
+}
 TRY_BLOCK_N, TRY_BLOCK_K, TRY_WARPS = (1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)
 TRY_HEAD_BLOCKS = (1, 2, 4, 8, 16, 32)
 KV_SLOTS = 1 << 16  # one layer's KV cache [2, slots, KV_HEADS, HEAD_DIM]
@@ -93,9 +100,9 @@ class Projection:
         return graphs_us(calls)
 
 
-def bench_projections(rows: list[int], ceil: dict, say) -> list[dict]:
+def bench_projections(shapes: dict, rows: list[int], ceil: dict, say) -> list[dict]:
     out = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         proj = Projection(n, k)
         for m in rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
@@ -175,10 +182,10 @@ def bench_norm_and_rope(rows: list[int], say) -> list[dict]:
     return out
 
 
-def try_tiles(rows: list[int], say) -> list[dict]:
+def try_tiles(shapes: dict, rows: list[int], say, rope: bool = True) -> list[dict]:
     """Every tile alternative per projection and row count; the best per shape."""
     found = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         proj = Projection(n, k)
         per_tile: dict[tuple, dict[int, float]] = {}
         for m in rows:
@@ -203,7 +210,7 @@ def try_tiles(rows: list[int], say) -> list[dict]:
                 f"(sum {full[t]:.2f} us); for skinny_gemm.TILES")
         del proj
         torch.cuda.empty_cache()
-    for m in rows:
+    for m in rows if rope else []:
         pos = torch.randint(0, 40960, (m,), device=DEVICE)
         q = torch.randn(m, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         k = torch.randn(m, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -253,8 +260,11 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--try-tiles", action="store_true",
                     help="sweep the skinny-GEMM tiles and the rope head blocks")
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_SHAPES),
+                    help="whose projections (the norm and rope rows are Qwen3-30B-A3B's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    shapes = MODEL_SHAPES[args.model]
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
@@ -268,11 +278,15 @@ def main() -> None:
     say(HEADER)
     say("|" + "---|" * (HEADER.count("|") - 1))
     with torch.inference_mode():
-        results = bench_projections(args.rows, ceil, say) + bench_norm_and_rope(args.rows, say)
-        summary = step_summary(results, args.rows)
+        results = bench_projections(shapes, args.rows, ceil, say)
+        summary = []
+        if args.model == "qwen3-30b-a3b":
+            results += bench_norm_and_rope(args.rows, say)
+            summary = step_summary(results, args.rows)
         for line in summary:
             say(line)
-        tiles = try_tiles(args.rows, say) if args.try_tiles else []
+        tiles = (try_tiles(shapes, args.rows, say, rope=args.model == "qwen3-30b-a3b")
+                 if args.try_tiles else [])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode_kernels.json").write_text(json.dumps(
