@@ -247,7 +247,6 @@ def main() -> None:
     t0 = time.time()
     steps = {"a2a": lambda: a2a_and_memory(args.gpus, args.out),
              "correct": lambda: correctness(args.gpus),
-             # DeepSeek-V2-Lite runs the portable torch MLA backend (no GPU kernel yet): short
              "correct_v2lite": lambda: correctness(args.gpus, "preset:deepseek-v2-lite", 4, 8),
              **{f"correct_fp32_{m}": (lambda m=m: correctness(
                  args.gpus, f"preset:{m}", 4, 12, **FP32_PORTABLE))
@@ -261,6 +260,14 @@ def main() -> None:
              # prompt alone leaves the other DP ranks idle through its steps
              "correct_fp32_graphs": lambda: {
                  f"{k}_prompts": correctness(args.gpus, "preset:olmoe-1b-7b", k, 12,
+                                             **FP32_GRAPHS, context_length=1024,
+                                             cuda_graph_max_bs=16,
+                                             piecewise_cuda_graph_max_tokens=256)
+                 for k in (4, 1)},
+             # the same for latent attention (the triton MLA backend, its decode and prefill
+             # graphs) in every layout
+             "correct_fp32_graphs_v2lite": lambda: {
+                 f"{k}_prompts": correctness(args.gpus, "preset:deepseek-v2-lite", k, 12,
                                              **FP32_GRAPHS, context_length=1024,
                                              cuda_graph_max_bs=16,
                                              piecewise_cuda_graph_max_tokens=256)
