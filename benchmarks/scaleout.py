@@ -265,13 +265,11 @@ def main() -> None:
                                              piecewise_cuda_graph_max_tokens=256)
                  for k in (4, 1)},
              # the same for latent attention (the triton MLA backend, its decode and prefill
-             # graphs) in every layout
-             "correct_fp32_graphs_v2lite": lambda: {
-                 f"{k}_prompts": correctness(args.gpus, "preset:deepseek-v2-lite", k, 12,
-                                             **FP32_GRAPHS, context_length=1024,
-                                             cuda_graph_max_bs=16,
-                                             piecewise_cuda_graph_max_tokens=256)
-                 for k in (4, 1)},
+             # graphs) in every layout; 3 prompts: DP ranks of 2 and 1 requests
+             "correct_fp32_graphs_v2lite": lambda: correctness(
+                 args.gpus, "preset:deepseek-v2-lite", 3, 12, **FP32_GRAPHS,
+                 context_length=1024, cuda_graph_max_bs=16,
+                 piecewise_cuda_graph_max_tokens=256),
              "bench": lambda: bench(args.gpus, [int(c) for c in args.concurrency.split(",")],
                                     [c for c in args.bench_configs.split(";") if c])}
     for name, run in steps.items():
