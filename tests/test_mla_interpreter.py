@@ -1,8 +1,10 @@
 """The "triton" latent attention kernels (layers/mla_kernels.py) on the CPU under Triton's
 interpreter, against the torch MLA backend, in fp32: the cases of tests/test_mla_gpu.py
 (prompts, a chunk after a prefix, decode steps; paged and not; heads below and past one
-program's 16, rope dims below a tl.dot's 16), and the prep kernel (latent norm, rope, cache
-store) against MLAttention's torch formulation."""
+program's 16, rope dims below a tl.dot's 16); the backend sending its long requests through
+SDPA (allowed on the CPU for the test) and the others through the kernel in the same step;
+and the prep kernel (latent norm, rope, cache store) against MLAttention's torch
+formulation."""
 
 from __future__ import annotations
 
@@ -21,6 +23,18 @@ cases = [(torch.float32, 16, (4, 16, 8, 8, 8), [20, 37], [10, 20]),
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)
+# the backend's own choice per request: SDPA (allowed on the CPU here) for the long ones,
+# fresh and after a prefix, the kernel for the others of the same step
+import moeserve.layers.attention_tiles as TL
+import moeserve.layers.mla_triton as MT
+TL.MLA_SDPA_MIN_EXTEND = 30
+takes, MT._sdpa_takes = MT._sdpa_takes, lambda *a: True
+calls, real = [], MT.mla_sdpa
+MT.mla_sdpa = lambda *a: (calls.append(a[4]), real(*a))[1]
+errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [70, 4, 90, 9], [33, 0, 40, 1])
+assert max(errors) < 1e-5, errors
+assert calls == [[(0, 0, 33, 0), (2, 33, 40, 0)], [(0, 0, 34, 33), (2, 35, 47, 40)]], calls
+MT._sdpa_takes, MT.mla_sdpa, TL.MLA_SDPA_MIN_EXTEND = takes, real, 1024
 from test_mla_gpu import prep_errors
 for interleaved in (True, False):
     errors = prep_errors("cpu", torch.float32, interleaved)
@@ -41,7 +55,7 @@ def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
     import torch
 
     import moeserve.layers.attention_tiles as TL
-    from moeserve.layers.mla_triton import mla_sdpa
+    from moeserve.layers.mla_triton import mla_sdpa, sdpa_slots
     from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
     from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
     from test_mla_gpu import backends, fake_layer, rel_err
@@ -62,6 +76,7 @@ def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
                                req_rows, rows, pool)
             q = torch.randn(sum(news), n, p + r, generator=gen)
             got = torch.full((sum(news), n, v), float("nan"))
-            mla_sdpa(q, pool.latent_cache(0), fb, w, reqs, layer.scaling, got)
+            mla_sdpa(q, pool.latent_cache(0), sdpa_slots(fb, reqs), w, reqs, layer.scaling,
+                     got)
             want = backends()[1].forward(q, layer, fb)
             assert rel_err(got, want) < 1e-5, (news, prefixes)

@@ -64,6 +64,7 @@ class _StepMeta:
         self.sdpa = [(i, s, n, p) for i, (s, n, p)
                      in enumerate(zip(starts, lens, fb.extend_prefix_lens_cpu))
                      if n >= T.MLA_SDPA_MIN_EXTEND and p + n <= T.SDPA_MAX_EXTEND]
+        self.sdpa_slots: Optional[list[torch.Tensor]] = None  # their key slots, on first use
         self.kernel_lens, self.kernel_max = fb.extend_seq_lens, self.max_extend
         if self.sdpa:
             taken = {i for i, *_ in self.sdpa}
@@ -124,8 +125,10 @@ class TritonMLABackend(AttentionBackend):
         if meta.kernel_max:  # every row; those of SDPA's requests are overwritten below
             out_TNV.copy_(self._absorbed(q_TNQ, layer, fb, meta, tiles, meta.kernel_lens,
                                          meta.kernel_max))
-        mla_sdpa(q_TNQ, fb.kv_pool.latent_cache(layer.layer_id), fb, _kv_b(layer), meta.sdpa,
-                 layer.scaling, out_TNV)
+        if meta.sdpa_slots is None:  # once a step, for every layer
+            meta.sdpa_slots = sdpa_slots(fb, meta.sdpa)
+        mla_sdpa(q_TNQ, fb.kv_pool.latent_cache(layer.layer_id), meta.sdpa_slots, _kv_b(layer),
+                 meta.sdpa, layer.scaling, out_TNV)
         return out_TNV
 
     def _absorbed(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
@@ -192,7 +195,24 @@ def _sdpa_dim(layer: "MLAttention") -> int:
     return max(layer.mla.qk_head_dim, layer.mla.v_head_dim)
 
 
-def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, fb: ForwardBatch,
+def sdpa_slots(fb: ForwardBatch, requests: list[tuple[int, int, int, int]]
+               ) -> list[torch.Tensor]:
+    """The key slots of each request mla_sdpa takes: a fresh prompt's new tokens padded with
+    its last slot to its SDPA length, else the request table's first p + n slots (fetched by a
+    gather: indexing by a device scalar would wait for the device)."""
+    slots = []
+    for i, s, n, p in requests:
+        if p == 0:
+            loc = fb.out_cache_loc[s:s + n]
+            pad = T.sdpa_length(n) - n
+            slots.append(torch.cat((loc, loc[-1:].expand(pad))) if pad else loc)
+        else:
+            row = fb.req_to_token.index_select(0, fb.req_pool_indices[i:i + 1])
+            slots.append(row[0, :p + n].long())
+    return slots
+
+
+def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, slots: list[torch.Tensor],
              w_NWC: torch.Tensor, requests: list[tuple[int, int, int, int]], scaling: float,
              out_TNV: torch.Tensor) -> None:
     """Causal attention of the given requests (batch index i, first row s, n new tokens,
@@ -202,26 +222,19 @@ def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, fb: ForwardBatch,
     k_pe for every head. q/k and v are zero-padded to one head dim (SDPA's flash-class kernels
     take one). A fresh prompt (p = 0) runs at its length padded to attention_tiles.SDPA_BUCKET
     (its cuDNN plan built at startup), as attention_triton.sdpa_fresh does; after a prefix,
-    the causal mask is aligned to the last key (torch's causal_lower_right)."""
+    the causal mask is aligned to the last key (torch's causal_lower_right). slots: each
+    request's key slots (sdpa_slots, the same for every layer of a step)."""
     from torch.nn.attention.bias import causal_lower_right
 
     n_heads, width, c = w_NWC.shape
     qd, vd = q_TNQ.shape[-1], out_TNV.shape[-1]
     nope, dim = width - vd, max(qd, vd)
     w_XC = w_NWC.reshape(n_heads * width, c)
-    for i, s, n, p in requests:
-        q = q_TNQ[s:s + n]
-        if p == 0:
-            t = T.sdpa_length(n)
-            loc = fb.out_cache_loc[s:s + n]
-            if t > n:
-                loc = torch.cat((loc, loc[-1:].expand(t - n)))
-                q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
-        else:
-            t = p + n
-            # the request's table row by a gather (indexing by a device scalar would wait)
-            loc = fb.req_to_token.index_select(0, fb.req_pool_indices[i:i + 1])[0, :t]
-        rows_TW = cache_SW.index_select(0, loc.long())
+    for (i, s, n, p), loc in zip(requests, slots):
+        q, t = q_TNQ[s:s + n], loc.shape[0]
+        if p == 0 and t > n:
+            q = torch.cat((q, q.new_zeros(t - n, *q.shape[1:])))
+        rows_TW = cache_SW.index_select(0, loc)
         kv_TNW = (rows_TW[:, :c] @ w_XC.t()).view(t, n_heads, width)
         k = q.new_zeros(t, n_heads, dim) if dim > qd else q.new_empty(t, n_heads, dim)
         k[..., :nope] = kv_TNW[..., :nope]
