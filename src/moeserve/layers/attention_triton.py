@@ -23,6 +23,7 @@ per ForwardBatch and shared by the layers (the backend is one object for the who
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, ClassVar, Optional
 
@@ -40,6 +41,14 @@ NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's SMs (8 for a CPU device: Triton's interpreter, in tests)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -82,7 +91,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
-        self._num_sms: dict[torch.device, int] = {}
 
     def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
@@ -100,11 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _step_meta(self, q: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
                    ) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            dev = q.device
-            if dev not in self._num_sms:  # (a CPU device: Triton's interpreter, in tests)
-                self._num_sms[dev] = (torch.cuda.get_device_properties(dev).multi_processor_count
-                                      if dev.type == "cuda" else 8)
-            self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._num_sms[dev])
+            self._meta = _StepMeta(fb, q, layer.num_kv_heads, num_sms(q.device))
         return self._meta
 
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,

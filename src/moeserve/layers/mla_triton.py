@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
 from moeserve.layers.attention import AttentionBackend
-from moeserve.layers.attention_triton import LOG2E, _pow2, _sdpa, _sdpa_takes
+from moeserve.layers.attention_triton import LOG2E, _pow2, _sdpa, _sdpa_takes, num_sms
 from moeserve.layers.mla import register_mla_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -80,7 +80,6 @@ class TritonMLABackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
-        self._num_sms: dict[torch.device, int] = {}
 
     def warm_up(self, layer: "MLAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
@@ -97,11 +96,7 @@ class TritonMLABackend(AttentionBackend):
 
     def _step_meta(self, fb: ForwardBatch, device: torch.device, head_blocks: int) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            if device not in self._num_sms:  # (a CPU device: Triton's interpreter, in tests)
-                self._num_sms[device] = (
-                    torch.cuda.get_device_properties(device).multi_processor_count
-                    if device.type == "cuda" else 8)
-            self._meta = _StepMeta(fb, device, head_blocks, self._num_sms[device])
+            self._meta = _StepMeta(fb, device, head_blocks, num_sms(device))
         return self._meta
 
     def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
