@@ -2,12 +2,14 @@
 write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them).
 
     PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
-        [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS]
+        [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] [--half-tail-only]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
 per used expert, every gate_up candidate and every down candidate timed alone (median of
 triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
-the BLOCK_M whose best pair is fastest wins. Candidates are the same for every shape, so each
+the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
+with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is faster.
+--half-tail-only does that last step alone on the entries already in --out. Candidates are the same for every shape, so each
 compiles once per run. A size that runs out of --time-budget keeps the defaults.
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
@@ -25,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -110,23 +113,53 @@ def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:
     return min(timed, key=lambda t: t[0])
 
 
-def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -> dict:
+def routed(n: int, k: int, e: int, h: int) -> tuple[torch.Tensor, ...]:
+    """x, uniform random top-k ids and weights for n tokens."""
+    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
+    return x, ids, torch.rand(n * k, device=DEVICE)
+
+
+def gemm_fns(x, ids, weights, w13, w2, k: int, bm: int, up: Optional[dict] = None):
+    """(gate_up(cfg), down(cfg)) timed callables on bm-row blocks; down's input is gate_up's
+    output under `up` (or a first candidate's)."""
     from moeserve.moe.kernels.align import align_triton
     from moeserve.moe.kernels.fused_moe import down, gate_up
 
+    blocks = align_triton(ids, 0, w13.shape[0], bm)
+    up_fn = lambda c: gate_up(x, w13, blocks, k, "silu", c)
+    h_buf = up_fn(up or candidates(bm, "gate_up", False)[0])
+    return up_fn, lambda c: down(h_buf, w2, blocks, weights, ids.numel(), c)
+
+
+def with_half_tail(name: str, fn, timed: tuple[float, dict], block_m: int
+                   ) -> tuple[float, dict]:
+    """(time, cfg) of `timed` with "HALF_TAIL": 1 when that times at least 1% faster
+    (BLOCK_M >= 32)."""
+    t, cfg = timed
+    if block_m < 32:
+        return t, cfg
+    base = {c: v for c, v in cfg.items() if c != "HALF_TAIL"}
+    half = {**base, "HALF_TAIL": 1}
+    runs = [(do_bench(lambda: fn(base)), do_bench(lambda: fn(half))) for _ in range(3)]
+    t0, t1 = min(r[0] for r in runs), min(r[1] for r in runs)  # alternating, best of 3
+    print(f"    {name} BLOCK_M={block_m}: {t0 * 1e3:.1f} us, with HALF_TAIL "
+          f"{t1 * 1e3:.1f} us ({t0 / t1:.3f}x)", flush=True)
+    return (t1, half) if t1 < 0.99 * t0 else (t0, base)
+
+
+def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -> dict:
     e, h = w13.shape[0], w13.shape[2]
-    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
-    ids = torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
-    weights = torch.rand(n * k, device=DEVICE)
+    x, ids, weights = routed(n, k, e, h)
     pairs = n * k
     best = None
     for bm in block_ms(pairs / min(e, pairs)):
-        blocks = align_triton(ids, 0, e, bm)
-        t_up, up = best_of("gate_up", lambda c: gate_up(x, w13, blocks, k, "silu", c),
-                           candidates(bm, "gate_up", full))
-        h_buf = gate_up(x, w13, blocks, k, "silu", up)
-        t_down, dn = best_of("down", lambda c: down(h_buf, w2, blocks, weights, pairs, c),
-                             candidates(bm, "down", full))
+        up_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm)
+        best_up = best_of("gate_up", up_fn, candidates(bm, "gate_up", full))
+        t_up, up = with_half_tail("gate_up", up_fn, best_up, bm)
+        _, down_fn = gemm_fns(x, ids, weights, w13, w2, k, bm, up)
+        best_down = best_of("down", down_fn, candidates(bm, "down", full))
+        t_down, dn = with_half_tail("down", down_fn, best_down, bm)
         print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, down "
               f"{t_down * 1e3:.1f} us {dn}", flush=True)
         if best is None or t_up + t_down < best[0]:
@@ -134,6 +167,20 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
     if n <= DECODE_MAX_TOKENS:
         return with_decode(n, k, w13, w2, best[1])
     return best[1]
+
+
+def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> dict:
+    """A tuned entry with each GEMM's HALF_TAIL re-decided by timing (GEMV entries as they
+    are)."""
+    if "decode" in cfg or cfg["BLOCK_M"] < 32:
+        return cfg
+    e, h = w13.shape[0], w13.shape[2]
+    x, ids, weights = routed(n, k, e, h)
+    bm = cfg["BLOCK_M"]
+    up_fn, down_fn = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
+    _, up = with_half_tail("gate_up", up_fn, (0.0, cfg["gate_up"]), bm)
+    _, dn = with_half_tail("down", down_fn, (0.0, cfg["down"]), bm)
+    return {**cfg, "gate_up": up, "down": dn}
 
 
 def graph_us(fns: list) -> float:
@@ -188,6 +235,8 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="sweep the whole space (slow)")
     ap.add_argument("--out", default=str(CONFIG_DIR))
     ap.add_argument("--time-budget", type=float, default=float("inf"))
+    ap.add_argument("--half-tail-only", action="store_true",
+                    help="only re-decide HALF_TAIL on the entries already in --out")
     args = ap.parse_args()
     shapes = []
     for name in args.models:
@@ -211,7 +260,13 @@ def main() -> None:
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
             table = json.loads(path.read_text()) if path.is_file() else {}
-            table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
+            if args.half_tail_only:
+                if str(n) not in table:
+                    print(f"  no entry for N={n} to re-check", flush=True)
+                    continue
+                table[str(n)] = recheck_half_tail(n, k, *weights[(e, h, i)], table[str(n)])
+            else:
+                table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
             path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),
                                        indent=1) + "\n")
 

@@ -163,6 +163,12 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
     configs.load_tuned.cache_clear()
     with pytest.raises(ValueError, match="decode.gate_up.BLOCK_K"):
         get(1)
+    half = configs.default_config(64, 8, 128)  # BLOCK_M 16: no half tile of 8 rows
+    half["down"]["HALF_TAIL"] = 1
+    (tmp_path / name).write_text(json.dumps({"64": half}))
+    configs.load_tuned.cache_clear()
+    with pytest.raises(ValueError, match="HALF_TAIL for down with BLOCK_M 16"):
+        get(64)
     configs.load_tuned.cache_clear()
 
 
@@ -256,6 +262,27 @@ for n, (ep, rank), h in [(9, (1, 0), 48), (40, (2, 1), 64)]:
                       {"BLOCK_M": 16, "gate_up": tma, "down": {**tma, "BLOCK_N": 32}})
     err = rel_err(y, ref(x, ids, w))
     assert err <= 1e-4, ("tma", n, ep, err)
+# half tiles for an expert's last block when it holds at most BLOCK_M / 2 rows; by pointer
+# loads and by TMA; 1-3 rows an expert give only such tails, 60 some full blocks beside them
+for n, tma_on, block_m in [(3, 0, 32), (60, 1, 32), (60, 0, 64)]:
+    spec = make_spec(e=8, k=2, h=48, i=40)
+    ref = make_experts("reference", spec, 1, 0, torch.float32, "cpu", seed=8)
+    tri = make_experts("triton", spec, 1, 0, torch.float32, "cpu", seed=8)
+    half = {**tma, "TMA": tma_on, "HALF_TAIL": 1}
+    for mode in ("uniform", "skewed", "padded"):
+        x = torch.randn(n, spec.hidden_size)
+        ids, w = routing(n, 2, 8, mode, seed=n + 2)
+        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
+                          {"BLOCK_M": block_m, "gate_up": half, "down": half})
+        err = rel_err(y, ref(x, ids, w))
+        assert err <= 1e-4, ("half tail", n, block_m, mode, err)
+try:
+    fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
+                  {"BLOCK_M": 16, "gate_up": half, "down": half})
+except ValueError as exc:
+    assert "HALF_TAIL needs BLOCK_M >= 32" in str(exc), exc
+else:
+    raise AssertionError("a half tile of 8 rows was launched")
 # the intermediates in a plan-sized workspace (as the model runner hands them over): the same
 # bits as allocating them, and a workspace one row short refused with the record's name
 from moeserve.moe.kernels.align_torch import Workspace
@@ -411,15 +438,18 @@ def test_triton_decode_path_at_any_rows(tiles):
 @needs_cuda
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("tma", [0, 1])
-def test_triton_every_block_m_and_tile(block_m, tma):
+@pytest.mark.parametrize("half_tail", [0, 1])
+def test_triton_every_block_m_and_tile(block_m, tma, half_tail):
     """Tile configs the tuner may pick (any BLOCK_M up to 256, weights by pointer loads or
-    TMA) compute the same function."""
+    TMA, half tiles for short last blocks) compute the same function."""
     from moeserve.moe.kernels.fused_moe import fused_experts
 
+    if half_tail and block_m < 32:
+        pytest.skip("a half tile needs BLOCK_M >= 32")
     spec = make_spec(e=16, k=4, h=256, i=192)
     fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m)
     gemm = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8 if block_m > 64 else 4,
-            "num_stages": 3, "TMA": tma}
+            "num_stages": 3, "TMA": tma, "HALF_TAIL": half_tail}
     cfg = {"BLOCK_M": block_m, "gate_up": gemm, "down": {**gemm, "BLOCK_N": 128}}
     for n, mode in [(3, "uniform"), (600, "skewed"), (2000, "padded")]:
         x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()

@@ -9,7 +9,8 @@ keyed by token count (rows reaching the runner). A step of N rows takes the entr
 nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
 own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
-tiles through a TMA descriptor on sm90+; pointer loads elsewhere). An entry with a "decode"
+tiles through a TMA descriptor on sm90+; pointer loads elsewhere) and "HALF_TAIL": 1 (a block
+of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optional num_stages}, "down": {...}}) runs
 that size through the GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
 Pure Python: no triton import.
@@ -25,6 +26,7 @@ from typing import Any, Optional
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BLOCK_MS = (16, 32, 64, 128)  # the BLOCK_M a config may take (the plan's workspaces assume it)
+MIN_TILE_M = 16  # the fewest rows of an MMA tile (tl.dot)
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
 
@@ -102,6 +104,11 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"MoE tile config in {where} has BLOCK_M {cfg['BLOCK_M']}, not one of "
                          f"{BLOCK_MS} (the plan sizes the runner's workspace for those); "
                          "re-run benchmarks/tune_moe.py")
+    half = [g for g in ("gate_up", "down") if cfg[g].get("HALF_TAIL")]
+    if half and cfg["BLOCK_M"] < 2 * MIN_TILE_M:
+        raise ValueError(f"MoE tile config in {where} sets HALF_TAIL for {', '.join(half)} with "
+                         f"BLOCK_M {cfg['BLOCK_M']}: a half tile needs BLOCK_M >= "
+                         f"{2 * MIN_TILE_M}; drop HALF_TAIL or re-run benchmarks/tune_moe.py")
     return cfg
 
 

@@ -10,6 +10,12 @@ moe_tp shard), B aligned blocks of BLOCK_M rows (align_torch.py).
     down         y_PH[p] = weight_p * (h[row of p] . w2[e])  (written at the pair's own slot)
     top-k sum    out_NH[n] = sum over the pairs of row n that this rank owns of y_PH[p]
 
+With "HALF_TAIL" in a GEMM's config, a block of at most BLOCK_M / 2 rows (an expert's last,
+the only one that can be partly empty) runs a tile of half the rows: at 512 rows an expert
+and BLOCK_M 128, about half the experts end in a block of a few rows, which would otherwise
+cost a whole tile of MMAs. The kernel then holds both tile shapes, which can slow its full
+tiles: the tuner sets it per GEMM and size only where it measured faster.
+
 A program whose block belongs to no expert returns before loading anything, so only the
 experts that some pair uses are read. The grid is sized from max_blocks(P), a bound that
 depends on shapes alone: nothing is read back to the host and the whole thing can be captured
@@ -30,6 +36,7 @@ import triton.language as tl
 from moeserve.moe.kernels.act import ACT_CODES, _act
 from moeserve.moe.kernels.align import align_triton
 from moeserve.moe.kernels.align_torch import Workspace, take
+from moeserve.moe.kernels.configs import MIN_TILE_M
 from moeserve.moe.kernels.decode_moe import decode_experts
 
 
@@ -47,11 +54,12 @@ def _tile_ids(num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M):
 
 
 @triton.jit
-def _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M: tl.constexpr):
-    """A block's row offsets, which of them hold a pair, and those pairs' ids."""
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < tl.load(block_rows_ptr + pid_m)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0)
+def _block_pairs(sorted_ptr, row0, rows, M: tl.constexpr):
+    """The first M row offsets of the block at grouped row row0, which of them hold a pair
+    (the block has `rows`), and those pairs' ids."""
+    offs_m = tl.arange(0, M)
+    row_ok = offs_m < rows
+    pair = tl.load(sorted_ptr + row0 + offs_m, mask=row_ok, other=0)
     return offs_m, row_ok, pair
 
 
@@ -80,16 +88,12 @@ def _row_tile(ptrs, row_ok, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
     return tile
 
 
-@triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
-def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                    num_blocks, hidden, inter, top_k, GROUP_M,
-                    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
-    pid_m, pid_n = _tile_ids(num_blocks, inter, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    offs_m, row_ok, pair = _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M)
+@triton.jit
+def _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, row0, rows, pid_n, hidden, inter,
+                  top_k, ACT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """The first M rows of the block at row0 against BLOCK_N columns of both halves of w13."""
+    offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     token = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -100,8 +104,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     else:
         w_base = w13_ptr + expert.to(tl.int64) * (2 * inter) * hidden
         g_ptrs = w_base + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
         g = _weight_tile(w13_ptr, g_ptrs, expert, pid_n * BLOCK_N, k0, hidden - k0, n_ok,
@@ -113,32 +117,52 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
     h = (_act(acc_g, ACT) * acc_u).to(h_ptr.dtype.element_ty)
-    row = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+    row = (row0 + offs_m).to(tl.int64)
     tl.store(h_ptr + row[:, None] * inter + offs_n[None, :], h,
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_blocks", "GROUP_M"])
-def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                 topk_weights_ptr, num_blocks, hidden, inter, GROUP_M,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, TMA: tl.constexpr):
-    pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
+@triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
+def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                    num_blocks, hidden, inter, top_k, GROUP_M,
+                    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                    HALF_TAIL: tl.constexpr):
+    """HALF_TAIL: a block of at most BLOCK_M / 2 rows takes a tile of half the rows (one kernel
+    with both tile shapes, so the tail shares its expert's weight tiles in L2 with the
+    expert's other blocks; a second launch for the tails re-read them from HBM and ran up to
+    30% slower on the H200)."""
+    pid_m, pid_n = _tile_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    offs_m, row_ok, pair = _block_pairs(sorted_ptr, block_rows_ptr, pid_m, BLOCK_M)
+    rows = tl.load(block_rows_ptr + pid_m)
+    if HALF_TAIL and rows <= BLOCK_M // 2:
+        _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, pid_m * BLOCK_M, rows, pid_n,
+                      hidden, inter, top_k, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+    else:
+        _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, pid_m * BLOCK_M, rows, pid_n,
+                      hidden, inter, top_k, ACT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+
+
+@triton.jit
+def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0, rows, pid_n,
+               hidden, inter, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """The first M rows of the block at row0 against BLOCK_N rows of w2, each row scaled by
+    its pair's top-k weight and written at the pair's slot."""
+    offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    row = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+    row = (row0 + offs_m).to(tl.int64)
     a_ptrs = h_ptr + row[:, None] * inter + offs_k[None, :]
     if TMA:  # w2_ptr is a TensorDescriptor of [E, H, I]
         b_ptrs = 0
     else:
         b_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
                   + offs_n[None, :].to(tl.int64) * inter + offs_k[:, None])
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a = _row_tile(a_ptrs, row_ok, inter - k0, BLOCK_K, EVEN_K)
         b = _weight_tile(w2_ptr, b_ptrs, expert, pid_n * BLOCK_N, k0, inter - k0, n_ok,
@@ -150,6 +174,24 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
     y = (acc * weight[:, None]).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y,
              mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks", "GROUP_M"])
+def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                 topk_weights_ptr, num_blocks, hidden, inter, GROUP_M,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr):
+    pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = tl.load(block_rows_ptr + pid_m)
+    if HALF_TAIL and rows <= BLOCK_M // 2:
+        _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, pid_m * BLOCK_M,
+                   rows, pid_n, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+    else:
+        _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, pid_m * BLOCK_M,
+                   rows, pid_n, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit(do_not_specialize=["top_k", "first_expert", "num_local"])
@@ -167,9 +209,14 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, hidden, top_k, first_expert, num_l
     tl.store(out_ptr + n * hidden + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _launch_opts(cfg: dict[str, Any]) -> dict[str, Any]:
+def _launch_opts(cfg: dict[str, Any], block_m: int) -> dict[str, Any]:
+    half_tail = bool(cfg.get("HALF_TAIL"))
+    if half_tail and block_m < 2 * MIN_TILE_M:
+        raise ValueError(f"HALF_TAIL needs BLOCK_M >= {2 * MIN_TILE_M} (got {block_m}): a "
+                         f"half tile is an MMA of at least {MIN_TILE_M} rows")
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+            "BLOCK_M": block_m, "HALF_TAIL": half_tail}
 
 
 def _tma_ok(w: torch.Tensor) -> bool:
@@ -203,8 +250,8 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
     w_arg, tma = _weights_arg(w13, cfg)
     _gate_up_kernel[grid](x_NH, w_arg, h, blocks.sorted_pairs, blocks.block_expert,
                           blocks.block_rows, blocks.num_blocks, hidden, inter, top_k,
-                          cfg["GROUP_M"], ACT=ACT_CODES[act], BLOCK_M=blocks.block_m,
-                          EVEN_K=hidden % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg))
+                          cfg["GROUP_M"], ACT=ACT_CODES[act], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+                          TMA=tma, **_launch_opts(cfg, blocks.block_m))
     return h
 
 
@@ -218,8 +265,8 @@ def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
     w_arg, tma = _weights_arg(w2, cfg)
     _down_kernel[grid](h, w_arg, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
                        topk_weights_P, blocks.num_blocks, hidden, inter, cfg["GROUP_M"],
-                       BLOCK_M=blocks.block_m, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
-                       **_launch_opts(cfg))
+                       EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
+                       **_launch_opts(cfg, blocks.block_m))
     return y
 
 
