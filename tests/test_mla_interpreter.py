@@ -27,14 +27,14 @@ for case in cases:
 # fresh and after a prefix, the kernel for the others of the same step
 import moeserve.layers.attention_tiles as TL
 import moeserve.layers.mla_triton as MT
-TL.MLA_SDPA_MIN_EXTEND = 30
+shipped_min, TL.MLA_SDPA_MIN_EXTEND = TL.MLA_SDPA_MIN_EXTEND, 30
 takes, MT._sdpa_takes = MT._sdpa_takes, lambda *a: True
 calls, real = [], MT.mla_sdpa
 MT.mla_sdpa = lambda *a: (calls.append(a[4]), real(*a))[1]
 errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [70, 4, 90, 9], [33, 0, 40, 1])
 assert max(errors) < 1e-5, errors
 assert calls == [[(0, 0, 33, 0), (2, 33, 40, 0)], [(0, 0, 34, 33), (2, 35, 47, 40)]], calls
-MT._sdpa_takes, MT.mla_sdpa, TL.MLA_SDPA_MIN_EXTEND = takes, real, 1024
+MT._sdpa_takes, MT.mla_sdpa, TL.MLA_SDPA_MIN_EXTEND = takes, real, shipped_min
 from test_mla_gpu import prep_errors
 for interleaved in (True, False):
     errors = prep_errors("cpu", torch.float32, interleaved)

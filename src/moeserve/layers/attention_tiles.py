@@ -103,8 +103,11 @@ MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
 # (benchmarks/prefill_host.py, device ms): 1024 tokens 15.18 against 17.57 on the kernel,
 # 4096 tokens 45.58 against 79.55. One layer's attention alone (bench_mla.py, eager, bound by
 # its host below 1024 tokens): 4096 tokens 0.372 against 1.734 ms; 512 tokens 0.223 against
-# 0.128 ms (not measured on the device alone: shorter prompts keep the kernel).
-MLA_SDPA_MIN_EXTEND = 1024
+# 0.128 ms. Session 10, the same prefill by threshold, alternating runs: 768 tokens 12.11 /
+# 12.59 through SDPA against 13.88 / 13.92 / 14.12 / 14.29 on the kernel; at 512 one run gave
+# 9.82 against 10.14-10.69 and another 15.60 (the replay bound by its host), at 384 10.14
+# against 9.20 / 9.65: so from 768.
+MLA_SDPA_MIN_EXTEND = 768
 
 
 def mla_extend_tiles(heads: int) -> tuple[int, int, int, int, int]:
