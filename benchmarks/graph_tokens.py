@@ -1,0 +1,93 @@
+"""Greedy tokens of a small DeepSeek engine (latent attention) run after run, against the torch
+MLA backend's: to reproduce and bisect the wrong tokens of its decode CUDA graphs
+(runtime/cuda_graph.py, decode_graph_blockers).
+
+    PYTHONPATH=src python benchmarks/graph_tokens.py [--case v3|v2-lite] \
+        --modes graphs graphs:no-overlap eager:no-overlap decode-graphs:no-overlap \
+                graphs:no-overlap:no-pdl graphs:no-overlap:torch=mla_prep,skinny_linear ...
+
+Each mode is one engine run (the triton MLA backend, fp32, dummy weights, reference experts,
+the prompts and lengths of tests/test_mla_gpu.py's engine test), its parts joined by ":":
+graphs | decode-graphs | prefill-graphs | eager (which CUDA graphs to capture; decode graphs
+are captured through MOESERVE_MLA_DECODE_GRAPHS=1), no-overlap (--disable-overlap-schedule),
+no-pdl (MOESERVE_PDL=0), torch=NAME,... or torch=all (those fused kernels of
+layers/fast_path.KERNELS replaced by their torch formulations). A mode may repeat. Prints,
+per run, "ok" or the first (request, token) where it left the reference, and the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+SMALL = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+             moe_intermediate_size=64, n_routed_experts=8, vocab_size=512, torch_dtype="float32")
+CASES = {
+    "v2-lite": ("deepseek-v2-lite", {}),
+    "v3": ("deepseek-v3", dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64,
+                               n_group=2, topk_group=1, num_experts_per_tok=2,
+                               first_k_dense_replace=1, rope_interleave=False)),
+}
+PROMPT_LENS, NEW_TOKENS = (1, 9, 33, 70, 17), (20, 9, 14, 3, 25)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", choices=sorted(CASES), default="v3")
+    p.add_argument("--modes", nargs="+", default=["graphs:no-overlap", "eager:no-overlap"])
+    args = p.parse_args()
+    import moeserve.layers.fast_path as FP
+    from moeserve.models.presets import PRESETS
+    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV
+    from moeserve.runtime.engine import Engine
+
+    os.environ[MLA_DECODE_GRAPHS_ENV] = "1"
+    folder = Path(tempfile.mkdtemp())
+    preset, extra = CASES[args.case]
+    (folder / "config.json").write_text(json.dumps({**PRESETS[preset], **SMALL, **extra}))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENS]
+    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True} for m in NEW_TOKENS]
+    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
+                 max_running_requests=8, max_total_tokens=4096, context_length=256,
+                 moe_runner_backend="reference")
+
+    def run(backend: str, parts: set[str]) -> list[list[int]]:
+        graphs = {"graphs": (True, True), "decode-graphs": (True, False),
+                  "prefill-graphs": (False, True)}.get(next(
+                      (x for x in parts if x.endswith("graphs")), "eager"), (False, False))
+        FP._broken.clear()
+        torch_kernels = next((x.split("=", 1)[1] for x in parts if x.startswith("torch=")), "")
+        if torch_kernels:
+            FP._broken.update(FP.KERNELS if torch_kernels == "all" else torch_kernels.split(","))
+        os.environ["MOESERVE_PDL"] = "0" if "no-pdl" in parts else "1"
+        with Engine(str(folder), attention_backend=backend, disable_cuda_graph=not graphs[0],
+                    disable_piecewise_cuda_graph=not graphs[1],
+                    disable_overlap_schedule="no-overlap" in parts, **flags) as engine:
+            out = engine.generate(input_ids=prompts, sampling_params=params)
+        assert all(o["error"] is None for o in out), out
+        return [o["token_ids"] for o in out]
+
+    reference = run("torch", {"eager"})
+    counts: collections.Counter = collections.Counter()
+    for mode in args.modes:
+        tokens = run("triton", set(mode.split(":")))
+        diffs = [(i, j) for i, (got, want) in enumerate(zip(tokens, reference))
+                 for j in range(len(want)) if got[j] != want[j]]
+        firsts = sorted({i: j for i, j in reversed(diffs)}.items())
+        verdict = "ok" if not diffs else f"wrong from (request, token) {firsts}"
+        counts[mode, not diffs] += 1
+        print(f"{mode}: {verdict}", flush=True)
+    for (mode, ok), n in sorted(counts.items()):
+        print(f"{mode}: {n} run(s) {'ok' if ok else 'wrong'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
