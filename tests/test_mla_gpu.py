@@ -255,3 +255,39 @@ def test_deepseek_engine_with_prefill_graphs_gives_the_torch_backend_tokens(monk
         assert not buckets and bool(sizes) == graphs, (buckets, sizes)
     assert [len(t) for t in results["torch", False]] == [p["max_new_tokens"] for p in params]
     assert results["triton", True] == results["torch", False] == results["triton", False]
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_deepseek_decode_graphs_give_the_torch_backend_tokens(monkeypatch, tmp_path, case):
+    """Decode graphs of the triton MLA backend captured anyway (MOESERVE_MLA_DECODE_GRAPHS=1),
+    without the overlap schedule, where every step's tokens go through the host: the torch
+    backend's greedy tokens, twice. Before model_runner.copy_to_host recorded its event after
+    the copies, these runs left the reference at random steps (6 of 6 on the H200); decode
+    graphs of latent attention stay refused until this passes on a GPU."""
+    import json
+    import random
+
+    from moeserve.models.presets import PRESETS
+    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, DecodeGraphRunner
+    from moeserve.runtime.engine import Engine
+
+    preset, extra = ENGINE_CASES[case]
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS[preset], **SMALL, **extra}))
+    buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 17)]
+    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
+              for m in (20, 9, 14, 3, 25)]
+    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
+                 max_running_requests=8, max_total_tokens=4096, context_length=256,
+                 moe_runner_backend="reference", disable_overlap_schedule=True)
+    runs = []
+    for backend in ("torch", "triton", "triton"):
+        if backend == "triton":
+            monkeypatch.setenv(MLA_DECODE_GRAPHS_ENV, "1")
+        with Engine(str(tmp_path), attention_backend=backend, **flags) as engine:
+            out = engine.generate(input_ids=prompts, sampling_params=params)
+        assert all(o["error"] is None for o in out), out
+        runs.append([o["token_ids"] for o in out])
+    assert buckets  # the triton runs replayed decode graphs
+    assert runs[1] == runs[0] and runs[2] == runs[0]

@@ -163,3 +163,36 @@ def test_tokens_in_flight_go_out_before_a_prefill_is_launched():
     i = events.index(("launch", "EXTEND"), events.index(("launch", "EXTEND")) + 1)  # b's
     assert events[i - 1] == ("publish", ["a"])  # a's token of the decode in flight
     assert events[i + 1] == ("return", [])
+
+
+def test_the_host_waits_for_an_event_recorded_after_the_token_copies(monkeypatch):
+    """model_runner.copy_to_host queues every copy before it records the event that `collect`
+    waits for (recorded first, the host read the pinned tensors before the copies landed: a
+    step's tokens came back stale at random steps on the H200). The GPU's stream is stood in
+    for by a log of what was queued, in order."""
+    import torch
+
+    from moeserve.runtime import model_runner
+
+    queued = []
+
+    class Event:
+        def record(self):
+            queued.append("event")
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        queued.append("copy")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    tokens, logprobs = torch.tensor([5, 7]), torch.tensor([-0.5, -1.0])
+    copies, done = model_runner.copy_to_host([tokens, logprobs, None, None],
+                                             torch.device("cuda"))
+    assert queued == ["copy", "copy", "event"] and isinstance(done, Event)
+    assert copies[0].tolist() == [5, 7] and copies[2] is None and copies[3] is None
+    queued.clear()
+    copies, done = model_runner.copy_to_host([tokens, None, None, None], torch.device("cpu"))
+    assert queued == ["copy"] and done is None  # on a CPU the copy is done when it returns

@@ -61,6 +61,20 @@ class LaunchedStep:
     done: Optional[torch.cuda.Event]  # None on a CPU: the copies are done already
 
 
+def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
+                 ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.cuda.Event]]:
+    """Each tensor's copy to the host, queued without waiting, and on a GPU the event to wait
+    for before reading them: recorded after the copies. (Recorded before them, as it was from
+    session 6 to 10, it let the host read the pinned tensors before the copies had landed:
+    the tokens reported, and without the overlap schedule fed back, were then stale ones.)"""
+    copies = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    done = None
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+    return copies, done
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
                  state: ParallelState, *, progress: Optional[bool] = None) -> None:
@@ -224,15 +238,9 @@ class ModelRunner:
         out = self.sampler(logits_BV, sb)
         self.next_tokens[:len(rows)].copy_(out.token_ids_B)
 
-        def host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.to("cpu", non_blocking=True)
-
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return LaunchedStep(batch, rows, host(out.token_ids_B), host(out.logprobs_B),
-                            host(out.top_logprobs_BN), host(out.top_token_ids_BN), done)
+        copies, done = copy_to_host([out.token_ids_B, out.logprobs_B, out.top_logprobs_BN,
+                                     out.top_token_ids_BN], self.device)
+        return LaunchedStep(batch, rows, *copies, done)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and give them per request of its batch."""
