@@ -6,8 +6,8 @@ MLA backend's: to reproduce and bisect the wrong tokens of its decode CUDA graph
         --modes graphs graphs:no-overlap eager:no-overlap decode-graphs:no-overlap \
                 graphs:no-overlap:no-pdl graphs:no-overlap:torch=mla_prep,skinny_linear ...
 
-Each mode is one engine run (the triton MLA backend, fp32, dummy weights, reference experts,
-the prompts and lengths of tests/test_mla_gpu.py's engine test), its parts joined by ":":
+Each mode is one engine run (the triton MLA backend on moeserve/testing/deepseek_engine.py's
+case, as tests/test_mla_gpu.py's engine tests run it), its parts joined by ":":
 graphs | decode-graphs | prefill-graphs | eager (which CUDA graphs to capture; decode graphs
 are captured through MOESERVE_MLA_DECODE_GRAPHS=1), no-overlap (--disable-overlap-schedule),
 no-pdl (MOESERVE_PDL=0), torch=NAME,... or torch=all (those fused kernels of
@@ -19,22 +19,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
-import random
 import sys
 import tempfile
 from pathlib import Path
 
-SMALL = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-             moe_intermediate_size=64, n_routed_experts=8, vocab_size=512, torch_dtype="float32")
-CASES = {
-    "v2-lite": ("deepseek-v2-lite", {}),
-    "v3": ("deepseek-v3", dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64,
-                               n_group=2, topk_group=1, num_experts_per_tok=2,
-                               first_k_dense_replace=1, rope_interleave=False)),
-}
-PROMPT_LENS, NEW_TOKENS = (1, 9, 33, 70, 17), (20, 9, 14, 3, 25)
+from moeserve.testing.deepseek_engine import CASES, ENGINE_FLAGS, greedy_requests, write_config
 
 
 def main() -> int:
@@ -43,20 +33,12 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["graphs:no-overlap", "eager:no-overlap"])
     args = p.parse_args()
     import moeserve.layers.fast_path as FP
-    from moeserve.models.presets import PRESETS
     from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV
     from moeserve.runtime.engine import Engine
 
     os.environ[MLA_DECODE_GRAPHS_ENV] = "1"
-    folder = Path(tempfile.mkdtemp())
-    preset, extra = CASES[args.case]
-    (folder / "config.json").write_text(json.dumps({**PRESETS[preset], **SMALL, **extra}))
-    rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENS]
-    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True} for m in NEW_TOKENS]
-    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
-                 max_running_requests=8, max_total_tokens=4096, context_length=256,
-                 moe_runner_backend="reference")
+    folder = write_config(Path(tempfile.mkdtemp()), args.case)
+    prompts, params = greedy_requests()
 
     def run(backend: str, parts: set[str]) -> list[list[int]]:
         graphs = {"graphs": (True, True), "decode-graphs": (True, False),
@@ -69,7 +51,7 @@ def main() -> int:
         os.environ["MOESERVE_PDL"] = "0" if "no-pdl" in parts else "1"
         with Engine(str(folder), attention_backend=backend, disable_cuda_graph=not graphs[0],
                     disable_piecewise_cuda_graph=not graphs[1],
-                    disable_overlap_schedule="no-overlap" in parts, **flags) as engine:
+                    disable_overlap_schedule="no-overlap" in parts, **ENGINE_FLAGS) as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
         return [o["token_ids"] for o in out]

@@ -8,14 +8,16 @@ For each token count: uniform random routing, then for each BLOCK_M that suits t
 per used expert, every gate_up candidate and every down candidate timed alone (median of
 triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
 the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
-with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is faster.
---half-tail-only does that last step alone on the entries already in --out. Candidates are the same for every shape, so each
-compiles once per run. A size that runs out of --time-budget keeps the defaults.
+with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1%
+faster (alternating, best of 3). --half-tail-only does that last step alone on the entries
+already in --out. Candidates are the same for every shape, so each compiles once per run. A
+size that runs out of --time-budget keeps the defaults.
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
-alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths (align + GEMMs + top-k sum, against the two GEMV
-launches) are timed as CUDA-graph replays of 4 calls with different routings, and the entry
-gets a "decode" key only when that path is faster.
+alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths
+(align + GEMMs + top-k sum, against the two GEMV launches) are timed as CUDA-graph replays
+of 4 calls with different routings, and the entry gets a "decode" key only when that path is
+faster.
 """
 
 from __future__ import annotations

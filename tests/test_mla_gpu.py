@@ -19,6 +19,7 @@ from moeserve.layers.attention import create_attention_backend
 from moeserve.layers.mla import mla_backend_for
 from moeserve.models.spec import MLASpec
 from moeserve.runtime.kv_cache import MLAKVCachePool, ReqToTokenPool
+from moeserve.testing.deepseek_engine import CASES, ENGINE_FLAGS, greedy_requests, write_config
 from attention_cases import compare_phases, rel_err, replay_decode_graph
 from spies import spy
 
@@ -201,18 +202,7 @@ def test_triton_mla_decode_replays_in_a_cuda_graph():
     assert rel_err(out[:5], want) < TOL[dtype]
 
 
-SMALL = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-             moe_intermediate_size=64, n_routed_experts=8, vocab_size=512, torch_dtype="float32")
-ENGINE_CASES = {
-    "v2-lite": ("deepseek-v2-lite", {}),
-    # q LoRA, sigmoid routing over groups, 8 heads, rope not interleaved (neox)
-    "v3": ("deepseek-v3", dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64,
-                               n_group=2, topk_group=1, num_experts_per_tok=2,
-                               first_k_dense_replace=1, rope_interleave=False)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_deepseek_engine_with_prefill_graphs_gives_the_torch_backend_tokens(monkeypatch, tmp_path,
                                                                      case):
     """A small DeepSeek (V2-Lite's latent dims, 2 layers, dummy fp32 weights; a V2 and a V3)
@@ -220,29 +210,16 @@ def test_deepseek_engine_with_prefill_graphs_gives_the_torch_backend_tokens(monk
     greedy tokens of the torch MLA backend; its prefill steps replay graphs, its decode steps
     run eagerly (cuda_graph.decode_graph_blockers: decode graphs of latent attention gave
     wrong tokens)."""
-    import json
-    import random
-
-    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV
-
-    monkeypatch.delenv(MLA_DECODE_GRAPHS_ENV, raising=False)
-    from moeserve.models.presets import PRESETS
-    from moeserve.runtime.cuda_graph import DecodeGraphRunner
+    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, DecodeGraphRunner
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.prefill_graph import PrefillGraphRunner
 
-    preset, extra = ENGINE_CASES[case]
-    config = {**PRESETS[preset], **SMALL, **extra}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.delenv(MLA_DECODE_GRAPHS_ENV, raising=False)
+    write_config(tmp_path, case)
     buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
     sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 17)]
-    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
-              for m in (20, 9, 14, 3, 25)]
-    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
-                 max_running_requests=8, max_total_tokens=4096, context_length=256,
-                 moe_runner_backend="reference")
+    prompts, params = greedy_requests()
+    flags = ENGINE_FLAGS
     results = {}
     for backend, graphs in (("torch", False), ("triton", True), ("triton", False)):
         buckets.clear()
@@ -257,30 +234,20 @@ def test_deepseek_engine_with_prefill_graphs_gives_the_torch_backend_tokens(monk
     assert results["triton", True] == results["torch", False] == results["triton", False]
 
 
-@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_deepseek_decode_graphs_give_the_torch_backend_tokens(monkeypatch, tmp_path, case):
     """Decode graphs of the triton MLA backend captured anyway (MOESERVE_MLA_DECODE_GRAPHS=1),
     without the overlap schedule, where every step's tokens go through the host: the torch
     backend's greedy tokens, twice. Before model_runner.copy_to_host recorded its event after
     the copies, these runs left the reference at random steps (6 of 6 on the H200); decode
     graphs of latent attention stay refused until this passes on a GPU."""
-    import json
-    import random
-
-    from moeserve.models.presets import PRESETS
     from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, DecodeGraphRunner
     from moeserve.runtime.engine import Engine
 
-    preset, extra = ENGINE_CASES[case]
-    (tmp_path / "config.json").write_text(json.dumps({**PRESETS[preset], **SMALL, **extra}))
+    write_config(tmp_path, case)
     buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 17)]
-    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
-              for m in (20, 9, 14, 3, 25)]
-    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
-                 max_running_requests=8, max_total_tokens=4096, context_length=256,
-                 moe_runner_backend="reference", disable_overlap_schedule=True)
+    prompts, params = greedy_requests()
+    flags = dict(ENGINE_FLAGS, disable_overlap_schedule=True)
     runs = []
     for backend in ("torch", "triton", "triton"):
         if backend == "triton":

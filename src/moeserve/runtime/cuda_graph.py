@@ -87,15 +87,15 @@ def graph_blockers(model: torch.nn.Module, device: torch.device) -> list[str]:
     return reasons
 
 
-# Latent attention (DeepSeek) decode graphs are refused until the fault below is found.
+# Latent attention (DeepSeek) decode graphs are refused until they are shown right again.
 # Session 10 on an H200 (benchmarks/graph_tokens.py, the 2-layer DeepSeek-V3 engine case of
-# tests/test_mla_gpu.py, fp32, reference experts, greedy): eager decode gave the torch
+# testing/deepseek_engine.py, fp32, reference experts, greedy): eager decode gave the torch
 # backend's tokens in 7 of 7 runs; decode graphs gave other tokens at varying steps in 3 of 10
 # runs with the overlap schedule and in every run without it (6 of 6), also with PDL off
 # (MOESERVE_PDL=0: 4 of 4 wrong) or off for one family of kernels at a time (the MLA
-# kernels, the skinny GEMVs, the fused kernels: 8 of 9 wrong). Without the overlap schedule the prefill graphs
-# alone gave the right tokens (3 of 3), the decode graphs alone did not (3 of 3). The same
-# engine test with a GQA model (tests/test_cuda_graph.py) has not failed.
+# kernels, the skinny GEMVs, the fused kernels: 8 of 9 wrong). Without the overlap schedule
+# the prefill graphs alone gave the right tokens (3 of 3), the decode graphs alone did not
+# (3 of 3). The same engine test with a GQA model (tests/test_cuda_graph.py) has not failed.
 # The likely cause, found afterwards on the CPU: model_runner recorded the event the host
 # waits on before the copies of the sampled tokens to the host, so the host could read a
 # step's tokens before they landed (a stale token reported; without the overlap schedule,
