@@ -148,8 +148,12 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.mla_sdpa_min_extend is not None:
         TL.MLA_SDPA_MIN_EXTEND = args.mla_sdpa_min_extend
+    if args.mla_head_gemv_max_tokens is not None:
+        TL.MLA_HEAD_GEMV_MAX_TOKENS = args.mla_head_gemv_max_tokens
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": args.backend,
-                           "mla_sdpa_min_extend": TL.MLA_SDPA_MIN_EXTEND, **ceilings()}
+                           "mla_sdpa_min_extend": TL.MLA_SDPA_MIN_EXTEND,
+                           "mla_head_gemv_max_tokens": TL.MLA_HEAD_GEMV_MAX_TOKENS,
+                           **ceilings()}
     t0 = time.perf_counter()
     engine = Engine(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                     attention_backend=args.backend,
@@ -208,6 +212,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--mla-sdpa-min-extend", type=int,
                    help="attention_tiles.MLA_SDPA_MIN_EXTEND for the e2e part (default: shipped)")
+    p.add_argument("--mla-head-gemv-max-tokens", type=int,
+                   help="attention_tiles.MLA_HEAD_GEMV_MAX_TOKENS for the e2e part (0: torch.bmm "
+                        "at every size; default: shipped)")
     p.add_argument("--backends", default="triton,torch", help="backends of the e2e part")
     args = p.parse_args()
     out_dir = Path(args.out)
@@ -215,6 +222,8 @@ def main() -> int:
     if args.part:
         fn = {"attention": part_attention, "e2e": part_e2e}[args.part]
         tag = "" if args.mla_sdpa_min_extend is None else f"-sdpa{args.mla_sdpa_min_extend}"
+        if args.mla_head_gemv_max_tokens is not None:
+            tag += f"-gemv{args.mla_head_gemv_max_tokens}"
         (out_dir / f"{args.part}-{args.backend}{tag}.json").write_text(
             json.dumps(fn(args), indent=1))
         return 0

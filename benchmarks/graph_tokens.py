@@ -1,6 +1,6 @@
 """Greedy tokens of a small DeepSeek engine (latent attention) run after run, against the torch
-MLA backend's: to reproduce and bisect the wrong tokens of its decode CUDA graphs
-(runtime/cuda_graph.py, decode_graph_blockers).
+MLA backend's: to check and bisect the tokens of CUDA graphs, the overlap schedule and the fused
+kernels (it reproduced the host-read race that model_runner.copy_to_host fixed).
 
     PYTHONPATH=src python benchmarks/graph_tokens.py [--case v3|v2-lite] \
         --modes graphs graphs:no-overlap eager:no-overlap decode-graphs:no-overlap \
@@ -8,10 +8,9 @@ MLA backend's: to reproduce and bisect the wrong tokens of its decode CUDA graph
 
 Each mode is one engine run (the triton MLA backend on moeserve/testing/deepseek_engine.py's
 case, as tests/test_mla_gpu.py's engine tests run it), its parts joined by ":":
-graphs | decode-graphs | prefill-graphs | eager (which CUDA graphs to capture; decode graphs
-are captured through MOESERVE_MLA_DECODE_GRAPHS=1), no-overlap (--disable-overlap-schedule),
-no-pdl (MOESERVE_PDL=0), torch=NAME,... or torch=all (those fused kernels of
-layers/fast_path.KERNELS replaced by their torch formulations). A mode may repeat. Prints,
+graphs | decode-graphs | prefill-graphs | eager (which CUDA graphs to capture), no-overlap
+(--disable-overlap-schedule), no-pdl (MOESERVE_PDL=0), torch=NAME,... or torch=all (those
+fused kernels of layers/fast_path.KERNELS replaced by their torch formulations). A mode may repeat. Prints,
 per run, "ok" or the first (request, token) where it left the reference, and the counts.
 """
 
@@ -33,10 +32,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["graphs:no-overlap", "eager:no-overlap"])
     args = p.parse_args()
     import moeserve.layers.fast_path as FP
-    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV
     from moeserve.runtime.engine import Engine
 
-    os.environ[MLA_DECODE_GRAPHS_ENV] = "1"
     folder = write_config(Path(tempfile.mkdtemp()), args.case)
     prompts, params = greedy_requests()
 

@@ -136,38 +136,3 @@ def test_cuda_graph_and_overlap_decode_give_the_eager_tokens(monkeypatch):
     assert results[True, True] == results[False, True] == results[True, False]
     assert buckets and set(buckets) <= {1, 2, 4, 8, 12, 16}
     assert len(set(buckets)) >= 2  # the batch shrank through several buckets
-
-
-def test_latent_attention_models_decode_without_graphs(tmp_path, monkeypatch):
-    """Decode graphs of a DeepSeek (latent attention) model are refused, with the reason, unless
-    MOESERVE_MLA_DECODE_GRAPHS=1 (runtime/cuda_graph.py: they gave wrong tokens); prefill graphs
-    are not. Checked on the CPU: the reasons depend on the model's classes alone."""
-    import json
-
-    from moeserve.models.presets import PRESETS
-    from moeserve.models.registry import build_model
-    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, decode_graph_blockers
-
-    small = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=8, vocab_size=128,
-                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                 torch_dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps({**PRESETS["deepseek-v2-lite"], **small}))
-    cfg = EngineConfig(model=str(tmp_path), device="cpu", gpu_memory_gb=1.0,
-                       load_format="dummy")
-    plan = build_plan(cfg, load_model_spec(cfg.model))
-    state = single_process_state(plan.layout, torch.device("cpu"))
-    model = build_model(cfg, plan.spec, state, plan)
-    cuda = torch.device("cuda")  # only its type is read: the reasons of a GPU run
-    monkeypatch.delenv(MLA_DECODE_GRAPHS_ENV, raising=False)
-    base = graph_blockers(model, cuda)  # what prefill graphs check (here: the CPU's backend)
-    *rest, reason = decode_graph_blockers(model, cuda)
-    assert rest == base and "latent attention" in reason and MLA_DECODE_GRAPHS_ENV in reason
-    monkeypatch.setenv(MLA_DECODE_GRAPHS_ENV, "1")
-    assert decode_graph_blockers(model, cuda) == base
-    monkeypatch.delenv(MLA_DECODE_GRAPHS_ENV)
-    cfg = cfg.replace(model="preset:tiny")
-    plan = build_plan(cfg, load_model_spec(cfg.model))
-    tiny = build_model(cfg, plan.spec, state, plan)
-    assert decode_graph_blockers(tiny, cuda) == graph_blockers(tiny, cuda)  # no MLA: no reason

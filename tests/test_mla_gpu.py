@@ -120,6 +120,33 @@ def test_triton_mla_matches_torch(dtype, page_size, dims):
     assert max(errors) < TOL[dtype], errors
 
 
+def head_gemv_errors(device: str, dtype: torch.dtype) -> list[float]:
+    """mla_kernels.q_absorb / o_unabsorb against torch.bmm in fp64, for 1..8 tokens, dims
+    below, at and past a power of two, and strided views (q_nope inside [q_nope | q_pe], the
+    halves of kv_b_proj's weight) as the backend passes them."""
+    from moeserve.layers.mla_kernels import o_unabsorb, q_absorb
+
+    errors = []
+    gen = torch.Generator().manual_seed(3)
+    for t, (n, c, r, p, v) in [(1, LITE), (3, (20, 64, 4, 8, 12)), (8, (3, 40, 8, 24, 20))]:
+        w = torch.randn(n, p + v, c, generator=gen).to(device, dtype)
+        q = torch.randn(t, n, p + r, generator=gen).to(device, dtype)
+        o_lat = torch.randn(n, t, c, generator=gen).to(device, dtype)
+        got_q = q_absorb(q[..., :p], w[:, :p])
+        want_q = torch.bmm(q[..., :p].transpose(0, 1).double(), w[:, :p].double())
+        got_o = o_unabsorb(o_lat, w[:, p:])
+        want_o = torch.bmm(o_lat.double(), w[:, p:].transpose(1, 2).double()).transpose(0, 1)
+        assert got_q.shape == want_q.shape and got_o.shape == want_o.shape
+        errors += [rel_err(got_q, want_q), rel_err(got_o, want_o)]
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_gemvs_are_the_batched_gemms(dtype):
+    errors = head_gemv_errors("cuda", dtype)
+    assert max(errors) < TOL[dtype], errors
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("heads", [20, 3])
@@ -182,11 +209,16 @@ def test_mla_sdpa_warm_up_runs_every_padded_length(monkeypatch):
     assert fast.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
 
 
-def test_triton_mla_decode_replays_in_a_cuda_graph():
-    """Captured once for a bucket of 8 rows with short lengths, replayed with longer lengths,
-    5 real rows and 3 padded rows (request row 0, slot 0): the real rows match torch."""
+@pytest.mark.parametrize("bucket,lens", [(8, [700, 33, 1000, 5, 256]), (2, [700]), (1, [33])])
+def test_triton_mla_decode_replays_in_a_cuda_graph(bucket, lens):
+    """Captured once for a bucket with short lengths, replayed with longer lengths, real rows
+    and padded rows (request row 0, slot 0): the real rows match torch. Buckets of 1 and 2
+    take kv_b_proj's halves by the GEMVs (MLA_HEAD_GEMV_MAX_TOKENS), 8 by torch.bmm."""
+    import moeserve.layers.attention_tiles as TL
+
+    assert 2 <= TL.MLA_HEAD_GEMV_MAX_TOKENS < 8
     torch.manual_seed(1)
-    dev, dtype, bucket = "cuda", torch.bfloat16, 8
+    dev, dtype = "cuda", torch.bfloat16
     n, c, r, p, v = LITE
     pool = MLAKVCachePool(2, 4096, c, r, dtype, dev, page_size=16)
     rows = ReqToTokenPool(bucket + 1, 1024, dev)
@@ -196,65 +228,40 @@ def test_triton_mla_decode_replays_in_a_cuda_graph():
 
     q = torch.randn(bucket, n, p + r, device=dev, dtype=dtype)
     out, plain = replay_decode_graph(rows, pool, bucket, q, lambda fb: fast.forward(q, layer, fb),
-                                     [700, 33, 1000, 5, 256])
-    want = ref.forward(q[:5], layer, plain)
+                                     lens)
+    want = ref.forward(q[:len(lens)], layer, plain)
     assert torch.isfinite(out).all()
-    assert rel_err(out[:5], want) < TOL[dtype]
+    assert rel_err(out[:len(lens)], want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_deepseek_engine_with_prefill_graphs_gives_the_torch_backend_tokens(monkeypatch, tmp_path,
-                                                                     case):
+def test_deepseek_engine_with_graphs_gives_the_torch_backend_tokens(monkeypatch, tmp_path, case):
     """A small DeepSeek (V2-Lite's latent dims, 2 layers, dummy fp32 weights; a V2 and a V3)
-    through the Engine: the triton MLA backend with prefill graphs (and without) gives the
-    greedy tokens of the torch MLA backend; its prefill steps replay graphs, its decode steps
-    run eagerly (cuda_graph.decode_graph_blockers: decode graphs of latent attention gave
-    wrong tokens)."""
-    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, DecodeGraphRunner
+    through the Engine: the triton MLA backend with decode and prefill graphs, with the
+    overlap schedule and without it (every step's tokens then go through the host), and
+    eagerly, gives the greedy tokens of the torch MLA backend. Before model_runner.copy_to_host
+    recorded its event after the copies of the sampled tokens, the graph runs without the
+    overlap schedule left the reference at random steps (6 of 6 on the H200)."""
+    from moeserve.runtime.cuda_graph import DecodeGraphRunner
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.prefill_graph import PrefillGraphRunner
 
-    monkeypatch.delenv(MLA_DECODE_GRAPHS_ENV, raising=False)
     write_config(tmp_path, case)
     buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
     sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
     prompts, params = greedy_requests()
-    flags = ENGINE_FLAGS
     results = {}
-    for backend, graphs in (("torch", False), ("triton", True), ("triton", False)):
+    for backend, graphs, overlap in (("torch", False, True), ("triton", True, True),
+                                     ("triton", True, False), ("triton", False, True)):
         buckets.clear()
         sizes.clear()
         with Engine(str(tmp_path), attention_backend=backend, disable_cuda_graph=not graphs,
-                    disable_piecewise_cuda_graph=not graphs, **flags) as engine:
+                    disable_piecewise_cuda_graph=not graphs,
+                    **dict(ENGINE_FLAGS, disable_overlap_schedule=not overlap)) as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
-        results[backend, graphs] = [o["token_ids"] for o in out]
-        assert not buckets and bool(sizes) == graphs, (buckets, sizes)
-    assert [len(t) for t in results["torch", False]] == [p["max_new_tokens"] for p in params]
-    assert results["triton", True] == results["torch", False] == results["triton", False]
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_deepseek_decode_graphs_give_the_torch_backend_tokens(monkeypatch, tmp_path, case):
-    """Decode graphs of the triton MLA backend captured anyway (MOESERVE_MLA_DECODE_GRAPHS=1),
-    without the overlap schedule, where every step's tokens go through the host: the torch
-    backend's greedy tokens, twice. Before model_runner.copy_to_host recorded its event after
-    the copies, these runs left the reference at random steps (6 of 6 on the H200); decode
-    graphs of latent attention stay refused until this passes on a GPU."""
-    from moeserve.runtime.cuda_graph import MLA_DECODE_GRAPHS_ENV, DecodeGraphRunner
-    from moeserve.runtime.engine import Engine
-
-    write_config(tmp_path, case)
-    buckets = spy(monkeypatch, DecodeGraphRunner, "replay", lambda self, batch, bs: bs)
-    prompts, params = greedy_requests()
-    flags = dict(ENGINE_FLAGS, disable_overlap_schedule=True)
-    runs = []
-    for backend in ("torch", "triton", "triton"):
-        if backend == "triton":
-            monkeypatch.setenv(MLA_DECODE_GRAPHS_ENV, "1")
-        with Engine(str(tmp_path), attention_backend=backend, **flags) as engine:
-            out = engine.generate(input_ids=prompts, sampling_params=params)
-        assert all(o["error"] is None for o in out), out
-        runs.append([o["token_ids"] for o in out])
-    assert buckets  # the triton runs replayed decode graphs
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+        results[backend, graphs, overlap] = [o["token_ids"] for o in out]
+        assert bool(buckets) == graphs and bool(sizes) == graphs, (buckets, sizes)
+    reference = results.pop(("torch", False, True))
+    assert [len(t) for t in reference] == [p["max_new_tokens"] for p in params]
+    assert all(tokens == reference for tokens in results.values()), results

@@ -3,8 +3,8 @@ interpreter, against the torch MLA backend, in fp32: the cases of tests/test_mla
 (prompts, a chunk after a prefix, decode steps; paged and not; heads below and past one
 program's 16, rope dims below a tl.dot's 16); the backend sending its long requests through
 SDPA (allowed on the CPU for the test) and the others through the kernel in the same step;
-and the prep kernel (latent norm, rope, cache store) against MLAttention's torch
-formulation."""
+the prep kernel (latent norm, rope, cache store) against MLAttention's torch
+formulation; and the GEMVs of kv_b_proj's two halves against torch.bmm."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [70, 4, 90, 9], [3
 assert max(errors) < 1e-5, errors
 assert calls == [[(0, 0, 33, 0), (2, 33, 40, 0)], [(0, 0, 34, 33), (2, 35, 47, 40)]], calls
 MT._sdpa_takes, MT.mla_sdpa, TL.MLA_SDPA_MIN_EXTEND = takes, real, shipped_min
-from test_mla_gpu import prep_errors
+from test_mla_gpu import head_gemv_errors, prep_errors
+errors = head_gemv_errors("cpu", torch.float32)
+assert max(errors) < 1e-5, errors
 for interleaved in (True, False):
     errors = prep_errors("cpu", torch.float32, interleaved)
     assert max(errors) < 1e-6, (interleaved, errors)

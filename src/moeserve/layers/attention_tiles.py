@@ -108,6 +108,12 @@ MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
 # 9.82 against 10.14-10.69 and another 15.60 (the replay bound by its host), at 384 10.14
 # against 9.20 / 9.65: so from 768.
 MLA_SDPA_MIN_EXTEND = 768
+# Steps of at most this many tokens apply kv_b_proj's two halves (W_UK to the queries, W_UV
+# to the attention's output) by the GEMVs of mla_kernels.py, more by torch.bmm (cuBLAS). H200,
+# DeepSeek-V2-Lite decode graphs, context 512 (bench_mla.py --part e2e, alternating runs),
+# ms/step GEMVs against bmm: batch 1 2.429 / 2.294 against 2.500 / 2.360, batch 2 3.323 /
+# 3.143 against 3.340 / 3.204, batch 8 6.882 / 6.658 against 6.598 / 6.446.
+MLA_HEAD_GEMV_MAX_TOKENS = 2
 
 
 def mla_extend_tiles(heads: int) -> tuple[int, int, int, int, int]:

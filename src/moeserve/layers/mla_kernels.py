@@ -258,3 +258,93 @@ def mla_prep(positions_T, q_TNQ, kv_TW, norm_weight, eps: float, inv_freq, facto
         BLOCK_C=triton.next_power_of_2(rank), BLOCK_F=triton.next_power_of_2(half),
         BLOCK_H=block_h, INTERLEAVED=interleaved, num_warps=4, **pdl_args(q_TNQ.device))
     return out
+
+
+# --- kv_b_proj's two halves at a few tokens (decode) ------------------------------------------
+# torch.bmm's cuBLAS kernels take no part in the PDL chain: at batch 1 each costs a whole
+# launch and ramp (about 3.4 us on the H200 for 2 MB of weights). These GEMVs load their weight
+# tile before the PDL gate and loop over the few tokens with it held in registers.
+
+@triton.jit(do_not_specialize=["T"])
+def _q_absorb_kernel(Q, W, QL, T, P, C, stride_qt, stride_qn, stride_wn, stride_wp,
+                     stride_ln, stride_lt, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr):
+    """q_lat[n, t, c] = sum over p of q_nope[t, n, p] W_UK[n, p, c]; program (head n, block of
+    BLOCK_C latent dims), all P rows of W_UK[n] at once (a reduction over the tile's rows)."""
+    n = tl.program_id(0)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p_mask, c_mask = offs_p < P, offs_c < C
+    w = tl.load(W + n * stride_wn + offs_p[:, None] * stride_wp + offs_c[None, :],
+                mask=p_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    pdl_gate(PDL)
+    for t in range(T):
+        q = tl.load(Q + t * stride_qt + n * stride_qn + offs_p, mask=p_mask,
+                    other=0.0).to(tl.float32)
+        y = tl.sum(w * q[:, None], 0)
+        tl.store(QL + n * stride_ln + t * stride_lt + offs_c, y.to(QL.dtype.element_ty),
+                 mask=c_mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _o_unabsorb_kernel(OL, W, O, T, V, C, stride_ln, stride_lt, stride_wn, stride_wv,
+                       stride_ot, stride_on, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr):
+    """o[t, n, v] = sum over c of o_lat[n, t, c] W_UV[n, v, c]; program (head n, block of
+    BLOCK_V value dims), the whole latent (BLOCK_C >= C) in one tile."""
+    n = tl.program_id(0)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_c = tl.arange(0, BLOCK_C)
+    v_mask, c_mask = offs_v < V, offs_c < C
+    w = tl.load(W + n * stride_wn + offs_v[:, None] * stride_wv + offs_c[None, :],
+                mask=v_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    pdl_gate(PDL)
+    for t in range(T):
+        x = tl.load(OL + n * stride_ln + t * stride_lt + offs_c, mask=c_mask,
+                    other=0.0).to(tl.float32)
+        y = tl.sum(w * x[None, :], 1)
+        tl.store(O + t * stride_ot + n * stride_on + offs_v, y.to(O.dtype.element_ty),
+                 mask=v_mask)
+
+
+HEAD_GEMV_TILE = 8192  # weight elements a program of the two GEMVs holds (fp32 registers)
+
+
+def q_absorb(q_nope_TNP, w_uk_NPC):
+    """[N, T, C] = per head q_nope [T, P] @ W_UK [P, C] (torch.bmm's result, for few T)."""
+    import torch
+
+    from moeserve.layers.pdl import pdl_args
+
+    t, n, p = q_nope_TNP.shape
+    c = w_uk_NPC.shape[2]
+    assert q_nope_TNP.stride(-1) == 1 and w_uk_NPC.stride(-1) == 1
+    out = torch.empty(n, t, c, dtype=q_nope_TNP.dtype, device=q_nope_TNP.device)
+    if t and n:
+        block_p = triton.next_power_of_2(p)
+        block_c = max(16, min(triton.next_power_of_2(c), HEAD_GEMV_TILE // block_p))
+        _q_absorb_kernel[(n, triton.cdiv(c, block_c))](
+            q_nope_TNP, w_uk_NPC, out, t, p, c, q_nope_TNP.stride(0), q_nope_TNP.stride(1),
+            w_uk_NPC.stride(0), w_uk_NPC.stride(1), out.stride(0), out.stride(1),
+            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4, **pdl_args(q_nope_TNP.device))
+    return out
+
+
+def o_unabsorb(o_lat_NTC, w_uv_NVC):
+    """[T, N, V] (contiguous) = per head o_lat [T, C] @ W_UV [V, C]^T (for few T)."""
+    import torch
+
+    from moeserve.layers.pdl import pdl_args
+
+    n, t, c = o_lat_NTC.shape
+    v = w_uv_NVC.shape[1]
+    assert o_lat_NTC.stride(-1) == 1 and w_uv_NVC.stride(-1) == 1
+    out = torch.empty(t, n, v, dtype=o_lat_NTC.dtype, device=o_lat_NTC.device)
+    if t and n:
+        block_c = triton.next_power_of_2(c)
+        block_v = max(1, min(triton.next_power_of_2(v), HEAD_GEMV_TILE // block_c))
+        _o_unabsorb_kernel[(n, triton.cdiv(v, block_v))](
+            o_lat_NTC, w_uv_NVC, out, t, v, c, o_lat_NTC.stride(0), o_lat_NTC.stride(1),
+            w_uv_NVC.stride(0), w_uv_NVC.stride(1), out.stride(0), out.stride(1),
+            BLOCK_V=block_v, BLOCK_C=block_c, num_warps=4, **pdl_args(o_lat_NTC.device))
+    return out

@@ -8,6 +8,9 @@ V value dims; W = kv_b_proj's weight viewed [N, P + V, C], W_UK = W[:, :P], W_UV
     o_lat     = attention over the cached [latent | k_pe] rows (the kernels)
     o_NTV     = o_lat_NTC @ W_UV^T           one batched GEMM over the heads
 
+Up to attention_tiles.MLA_HEAD_GEMV_MAX_TOKENS tokens the two batched GEMMs are GEMVs of
+mla_kernels.py (q_absorb, o_unabsorb) that keep the decode step's PDL chain unbroken.
+
 Why absorbed: the cache holds only the latent rows, so the torch backend's way (expand every
 cached row through kv_b_proj for every head, each step) moves N (P + V) / (C + R) times the
 cache's bytes and a [S, N, P + V] copy per request. Absorbed, each cached row is read once per
@@ -141,7 +144,11 @@ class TritonMLABackend(AttentionBackend):
         w_NWC = _kv_b(layer)
         cache = fb.kv_pool.latent_cache(layer.layer_id)
         table = fb.req_to_token
-        q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
+        gemv = t <= T.MLA_HEAD_GEMV_MAX_TOKENS  # kv_b_proj's halves by PDL-chained GEMVs
+        if gemv:
+            q_lat_NTC = K.q_absorb(q_TNQ[..., :p], w_NWC[:, :p])
+        else:
+            q_lat_NTC = torch.bmm(q_TNQ[..., :p].transpose(0, 1), w_NWC[:, :p])
         q_pe_TNR = q_TNQ[..., p:]
         o_lat_NTC = torch.empty_like(q_lat_NTC)
         block_h, block_t, block_n, warps, stages = tiles
@@ -175,6 +182,8 @@ class TritonMLABackend(AttentionBackend):
                 q_lat_NTC, q_pe_TNR, cache, o_lat_NTC, table, fb.req_pool_indices,
                 fb.extend_prefix_lens, extend_lens, meta.q_starts, *q_strides,
                 o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, BLOCK_T=block_t, **common)
+        if gemv:
+            return K.o_unabsorb(o_lat_NTC, w_NWC[:, p:])
         return torch.bmm(o_lat_NTC, w_NWC[:, p:].transpose(1, 2)).transpose(0, 1)
 
 

@@ -87,41 +87,6 @@ def graph_blockers(model: torch.nn.Module, device: torch.device) -> list[str]:
     return reasons
 
 
-# Latent attention (DeepSeek) decode graphs are refused until they are shown right again.
-# Session 10 on an H200 (benchmarks/graph_tokens.py, the 2-layer DeepSeek-V3 engine case of
-# testing/deepseek_engine.py, fp32, reference experts, greedy): eager decode gave the torch
-# backend's tokens in 7 of 7 runs; decode graphs gave other tokens at varying steps in 3 of 10
-# runs with the overlap schedule and in every run without it (6 of 6), also with PDL off
-# (MOESERVE_PDL=0: 4 of 4 wrong) or off for one family of kernels at a time (the MLA
-# kernels, the skinny GEMVs, the fused kernels: 8 of 9 wrong). Without the overlap schedule
-# the prefill graphs alone gave the right tokens (3 of 3), the decode graphs alone did not
-# (3 of 3). The same engine test with a GQA model (tests/test_cuda_graph.py) has not failed.
-# The likely cause, found afterwards on the CPU: model_runner recorded the event the host
-# waits on before the copies of the sampled tokens to the host, so the host could read a
-# step's tokens before they landed (a stale token reported; without the overlap schedule,
-# fed back). It is fixed (model_runner.copy_to_host); what the graphs gave was not re-run
-# on a GPU since: tests/test_mla_gpu.py's test_deepseek_decode_graphs_give_the_torch_backend_
-# tokens (and benchmarks/graph_tokens.py) decide whether this refusal can go.
-# MOESERVE_MLA_DECODE_GRAPHS=1 captures them anyway.
-MLA_DECODE_GRAPHS_ENV = "MOESERVE_MLA_DECODE_GRAPHS"
-
-
-def decode_graph_blockers(model: torch.nn.Module, device: torch.device) -> list[str]:
-    """graph_blockers, and what keeps decode (not prefill) graphs off."""
-    import os
-
-    from moeserve.layers.mla import MLAttention
-
-    reasons = graph_blockers(model, device)
-    if (os.environ.get(MLA_DECODE_GRAPHS_ENV) != "1"
-            and any(isinstance(m, MLAttention) for m in model.modules())):
-        reasons.append("latent attention (DeepSeek) decode graphs gave wrong greedy tokens "
-                       "at random steps on the H200, not re-checked since the likely cause was "
-                       "fixed (runtime/cuda_graph.py says what is known); decode runs eagerly "
-                       f"until they are ({MLA_DECODE_GRAPHS_ENV}=1 captures them anyway)")
-    return reasons
-
-
 @dataclass
 class DecodeGraphBuffers:
     """Inputs and output shared by every decode graph (rows [0, bucket) of each)."""
@@ -232,7 +197,7 @@ class DecodeGraphRunner:
         if plan.budget.tokens_per_decode_request != 1:
             raise ValueError("decode graphs capture one token per request; drop "
                              "--speculative-num-draft-tokens or add --disable-cuda-graph")
-        blockers = decode_graph_blockers(model, state.device)
+        blockers = graph_blockers(model, state.device)
         if blockers:
             log.warning("decode runs without CUDA graphs: %s (--disable-cuda-graph silences "
                         "this)", "; ".join(blockers))
