@@ -266,85 +266,62 @@ def mla_prep(positions_T, q_TNQ, kv_TW, norm_weight, eps: float, inv_freq, facto
 # tile before the PDL gate and loop over the few tokens with it held in registers.
 
 @triton.jit(do_not_specialize=["T"])
-def _q_absorb_kernel(Q, W, QL, T, P, C, stride_qt, stride_qn, stride_wn, stride_wp,
-                     stride_ln, stride_lt, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PDL: tl.constexpr):
-    """q_lat[n, t, c] = sum over p of q_nope[t, n, p] W_UK[n, p, c]; program (head n, block of
-    BLOCK_C latent dims), all P rows of W_UK[n] at once (a reduction over the tile's rows)."""
+def _head_gemv_kernel(X, W, Y, T, I, J, stride_xn, stride_xt, stride_wn, stride_wi, stride_wj,
+                      stride_yn, stride_yt, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                      PDL: tl.constexpr):
+    """y[n, t, j] = sum over i of x[n, t, i] W[n, i, j]; program (head n, block of BLOCK_J
+    output dims) holds all I rows of its tile of W[n] (a reduction over the tile's rows, either
+    of W's dims contiguous: a stride of 1 is specialised) and loops over the T tokens."""
     n = tl.program_id(0)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_mask, c_mask = offs_p < P, offs_c < C
-    w = tl.load(W + n * stride_wn + offs_p[:, None] * stride_wp + offs_c[None, :],
-                mask=p_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    offs_i = tl.arange(0, BLOCK_I)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    i_mask, j_mask = offs_i < I, offs_j < J
+    w = tl.load(W + n * stride_wn + offs_i[:, None] * stride_wi + offs_j[None, :] * stride_wj,
+                mask=i_mask[:, None] & j_mask[None, :], other=0.0).to(tl.float32)
     pdl_gate(PDL)
     for t in range(T):
-        q = tl.load(Q + t * stride_qt + n * stride_qn + offs_p, mask=p_mask,
+        x = tl.load(X + n * stride_xn + t * stride_xt + offs_i, mask=i_mask,
                     other=0.0).to(tl.float32)
-        y = tl.sum(w * q[:, None], 0)
-        tl.store(QL + n * stride_ln + t * stride_lt + offs_c, y.to(QL.dtype.element_ty),
-                 mask=c_mask)
+        y = tl.sum(w * x[:, None], 0)
+        tl.store(Y + n * stride_yn + t * stride_yt + offs_j, y.to(Y.dtype.element_ty),
+                 mask=j_mask)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _o_unabsorb_kernel(OL, W, O, T, V, C, stride_ln, stride_lt, stride_wn, stride_wv,
-                       stride_ot, stride_on, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-                       PDL: tl.constexpr):
-    """o[t, n, v] = sum over c of o_lat[n, t, c] W_UV[n, v, c]; program (head n, block of
-    BLOCK_V value dims), the whole latent (BLOCK_C >= C) in one tile."""
-    n = tl.program_id(0)
-    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_c = tl.arange(0, BLOCK_C)
-    v_mask, c_mask = offs_v < V, offs_c < C
-    w = tl.load(W + n * stride_wn + offs_v[:, None] * stride_wv + offs_c[None, :],
-                mask=v_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-    pdl_gate(PDL)
-    for t in range(T):
-        x = tl.load(OL + n * stride_ln + t * stride_lt + offs_c, mask=c_mask,
-                    other=0.0).to(tl.float32)
-        y = tl.sum(w * x[None, :], 1)
-        tl.store(O + t * stride_ot + n * stride_on + offs_v, y.to(O.dtype.element_ty),
-                 mask=v_mask)
+HEAD_GEMV_TILE = 8192  # weight elements a program of the GEMVs holds (fp32 registers)
 
 
-HEAD_GEMV_TILE = 8192  # weight elements a program of the two GEMVs holds (fp32 registers)
+def head_gemv(x_NTI, w_NIJ, y_NTJ):
+    """y_NTJ[n] = x_NTI[n] @ w_NIJ[n] for every head n (torch.bmm's product), written into
+    y_NTJ and returned, for a few tokens T; x's and y's last dims contiguous, w any strides."""
+    from moeserve.layers.pdl import pdl_args
+
+    n, t, i = x_NTI.shape
+    j = w_NIJ.shape[2]
+    assert x_NTI.stride(-1) == 1 and y_NTJ.stride(-1) == 1 and y_NTJ.shape == (n, t, j)
+    if t and n:
+        block_i = triton.next_power_of_2(i)
+        block_j = max(16, min(triton.next_power_of_2(j), HEAD_GEMV_TILE // block_i))
+        _head_gemv_kernel[(n, triton.cdiv(j, block_j))](
+            x_NTI, w_NIJ, y_NTJ, t, i, j, x_NTI.stride(0), x_NTI.stride(1), w_NIJ.stride(0),
+            w_NIJ.stride(1), w_NIJ.stride(2), y_NTJ.stride(0), y_NTJ.stride(1),
+            BLOCK_I=block_i, BLOCK_J=block_j, num_warps=4, **pdl_args(x_NTI.device))
+    return y_NTJ
 
 
 def q_absorb(q_nope_TNP, w_uk_NPC):
-    """[N, T, C] = per head q_nope [T, P] @ W_UK [P, C] (torch.bmm's result, for few T)."""
+    """[N, T, C] = per head q_nope [T, P] @ W_UK [P, C]."""
     import torch
 
-    from moeserve.layers.pdl import pdl_args
-
-    t, n, p = q_nope_TNP.shape
-    c = w_uk_NPC.shape[2]
-    assert q_nope_TNP.stride(-1) == 1 and w_uk_NPC.stride(-1) == 1
-    out = torch.empty(n, t, c, dtype=q_nope_TNP.dtype, device=q_nope_TNP.device)
-    if t and n:
-        block_p = triton.next_power_of_2(p)
-        block_c = max(16, min(triton.next_power_of_2(c), HEAD_GEMV_TILE // block_p))
-        _q_absorb_kernel[(n, triton.cdiv(c, block_c))](
-            q_nope_TNP, w_uk_NPC, out, t, p, c, q_nope_TNP.stride(0), q_nope_TNP.stride(1),
-            w_uk_NPC.stride(0), w_uk_NPC.stride(1), out.stride(0), out.stride(1),
-            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4, **pdl_args(q_nope_TNP.device))
-    return out
+    t, n, _ = q_nope_TNP.shape
+    out = torch.empty(n, t, w_uk_NPC.shape[2], dtype=q_nope_TNP.dtype, device=q_nope_TNP.device)
+    return head_gemv(q_nope_TNP.transpose(0, 1), w_uk_NPC, out)
 
 
 def o_unabsorb(o_lat_NTC, w_uv_NVC):
-    """[T, N, V] (contiguous) = per head o_lat [T, C] @ W_UV [V, C]^T (for few T)."""
+    """[T, N, V] (contiguous) = per head o_lat [T, C] @ W_UV [V, C]^T."""
     import torch
 
-    from moeserve.layers.pdl import pdl_args
-
-    n, t, c = o_lat_NTC.shape
-    v = w_uv_NVC.shape[1]
-    assert o_lat_NTC.stride(-1) == 1 and w_uv_NVC.stride(-1) == 1
-    out = torch.empty(t, n, v, dtype=o_lat_NTC.dtype, device=o_lat_NTC.device)
-    if t and n:
-        block_c = triton.next_power_of_2(c)
-        block_v = max(1, min(triton.next_power_of_2(v), HEAD_GEMV_TILE // block_c))
-        _o_unabsorb_kernel[(n, triton.cdiv(v, block_v))](
-            o_lat_NTC, w_uv_NVC, out, t, v, c, o_lat_NTC.stride(0), o_lat_NTC.stride(1),
-            w_uv_NVC.stride(0), w_uv_NVC.stride(1), out.stride(0), out.stride(1),
-            BLOCK_V=block_v, BLOCK_C=block_c, num_warps=4, **pdl_args(o_lat_NTC.device))
+    n, t, _ = o_lat_NTC.shape
+    out = torch.empty(t, n, w_uv_NVC.shape[1], dtype=o_lat_NTC.dtype, device=o_lat_NTC.device)
+    head_gemv(o_lat_NTC, w_uv_NVC.transpose(1, 2), out.transpose(0, 1))
     return out
