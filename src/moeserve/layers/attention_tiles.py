@@ -110,9 +110,10 @@ MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine
 MLA_SDPA_MIN_EXTEND = 768
 # Steps of at most this many tokens apply kv_b_proj's two halves (W_UK to the queries, W_UV
 # to the attention's output) by the GEMVs of mla_kernels.py, more by torch.bmm (cuBLAS). H200,
-# DeepSeek-V2-Lite decode graphs, context 512 (bench_mla.py --part e2e, alternating runs),
-# ms/step GEMVs against bmm: batch 1 2.429 / 2.294 against 2.500 / 2.360, batch 2 3.323 /
-# 3.143 against 3.340 / 3.204, batch 8 6.882 / 6.658 against 6.598 / 6.446.
+# DeepSeek-V2-Lite decode graphs, context 512 (bench_mla.py --parts e2e
+# --mla-head-gemv-max-tokens G, alternating runs), ms/step GEMVs against bmm: batch 1 2.268 /
+# 2.290 against 2.331 / 2.353, batch 2 3.073 / 3.091 against 3.181 / 3.190; batch 4 4.583 /
+# 4.689 against 4.569 / 4.606; batch 8 (session 10) 6.882 / 6.658 against 6.598 / 6.446.
 MLA_HEAD_GEMV_MAX_TOKENS = 2
 
 
