@@ -17,7 +17,8 @@ first asked for.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Optional
+from itertools import accumulate
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,11 @@ from moeserve.runtime.kv_cache import KVWrite
 
 # False: the rope never stores K/V, PagedAttention.forward always does (a switch for tests)
 FUSE_ROPE_KV_STORE = True
+
+
+def query_starts(extend_lens: Sequence[int]) -> list[int]:
+    """Each request's first row among the step's new tokens (requests in batch order)."""
+    return [0, *accumulate(extend_lens[:-1])]
 
 
 class AttentionBackend(ABC):

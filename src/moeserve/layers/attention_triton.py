@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
-from moeserve.layers.attention import AttentionBackend, register_attention_backend
+from moeserve.layers.attention import AttentionBackend, query_starts, register_attention_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -72,9 +72,7 @@ class _StepMeta:
             self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32, device=dev)
         else:
             lens = fb.extend_seq_lens_cpu
-            starts = [0]
-            for e in lens[:-1]:
-                starts.append(starts[-1] + e)
+            starts = query_starts(lens)
             self.q_starts = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
             self.max_extend = max(lens, default=0)
             # (first row, tokens) of each request when the step goes through SDPA, else None

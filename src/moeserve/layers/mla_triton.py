@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
-from moeserve.layers.attention import AttentionBackend
+from moeserve.layers.attention import AttentionBackend, query_starts
 from moeserve.layers.attention_triton import LOG2E, _pow2, _sdpa, _sdpa_takes, num_sms
 from moeserve.layers.mla import register_mla_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -58,9 +58,7 @@ class _StepMeta:
             self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms)
             return
         lens = fb.extend_seq_lens_cpu
-        starts = [0]
-        for e in lens[:-1]:
-            starts.append(starts[-1] + e)
+        starts = query_starts(lens)
         self.q_starts = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
         self.max_extend = max(lens, default=0)
         # (batch index, first row, new tokens, cached prefix) of each request SDPA takes
