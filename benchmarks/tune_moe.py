@@ -2,7 +2,8 @@
 write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them).
 
     PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
-        [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] [--half-tail-only]
+        [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
+        [--half-tail-only | --gate-up-only]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
 per used expert, every gate_up candidate and every down candidate timed alone (median of
@@ -10,8 +11,10 @@ triton's do_bench, L2 flushed between runs, so weights come from HBM as in a rea
 the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
 with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1%
 faster (alternating, best of 3). --half-tail-only does that last step alone on the entries
-already in --out. Candidates are the same for every shape, so each compiles once per run. A
-size that runs out of --time-budget keeps the defaults.
+already in --out; --gate-up-only re-tunes only their gate_up, and keeps the shipped one
+unless the new winner is 1% faster against it, alternating. Candidates are the same for every
+shape, so each compiles once per run. A size that runs out of --time-budget keeps the
+defaults.
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
 alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths
@@ -71,8 +74,12 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
     # gate_up keeps two [BLOCK_M, BLOCK_N] fp32 accumulators, down one: tiles that need more
     # than 128 accumulator registers a thread would spill, so they are left out
     accs = 2 if gemm == "gate_up" else 1
-    tmas = (0,) if block_m <= 32 else (0, 1)  # weights by pointer loads or by TMA (sm90+)
-    return [{**dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))), "TMA": tma}
+    # weights by pointer loads or by TMA (sm90+); gate_up by TMA also with both halves in one
+    # MMA operand ("PAIRED")
+    tmas = [{"TMA": 0}] if block_m <= 32 else [{"TMA": 0}, {"TMA": 1}]
+    if gemm == "gate_up" and block_m > 32:
+        tmas.append({"TMA": 1, "PAIRED": 1})
+    return [{**dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))), **tma}
             for bn, bk, w, s in space for gm in group_ms for tma in tmas
             if accs * block_m * bn <= 128 * 32 * w]
 
@@ -142,12 +149,17 @@ def with_half_tail(name: str, fn, timed: tuple[float, dict], block_m: int
     if block_m < 32:
         return t, cfg
     base = {c: v for c, v in cfg.items() if c != "HALF_TAIL"}
-    half = {**base, "HALF_TAIL": 1}
-    runs = [(do_bench(lambda: fn(base)), do_bench(lambda: fn(half))) for _ in range(3)]
-    t0, t1 = min(r[0] for r in runs), min(r[1] for r in runs)  # alternating, best of 3
-    print(f"    {name} BLOCK_M={block_m}: {t0 * 1e3:.1f} us, with HALF_TAIL "
-          f"{t1 * 1e3:.1f} us ({t0 / t1:.3f}x)", flush=True)
-    return (t1, half) if t1 < 0.99 * t0 else (t0, base)
+    return a_or_b(f"{name} BLOCK_M={block_m}", fn, base, {**base, "HALF_TAIL": 1})
+
+
+def a_or_b(name: str, fn, a: dict, b: dict) -> tuple[float, dict]:
+    """(time, cfg) of b when it times at least 1% faster than a (alternating, best of 3),
+    else of a."""
+    runs = [(do_bench(lambda: fn(a)), do_bench(lambda: fn(b))) for _ in range(3)]
+    t0, t1 = min(r[0] for r in runs), min(r[1] for r in runs)
+    print(f"    {name}: {t0 * 1e3:.1f} us {a}, {t1 * 1e3:.1f} us {b} ({t0 / t1:.3f}x)",
+          flush=True)
+    return (t1, b) if t1 < 0.99 * t0 else (t0, a)
 
 
 def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -> dict:
@@ -183,6 +195,21 @@ def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
     _, up = with_half_tail("gate_up", up_fn, (0.0, cfg["gate_up"]), bm)
     _, dn = with_half_tail("down", down_fn, (0.0, cfg["down"]), bm)
     return {**cfg, "gate_up": up, "down": dn}
+
+
+def retune_gate_up(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> dict:
+    """A tuned entry whose gate_up is replaced by the best candidate (HALF_TAIL re-decided)
+    when that times at least 1% faster than the shipped one, alternating (GEMV entries and
+    BLOCK_M < 32 as they are)."""
+    if "decode" in cfg or cfg["BLOCK_M"] < 32:
+        return cfg
+    e, h = w13.shape[0], w13.shape[2]
+    x, ids, weights = routed(n, k, e, h)
+    bm = cfg["BLOCK_M"]
+    up_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
+    best = with_half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
+                                                     candidates(bm, "gate_up", False)), bm)
+    return {**cfg, "gate_up": a_or_b(f"gate_up N={n}", up_fn, cfg["gate_up"], best[1])[1]}
 
 
 def graph_us(fns: list) -> float:
@@ -239,6 +266,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=float("inf"))
     ap.add_argument("--half-tail-only", action="store_true",
                     help="only re-decide HALF_TAIL on the entries already in --out")
+    ap.add_argument("--gate-up-only", action="store_true",
+                    help="only re-tune gate_up of the entries already in --out, keeping the "
+                         "shipped tiles unless the new ones time 1%% faster")
     args = ap.parse_args()
     shapes = []
     for name in args.models:
@@ -262,11 +292,12 @@ def main() -> None:
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
             table = json.loads(path.read_text()) if path.is_file() else {}
-            if args.half_tail_only:
+            if args.half_tail_only or args.gate_up_only:
                 if str(n) not in table:
                     print(f"  no entry for N={n} to re-check", flush=True)
                     continue
-                table[str(n)] = recheck_half_tail(n, k, *weights[(e, h, i)], table[str(n)])
+                again = recheck_half_tail if args.half_tail_only else retune_gate_up
+                table[str(n)] = again(n, k, *weights[(e, h, i)], table[str(n)])
             else:
                 table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
             path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),

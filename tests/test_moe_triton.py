@@ -169,6 +169,13 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
     configs.load_tuned.cache_clear()
     with pytest.raises(ValueError, match="HALF_TAIL for down with BLOCK_M 16"):
         get(64)
+    for gemm, tma in [("down", 1), ("gate_up", 0)]:  # only gate_up by TMA pairs w13's halves
+        paired = configs.default_config(4096, 8, 128)
+        paired[gemm].update(TMA=tma, PAIRED=1)
+        (tmp_path / name).write_text(json.dumps({"4096": paired}))
+        configs.load_tuned.cache_clear()
+        with pytest.raises(ValueError, match="sets PAIRED where it has no meaning"):
+            get(4096)
     configs.load_tuned.cache_clear()
 
 
@@ -203,6 +210,7 @@ def test_shipped_tile_configs_are_complete():
 
 
 _INTERPRETER_SCRIPT = r"""
+import itertools
 import torch
 from test_moe_triton import check_aligned, make_experts, make_spec, rel_err, routing
 from moeserve.moe.kernels.align import SMALL_PAIRS, align_triton
@@ -250,18 +258,20 @@ for gemv, act, (ep, rank), n, h in [(small, "silu", (1, 0), 1, 48),
         assert err <= 1e-4, ("decode", act, ep, n, mode, err)
         if mode == "padded":
             assert (y[-1] == 0).all()  # a row with only -1 ids gets 0
-# the grouped GEMMs with their weights through TMA descriptors
+# the grouped GEMMs with their weights through TMA descriptors; PAIRED: gate_up's two halves
+# in one [2, BLOCK_N, BLOCK_K] tile (I = 40 leaves a part-empty last tile of each half)
 tma = {"BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 2, "TMA": 1}
-for n, (ep, rank), h in [(9, (1, 0), 48), (40, (2, 1), 64)]:
+for (n, (ep, rank), h), paired in itertools.product([(9, (1, 0), 48), (40, (2, 1), 64)], (0, 1)):
     spec = make_spec(e=8, k=2, h=h, i=40)
     ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=6)
     tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=6)
     x = torch.randn(n, spec.hidden_size)
     ids, w = routing(n, 2, 8, "padded", seed=n)
     y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
-                      {"BLOCK_M": 16, "gate_up": tma, "down": {**tma, "BLOCK_N": 32}})
+                      {"BLOCK_M": 16, "gate_up": {**tma, "PAIRED": paired},
+                       "down": {**tma, "BLOCK_N": 32}})
     err = rel_err(y, ref(x, ids, w))
-    assert err <= 1e-4, ("tma", n, ep, err)
+    assert err <= 1e-4, ("tma", n, ep, paired, err)
 # half tiles for an expert's last block when it holds at most BLOCK_M / 2 rows; by pointer
 # loads and by TMA; 1-3 rows an expert give only such tails, 60 some full blocks beside them
 for n, tma_on, block_m in [(3, 0, 32), (60, 1, 32), (60, 0, 64)]:
@@ -437,11 +447,12 @@ def test_triton_decode_path_at_any_rows(tiles):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("tma,paired", [(0, 0), (1, 0), (1, 1)])
 @pytest.mark.parametrize("half_tail", [0, 1])
-def test_triton_every_block_m_and_tile(block_m, tma, half_tail):
+def test_triton_every_block_m_and_tile(block_m, tma, paired, half_tail):
     """Tile configs the tuner may pick (any BLOCK_M up to 256, weights by pointer loads or
-    TMA, half tiles for short last blocks) compute the same function."""
+    TMA, gate_up's halves in one MMA, half tiles for short last blocks) compute the same
+    function."""
     from moeserve.moe.kernels.fused_moe import fused_experts
 
     if half_tail and block_m < 32:
@@ -450,7 +461,8 @@ def test_triton_every_block_m_and_tile(block_m, tma, half_tail):
     fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m)
     gemm = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8 if block_m > 64 else 4,
             "num_stages": 3, "TMA": tma, "HALF_TAIL": half_tail}
-    cfg = {"BLOCK_M": block_m, "gate_up": gemm, "down": {**gemm, "BLOCK_N": 128}}
+    cfg = {"BLOCK_M": block_m, "gate_up": {**gemm, "PAIRED": paired},
+           "down": {**gemm, "BLOCK_N": 128}}
     for n, mode in [(3, "uniform"), (600, "skewed"), (2000, "padded")]:
         x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
         ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")

@@ -9,8 +9,10 @@ keyed by token count (rows reaching the runner). A step of N rows takes the entr
 nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
 own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
-tiles through a TMA descriptor on sm90+; pointer loads elsewhere) and "HALF_TAIL": 1 (a block
-of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32). An entry with a "decode"
+tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 1 (a block
+of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32) and, for gate_up with TMA,
+"PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA of twice the width,
+in place of two MMAs). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optional num_stages}, "down": {...}}) runs
 that size through the GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
 Pure Python: no triton import.
@@ -109,6 +111,11 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"MoE tile config in {where} sets HALF_TAIL for {', '.join(half)} with "
                          f"BLOCK_M {cfg['BLOCK_M']}: a half tile needs BLOCK_M >= "
                          f"{2 * MIN_TILE_M}; drop HALF_TAIL or re-run benchmarks/tune_moe.py")
+    if cfg["down"].get("PAIRED") or (cfg["gate_up"].get("PAIRED")
+                                     and not cfg["gate_up"].get("TMA")):
+        raise ValueError(f"MoE tile config in {where} sets PAIRED where it has no meaning: "
+                         "only gate_up with TMA pairs the two halves of w13; drop it or "
+                         "re-run benchmarks/tune_moe.py")
     return cfg
 
 

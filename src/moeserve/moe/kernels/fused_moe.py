@@ -91,7 +91,8 @@ def _row_tile(ptrs, row_ok, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
 @triton.jit
 def _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, row0, rows, pid_n, hidden, inter,
                   top_k, ACT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                  PAIRED: tl.constexpr):
     """The first M rows of the block at row0 against BLOCK_N columns of both halves of w13."""
     offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     token = (pair // top_k).to(tl.int64)
@@ -104,18 +105,27 @@ def _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, row0, rows, pid_n, 
     else:
         w_base = w13_ptr + expert.to(tl.int64) * (2 * inter) * hidden
         g_ptrs = w_base + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None]
-    acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
-        g = _weight_tile(w13_ptr, g_ptrs, expert, pid_n * BLOCK_N, k0, hidden - k0, n_ok,
-                         BLOCK_N, BLOCK_K, TMA, EVEN_K)
-        u = _weight_tile(w13_ptr, g_ptrs + inter * hidden, expert, inter + pid_n * BLOCK_N, k0,
-                         hidden - k0, n_ok, BLOCK_N, BLOCK_K, TMA, EVEN_K)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
+    if PAIRED:  # w13_ptr is a [E, 2, I, H] descriptor: both halves' rows in one MMA operand
+        acc = tl.zeros((M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
+            w = w13_ptr.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, w.T, acc)
+            a_ptrs += BLOCK_K
+        acc_g, acc_u = acc.reshape(M, 2, BLOCK_N).permute(0, 2, 1).split()
+    else:
+        acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
+            g = _weight_tile(w13_ptr, g_ptrs, expert, pid_n * BLOCK_N, k0, hidden - k0, n_ok,
+                             BLOCK_N, BLOCK_K, TMA, EVEN_K)
+            u = _weight_tile(w13_ptr, g_ptrs + inter * hidden, expert, inter + pid_n * BLOCK_N,
+                             k0, hidden - k0, n_ok, BLOCK_N, BLOCK_K, TMA, EVEN_K)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
     h = (_act(acc_g, ACT) * acc_u).to(h_ptr.dtype.element_ty)
     row = (row0 + offs_m).to(tl.int64)
     tl.store(h_ptr + row[:, None] * inter + offs_n[None, :], h,
@@ -127,7 +137,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
                     num_blocks, hidden, inter, top_k, GROUP_M,
                     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                    HALF_TAIL: tl.constexpr):
+                    HALF_TAIL: tl.constexpr, PAIRED: tl.constexpr):
     """HALF_TAIL: a block of at most BLOCK_M / 2 rows takes a tile of half the rows (one kernel
     with both tile shapes, so the tail shares its expert's weight tiles in L2 with the
     expert's other blocks; a second launch for the tails re-read them from HBM and ran up to
@@ -139,10 +149,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     rows = tl.load(block_rows_ptr + pid_m)
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, pid_m * BLOCK_M, rows, pid_n,
-                      hidden, inter, top_k, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                      hidden, inter, top_k, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
+                      PAIRED)
     else:
         _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, pid_m * BLOCK_M, rows, pid_n,
-                      hidden, inter, top_k, ACT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                      hidden, inter, top_k, ACT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, PAIRED)
 
 
 @triton.jit
@@ -235,7 +246,10 @@ def _weights_arg(w: torch.Tensor, cfg: dict[str, Any]) -> tuple[Any, bool]:
         return w, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(w, [1, cfg["BLOCK_N"], cfg["BLOCK_K"]]), True
+    block = [1] * (w.dim() - 2) + [cfg["BLOCK_N"], cfg["BLOCK_K"]]
+    if w.dim() == 4:  # w13 as [E, 2, I, H]: a tile holds BLOCK_N rows of each half
+        block[1] = 2
+    return TensorDescriptor.from_tensor(w, block), True
 
 
 def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
@@ -247,11 +261,12 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
     if blocks.num_blocks == 0:
         return h
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    w_arg, tma = _weights_arg(w13, cfg)
+    paired = bool(cfg.get("PAIRED") and cfg.get("TMA")) and _tma_ok(w13)
+    w_arg, tma = _weights_arg(w13.view(num_local, 2, inter, hidden) if paired else w13, cfg)
     _gate_up_kernel[grid](x_NH, w_arg, h, blocks.sorted_pairs, blocks.block_expert,
                           blocks.block_rows, blocks.num_blocks, hidden, inter, top_k,
                           cfg["GROUP_M"], ACT=ACT_CODES[act], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-                          TMA=tma, **_launch_opts(cfg, blocks.block_m))
+                          TMA=tma, PAIRED=paired, **_launch_opts(cfg, blocks.block_m))
     return h
 
 
