@@ -3,7 +3,7 @@ write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them
 
     PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
         [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
-        [--half-tail-only | --gate-up-only]
+        [--half-tail-only | --retune {gate_up,down}]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
 per used expert, every gate_up candidate and every down candidate timed alone (median of
@@ -11,10 +11,10 @@ triton's do_bench, L2 flushed between runs, so weights come from HBM as in a rea
 the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
 with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1%
 faster (alternating, best of 3). --half-tail-only does that last step alone on the entries
-already in --out; --gate-up-only re-tunes only their gate_up, and keeps the shipped one
-unless the new winner is 1% faster against it, alternating. Candidates are the same for every
-shape, so each compiles once per run. A size that runs out of --time-budget keeps the
-defaults.
+already in --out; --retune GEMM re-tunes only that GEMM of them, and keeps the shipped
+tiles unless the new winner is 1% faster against them, alternating. Candidates are the same
+for every shape, so each compiles once per run. A size that runs out of --time-budget keeps
+the defaults. On sm90, down's candidates include the warp-specialised kernel ("WS").
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
 alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths
@@ -51,7 +51,11 @@ DECODE_MAX_TOKENS = 8
 GEMV_UP = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)))
 GEMV_DOWN = list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (2, 4, 8), (1, 3)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
-          (128, 32, 8, 5), (64, 128, 8, 3)]
+          (128, 32, 8, 5), (64, 128, 8, 3), (256, 32, 8, 6)]
+
+
+def sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def block_ms(rows_per_expert: float) -> list[int]:
@@ -79,6 +83,8 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
     tmas = [{"TMA": 0}] if block_m <= 32 else [{"TMA": 0}, {"TMA": 1}]
     if gemm == "gate_up" and block_m > 32:
         tmas.append({"TMA": 1, "PAIRED": 1})
+    if gemm == "down" and block_m >= 64 and sm90():  # the Gluon kernel (down_ws.py)
+        tmas.append({"TMA": 1, "WS": 1})
     return [{**dict(zip(GEMM_KEYS, (bn, bk, gm, w, s))), **tma}
             for bn, bk, w, s in space for gm in group_ms for tma in tmas
             if accs * block_m * bn <= 128 * 32 * w]
@@ -146,7 +152,7 @@ def with_half_tail(name: str, fn, timed: tuple[float, dict], block_m: int
     """(time, cfg) of `timed` with "HALF_TAIL": 1 when that times at least 1% faster
     (BLOCK_M >= 32)."""
     t, cfg = timed
-    if block_m < 32:
+    if block_m < 32 or cfg.get("WS"):  # the warp-specialised kernel has no half tiles
         return t, cfg
     base = {c: v for c, v in cfg.items() if c != "HALF_TAIL"}
     return a_or_b(f"{name} BLOCK_M={block_m}", fn, base, {**base, "HALF_TAIL": 1})
@@ -197,8 +203,9 @@ def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
     return {**cfg, "gate_up": up, "down": dn}
 
 
-def retune_gate_up(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> dict:
-    """A tuned entry whose gate_up is replaced by the best candidate (HALF_TAIL re-decided)
+def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict
+           ) -> dict:
+    """A tuned entry whose `gemm` is replaced by the best candidate (HALF_TAIL re-decided)
     when that times at least 1% faster than the shipped one, alternating (GEMV entries and
     BLOCK_M < 32 as they are)."""
     if "decode" in cfg or cfg["BLOCK_M"] < 32:
@@ -206,10 +213,9 @@ def retune_gate_up(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dic
     e, h = w13.shape[0], w13.shape[2]
     x, ids, weights = routed(n, k, e, h)
     bm = cfg["BLOCK_M"]
-    up_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
-    best = with_half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
-                                                     candidates(bm, "gate_up", False)), bm)
-    return {**cfg, "gate_up": a_or_b(f"gate_up N={n}", up_fn, cfg["gate_up"], best[1])[1]}
+    fn = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])[gemm == "down"]
+    best = with_half_tail(gemm, fn, best_of(gemm, fn, candidates(bm, gemm, False)), bm)
+    return {**cfg, gemm: a_or_b(f"{gemm} N={n}", fn, cfg[gemm], best[1])[1]}
 
 
 def graph_us(fns: list) -> float:
@@ -266,9 +272,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=float("inf"))
     ap.add_argument("--half-tail-only", action="store_true",
                     help="only re-decide HALF_TAIL on the entries already in --out")
-    ap.add_argument("--gate-up-only", action="store_true",
-                    help="only re-tune gate_up of the entries already in --out, keeping the "
-                         "shipped tiles unless the new ones time 1%% faster")
+    ap.add_argument("--retune", choices=("gate_up", "down"), default=None,
+                    help="only re-tune this GEMM of the entries already in --out, keeping "
+                         "the shipped tiles unless the new ones time 1%% faster")
     args = ap.parse_args()
     shapes = []
     for name in args.models:
@@ -292,12 +298,15 @@ def main() -> None:
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
             table = json.loads(path.read_text()) if path.is_file() else {}
-            if args.half_tail_only or args.gate_up_only:
+            if args.half_tail_only or args.retune:
                 if str(n) not in table:
                     print(f"  no entry for N={n} to re-check", flush=True)
                     continue
-                again = recheck_half_tail if args.half_tail_only else retune_gate_up
-                table[str(n)] = again(n, k, *weights[(e, h, i)], table[str(n)])
+                if args.half_tail_only:
+                    table[str(n)] = recheck_half_tail(n, k, *weights[(e, h, i)], table[str(n)])
+                else:
+                    table[str(n)] = retune(args.retune, n, k, *weights[(e, h, i)],
+                                           table[str(n)])
             else:
                 table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
             path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),

@@ -176,6 +176,14 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
         configs.load_tuned.cache_clear()
         with pytest.raises(ValueError, match="sets PAIRED where it has no meaning"):
             get(4096)
+    for gemm, block_m in [("gate_up", 128), ("down", 32)]:  # the Gluon kernel: down, M >= 64
+        ws = configs.default_config(4096, 8, 128)
+        ws[gemm]["WS"] = 1
+        ws["BLOCK_M"] = block_m
+        (tmp_path / name).write_text(json.dumps({"4096": ws}))
+        configs.load_tuned.cache_clear()
+        with pytest.raises(ValueError, match="sets WS where it cannot run"):
+            get(4096)
     configs.load_tuned.cache_clear()
 
 
@@ -468,6 +476,52 @@ def test_triton_every_block_m_and_tile(block_m, tma, paired, half_tail):
         ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")
         y = fused_experts(x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu", cfg)
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,block_n", [(dict(e=16, k=4, h=256, i=192), 128),
+                                           (dict(e=8, k=2, h=512, i=200), 256),
+                                           (dict(e=16, k=2, h=328, i=200), 128)])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m):
+    """down by the Gluon kernel (down_ws.py: persistent, warp-specialised; sm90) against the
+    Triton kernel and the reference: on an EP rank (other ranks' ids skipped), with -1 ids, a
+    K (200) that is no multiple of BLOCK_K, and a hidden (328) that is no multiple of BLOCK_N,
+    where it must fall back; replayed in a CUDA graph on new routings."""
+    from moeserve.moe.kernels import down_ws
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    spec = make_spec(**shape)
+    fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m + block_n)
+    gemm = {"BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+            "TMA": 1}
+    plain = {"BLOCK_M": block_m, "gate_up": {**gemm, "BLOCK_N": 64}, "down": gemm}
+    ws = {**plain, "down": {**gemm, "WS": 1}}
+    h = torch.empty(block_m, spec.moe_intermediate_size, device="cuda", dtype=torch.bfloat16)
+    assert down_ws.usable(fast.w2, h, ws["down"], block_m) == (spec.hidden_size % block_n == 0)
+    e, k = spec.num_experts, spec.top_k
+    for n, mode in [(3, "uniform"), (300, "skewed"), (2000, "padded")]:
+        x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = routing(n, k, e, mode, seed=n, device="cuda")
+        args = (x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu")
+        y = fused_experts(*args, ws)
+        assert rel_err(y, fused_experts(*args, plain)) <= 1e-3, (n, mode)
+        assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_experts(*args, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_experts(*args, ws)
+    for mode in ROUTINGS:
+        new_ids, new_w = routing(2000, k, e, mode, seed=11, device="cuda")
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        torch.testing.assert_close(y, fused_experts(*args, ws), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

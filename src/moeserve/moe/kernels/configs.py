@@ -12,7 +12,8 @@ own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1
 tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 1 (a block
 of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32) and, for gate_up with TMA,
 "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA of twice the width,
-in place of two MMAs). An entry with a "decode"
+in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon kernel of
+down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optional num_stages}, "down": {...}}) runs
 that size through the GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
 Pure Python: no triton import.
@@ -116,6 +117,11 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"MoE tile config in {where} sets PAIRED where it has no meaning: "
                          "only gate_up with TMA pairs the two halves of w13; drop it or "
                          "re-run benchmarks/tune_moe.py")
+    if cfg["gate_up"].get("WS") or (cfg["down"].get("WS") and cfg["BLOCK_M"] < 64):
+        raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
+                         "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
+                         "tile of 64 rows a warpgroup); drop it or re-run "
+                         "benchmarks/tune_moe.py")
     return cfg
 
 

@@ -7,7 +7,8 @@ moe_tp shard), B aligned blocks of BLOCK_M rows (align_torch.py).
     align        pairs grouped by local expert, each expert's segment padded to BLOCK_M
     gate_up      h_BI[b, i] = act(x[tok] . w13[e, i]) * (x[tok] . w13[e, I + i])  (rows in
                  block order; both halves of w13 in one program, so act-and-mul is fused)
-    down         y_PH[p] = weight_p * (h[row of p] . w2[e])  (written at the pair's own slot)
+    down         y_PH[p] = weight_p * (h[row of p] . w2[e])  (written at the pair's own slot;
+                 with "WS" on sm90, by the warp-specialised Gluon kernel of down_ws.py)
     top-k sum    out_NH[n] = sum over the pairs of row n that this rank owns of y_PH[p]
 
 With "HALF_TAIL" in a GEMM's config, a block of at most BLOCK_M / 2 rows (an expert's last,
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from moeserve.moe.kernels.act import ACT_CODES, _act
+from moeserve.moe.kernels import down_ws
 from moeserve.moe.kernels.align import align_triton
 from moeserve.moe.kernels.align_torch import Workspace, take
 from moeserve.moe.kernels.configs import MIN_TILE_M
@@ -275,6 +277,9 @@ def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
     num_local, hidden, inter = w2.shape
     y = take(out, num_pairs, "down", hidden, dtype=h.dtype, device=h.device)
     if blocks.num_blocks == 0:
+        return y
+    if cfg.get("WS") and down_ws.usable(w2, h, cfg, blocks.block_m):
+        down_ws.down_ws(h, w2, y, blocks, topk_weights_P, cfg)
         return y
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     w_arg, tma = _weights_arg(w2, cfg)
