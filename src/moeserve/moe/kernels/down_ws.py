@@ -40,16 +40,20 @@ try:  # Gluon ships with triton >= 3.5; the CPU build of CI may lack its NVIDIA 
                                                                    warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the installed triton
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
     gluon = None
 
 
 
 
+def sm90(*tensors: torch.Tensor) -> bool:
+    """Gluon's Hopper kernels can run on these tensors: CUDA, compute capability 9.x."""
+    return (gluon is not None and all(t.is_cuda for t in tensors)
+            and torch.cuda.get_device_capability(tensors[0].device)[0] == 9)
+
+
 def usable(w2: torch.Tensor, h: torch.Tensor, cfg: dict[str, Any], block_m: int) -> bool:
-    if gluon is None or block_m < 64 or not (w2.is_cuda and h.is_cuda):
-        return False
-    if torch.cuda.get_device_capability(w2.device)[0] != 9:
+    if block_m < 64 or not sm90(w2, h):
         return False
     _, hidden, inter = w2.shape
     return (hidden % cfg["BLOCK_N"] == 0 and (inter * w2.element_size()) % 16 == 0
@@ -63,7 +67,7 @@ if gluon is not None:
     STORE_REGS = gl.constexpr(80)
     STORE_CHUNK = 16  # rows of a tile that the store warps write at a time
 
-    def _mma_layout(block_m: int, block_n: int, num_warps: int):
+    def mma_layout(block_m: int, block_n: int, num_warps: int):
         """The wgmma accumulator layout: warps down M first (64 rows a warpgroup), then N."""
         warps = [4, 1]
         while warps[0] * warps[1] != num_warps:
@@ -235,7 +239,7 @@ def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_wei
     _down_ws_kernel[(min(sms, tiles),)](
         a_desc, b_desc, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
         topk_weights_P, blocks.num_blocks, hidden, inter, STAGES=cfg["num_stages"],
-        ACC_LAYOUT=_mma_layout(bm, bn, warps), CHUNK=STORE_CHUNK,
+        ACC_LAYOUT=mma_layout(bm, bn, warps), CHUNK=STORE_CHUNK,
         CHUNK_LAYOUT=gl.BlockedLayout([1, bn // 32], [1, 32], [2, 1], [1, 0]),
         OUT_SMEM_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
         W_LAYOUT=gl.BlockedLayout([1], [32], [2], [0]),
