@@ -9,6 +9,7 @@ bf16 and fp32.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from interpreter import run_interpreted
 from moeserve.layers.linear import ColumnParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.moe.router import RoutingConfig, select_experts
 from moeserve.parallel.groups import single_process_state
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -224,13 +226,36 @@ def check_unpack_decode_inputs(device: str) -> None:
 
 # --- the Triton kernels on the CPU --------------------------------------------------------
 
+def check_topk_softmax(device: str) -> None:
+    from moeserve.layers.fused_kernels import topk_softmax
+
+    gen = torch.Generator().manual_seed(2)
+    # 11 rows: one a program; 300: 16 a program, the last program part-full, padding rows
+    # (num_valid) inside a program
+    for (e, k, renorm, scale), (m, valid) in itertools.product(
+            [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)], [(11, 9), (300, 290)]):
+        cfg = RoutingConfig(e, k, "softmax", "greedy", 1, 1, renorm, scale)
+        logits = torch.randn(m, e, generator=gen).to(device)
+        want_ids, want_w = select_experts(logits, cfg, None, num_valid=valid)
+        ids, w = topk_softmax(logits, k, renorm, scale, valid)
+        assert (ids[valid:] == -1).all() and (w[valid:] == 0).all()
+        for r in range(valid):  # same set of experts, same weight for each
+            got = dict(zip(ids[r].tolist(), w[r].tolist()))
+            ref = dict(zip(want_ids[r].tolist(), want_w[r].tolist()))
+            assert got.keys() == ref.keys()
+            assert max(abs(got[i] - ref[i]) for i in ref) < 1e-6
+        ids, w16 = topk_softmax(logits, k, renorm, scale, m, torch.bfloat16)
+        assert torch.equal(w16, w16.bfloat16().float())
+
+
 _INTERPRETER_SCRIPT = r"""
 import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
                                 check_rope_store_kv, check_skinny_linear,
-                                check_unpack_decode_inputs)
+                                check_topk_softmax, check_unpack_decode_inputs)
 
 check_unpack_decode_inputs("cpu")
+check_topk_softmax("cpu")
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
     check_act_and_mul("cpu", dtype)

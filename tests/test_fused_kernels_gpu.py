@@ -12,12 +12,12 @@ from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, _rms
 from moeserve.layers.rotary import RotaryEmbedding, rotate_half
 from moeserve.models.decoder import AttentionOptions, DecoderAttention
-from moeserve.moe.router import Router, RoutingConfig, select_experts
+from moeserve.moe.router import Router
 from moeserve.parallel.groups import single_process_state
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_skinny_linear,
+                                check_rope_store_kv, check_skinny_linear, check_topk_softmax,
                                 check_unpack_decode_inputs)
 
 pytestmark = [pytest.mark.gpu,
@@ -60,25 +60,6 @@ def check_rotary(device: str, dtype: torch.dtype) -> None:
     want_k = k.double() * cos + rotate_half(k.double()) * sin
     got_q, got_k = rotary(pos, q, k, rope._inv_freq_cpu.to(device), rope.attention_factor)
     assert rel_err(got_q, want_q) < TOL[dtype] and rel_err(got_k, want_k) < TOL[dtype]
-
-
-def check_topk_softmax(device: str) -> None:
-    from moeserve.layers.fused_kernels import topk_softmax
-
-    gen = torch.Generator().manual_seed(2)
-    for e, k, renorm, scale in [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)]:
-        cfg = RoutingConfig(e, k, "softmax", "greedy", 1, 1, renorm, scale)
-        logits = torch.randn(11, e, generator=gen).to(device)
-        want_ids, want_w = select_experts(logits, cfg, None, num_valid=9)
-        ids, w = topk_softmax(logits, k, renorm, scale, 9)
-        assert (ids[9:] == -1).all() and (w[9:] == 0).all()
-        for r in range(9):  # same set of experts, same weight for each
-            got = dict(zip(ids[r].tolist(), w[r].tolist()))
-            ref = dict(zip(want_ids[r].tolist(), want_w[r].tolist()))
-            assert got.keys() == ref.keys()
-            assert max(abs(got[i] - ref[i]) for i in ref) < 1e-6
-        ids, w16 = topk_softmax(logits, k, renorm, scale, 11, torch.bfloat16)
-        assert torch.equal(w16, w16.bfloat16().float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

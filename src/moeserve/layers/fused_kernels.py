@@ -37,6 +37,10 @@ from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
 
 
+TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a program
+TOPK_ROWS = 16  # past it, rows a program
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
@@ -298,37 +302,42 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
 
 
 @triton.jit
-def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, E, num_valid, scale,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
+def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
+                         TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
                          ROUND_F16: tl.constexpr, PDL: tl.constexpr):
+    """ROWS rows a program: the softmax over E, then TOP_K rounds of argmax (the lowest id
+    among equal scores), each row's ids and weights in the order taken."""
     pdl_gate(PDL)
-    row = tl.program_id(0)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(Logits + row.to(tl.int64) * stride_l + offs, mask=offs < E,
-                other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
+    row_ok = rows < M
+    x = tl.load(Logits + rows.to(tl.int64)[:, None] * stride_l + offs[None, :],
+                mask=row_ok[:, None] & (offs < E)[None, :], other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
     offs_k = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], tl.int32)
-    ws = tl.zeros([BLOCK_K], tl.float32)
-    work = tl.where(offs < E, p, -1.0)
+    ids = tl.zeros([ROWS, BLOCK_K], tl.int32)
+    ws = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    work = tl.where((offs < E)[None, :], p, -1.0)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(work, 0)
-        ids = tl.where(offs_k == j, best, ids)
-        ws = tl.where(offs_k == j, tl.max(work, 0), ws)
-        work = tl.where(offs == best, -1.0, work)
+        best = tl.argmax(work, 1)
+        taken = offs_k[None, :] == j
+        ids = tl.where(taken, best[:, None], ids)
+        ws = tl.where(taken, tl.max(work, 1)[:, None], ws)
+        work = tl.where(offs[None, :] == best[:, None], -1.0, work)
     if RENORM:
-        ws = ws / (tl.sum(ws, 0) + 1e-20)
+        ws = ws / (tl.sum(ws, 1)[:, None] + 1e-20)
     ws = ws * scale
     if ROUND_BF16:
         ws = ws.to(tl.bfloat16).to(tl.float32)
     if ROUND_F16:
         ws = ws.to(tl.float16).to(tl.float32)
-    pad = row >= num_valid
-    kmask = offs_k < TOP_K
-    tl.store(Ids + row * TOP_K + offs_k, tl.where(pad, -1, ids), mask=kmask)
-    tl.store(Weights + row * TOP_K + offs_k, tl.where(pad, 0.0, ws), mask=kmask)
+    pad = (rows >= num_valid)[:, None]
+    out = rows[:, None] * TOP_K + offs_k[None, :]
+    mask = row_ok[:, None] & (offs_k < TOP_K)[None, :]
+    tl.store(Ids + out, tl.where(pad, -1, ids), mask=mask)
+    tl.store(Weights + out, tl.where(pad, 0.0, ws), mask=mask)
 
 
 def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
@@ -340,11 +349,14 @@ def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: 
     ids = torch.empty(m, top_k, dtype=torch.int32, device=logits_ME.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=logits_ME.device)
     if m:
-        _topk_softmax_kernel[(m,)](logits_ME, ids, weights, logits_ME.stride(0), e, num_valid,
-                                   scale, TOP_K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
-                                   RENORM=renormalize, ROUND_BF16=round_to == torch.bfloat16,
-                                   ROUND_F16=round_to == torch.float16, num_warps=1,
-                                   **pdl_args(logits_ME.device))
+        # decode sizes: a row a warp; prefill: TOPK_ROWS rows a program of 4 warps (one row a
+        # program took 10.9 us at 8192 rows of 128 experts on the H200)
+        rows, warps = (1, 1) if m <= TOPK_ONE_ROW_MAX else (TOPK_ROWS, 4)
+        _topk_softmax_kernel[(triton.cdiv(m, rows),)](
+            logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, TOP_K=top_k,
+            ROWS=rows, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), RENORM=renormalize,
+            ROUND_BF16=round_to == torch.bfloat16, ROUND_F16=round_to == torch.float16,
+            num_warps=warps, **pdl_args(logits_ME.device))
     return ids, weights
 
 
