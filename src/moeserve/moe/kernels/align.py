@@ -3,10 +3,13 @@
 Small steps (P <= SMALL_PAIRS, the decode sizes) run in one program, one launch: count pairs per
 expert, place the blocks, then scatter each pair to its slot (its rank among the same expert's
 pairs, from a one-hot prefix sum). Large steps use three launches over chunks of pairs: count
-(histogram + atomic add), place the blocks (up to 64 programs, each over its chunks of the
-block map), scatter (an atomic cursor per expert; the order inside an expert's segment is then
+(each chunk's histogram atomically added to the counts; the value before the add is where
+the chunk's pairs start in each expert's segment), place the blocks (up to 64 programs, each
+over its chunks of the block map), scatter (a pair's rank within its chunk from an atomic
+counter of the chunk's own; a counter per expert serialised every pair of an expert on one
+address: 15.4 us at 65536 pairs on the H200). The order inside an expert's segment is then
 arbitrary, which changes no result: every row of a GEMM tile is computed independently and
-the top-k sum is taken per pair slot).
+the top-k sum is taken per pair slot.
 No launch reads a count back to the host.
 """
 
@@ -83,13 +86,16 @@ def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
-def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr,
+def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr, chunk_ptr,
                   E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Adds the chunk's histogram to counts and keeps, per expert, where the chunk's pairs
+    start within the expert's segment (the counts before its add)."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
     e_idx = tl.arange(0, E_PAD)
-    tl.atomic_add(counts_ptr + e_idx, tl.histogram(local, E_PAD, mask=own),
-                  mask=e_idx < num_local)
+    before = tl.atomic_add(counts_ptr + e_idx, tl.histogram(local, E_PAD, mask=own),
+                           mask=e_idx < num_local)
+    tl.store(chunk_ptr + tl.program_id(0) * E_PAD + e_idx, before)
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS[2:])
@@ -107,11 +113,15 @@ def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_row
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
-def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, sorted_ptr,
-                    CHUNK: tl.constexpr):
+def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, chunk_ptr,
+                    sorted_ptr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair to its expert's first row + its chunk's start within the expert + its rank in
+    the chunk, the last from an atomic counter of the chunk's own (few pairs share one, where
+    a counter per expert had every pair of the step)."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
-    slot = tl.atomic_add(cursor_ptr + local, 1, mask=own)
+    within = tl.atomic_add(chunk_ptr + tl.program_id(0) * E_PAD + local, 1, mask=own)
+    slot = tl.load(cursor_ptr + local, mask=own, other=0) + within
     tl.store(sorted_ptr + slot, offs, mask=own)
 
 
@@ -138,14 +148,15 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
                                  block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
                                  CHUNK=chunk, num_warps=4)
         return out
+    grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
     scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)
     counts, cursor = scratch[:e_pad], scratch[e_pad:]
-    grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
-    _count_kernel[grid](ids, pairs, first_expert, num_local, counts, E_PAD=e_pad,
+    chunk_start = torch.empty(grid[0], e_pad, dtype=torch.int32, device=dev)
+    _count_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start, E_PAD=e_pad,
                         CHUNK=_COUNT_CHUNK, num_warps=4)
     _place_kernel[(min(triton.cdiv(nb, chunk), _PLACE_PROGRAMS),)](
         counts, cursor, num_local, block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
         CHUNK=chunk, num_warps=4)
-    _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, sorted_pairs,
-                          CHUNK=_COUNT_CHUNK, num_warps=4)
+    _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, chunk_start,
+                          sorted_pairs, E_PAD=e_pad, CHUNK=_COUNT_CHUNK, num_warps=4)
     return out
