@@ -44,8 +44,6 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     gluon = None
 
 
-
-
 def sm90(*tensors: torch.Tensor) -> bool:
     """Gluon's Hopper kernels can run on these tensors: CUDA, compute capability 9.x."""
     return (gluon is not None and all(t.is_cuda for t in tensors)
@@ -67,7 +65,7 @@ if gluon is not None:
     STORE_REGS = gl.constexpr(80)
     STORE_CHUNK = 16  # rows of a tile that the store warps write at a time
 
-    def mma_layout(block_m: int, block_n: int, num_warps: int):
+    def _mma_layout(block_m: int, block_n: int, num_warps: int):
         """The wgmma accumulator layout: warps down M first (64 rows a warpgroup), then N."""
         warps = [4, 1]
         while warps[0] * warps[1] != num_warps:
@@ -239,7 +237,7 @@ def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_wei
     _down_ws_kernel[(min(sms, tiles),)](
         a_desc, b_desc, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
         topk_weights_P, blocks.num_blocks, hidden, inter, STAGES=cfg["num_stages"],
-        ACC_LAYOUT=mma_layout(bm, bn, warps), CHUNK=STORE_CHUNK,
+        ACC_LAYOUT=_mma_layout(bm, bn, warps), CHUNK=STORE_CHUNK,
         CHUNK_LAYOUT=gl.BlockedLayout([1, bn // 32], [1, 32], [2, 1], [1, 0]),
         OUT_SMEM_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
         W_LAYOUT=gl.BlockedLayout([1], [32], [2], [0]),
