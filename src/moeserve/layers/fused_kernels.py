@@ -321,10 +321,10 @@ def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
     ws = tl.zeros([ROWS, BLOCK_K], tl.float32)
     work = tl.where((offs < E)[None, :], p, -1.0)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(work, 1)
+        top, best = tl.max(work, 1, return_indices=True)  # one reduction for both
         taken = offs_k[None, :] == j
         ids = tl.where(taken, best[:, None], ids)
-        ws = tl.where(taken, tl.max(work, 1)[:, None], ws)
+        ws = tl.where(taken, top[:, None], ws)
         work = tl.where(offs[None, :] == best[:, None], -1.0, work)
     if RENORM:
         ws = ws / (tl.sum(ws, 1)[:, None] + 1e-20)
