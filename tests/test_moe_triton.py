@@ -304,17 +304,19 @@ else:
 # the intermediates in a plan-sized workspace (as the model runner hands them over): the same
 # bits as allocating them, and a workspace one row short refused with the record's name
 from moeserve.moe.kernels.align_torch import Workspace
-from moeserve.moe.kernels.configs import BLOCK_MS, max_blocks, padded_rows
+from moeserve.moe.kernels.configs import BLOCK_MS, align_scratch_len, max_blocks, padded_rows
 spec = make_spec(e=8, k=2, h=48, i=40)
 tri = make_experts("triton", spec, 2, 1, torch.float32, "cpu", seed=7)
 grouped = {"BLOCK_M": 16, "gate_up": {**tma, "TMA": 0}, "down": {**tma, "TMA": 0}}
-for n, cfg in [(30, grouped), (30, {**grouped, "BLOCK_M": 64}), (3, {"decode": small})]:
+# 300 rows: 600 pairs, align's large path (its scratch in the workspace)
+for n, cfg in [(30, grouped), (300, {**grouped, "BLOCK_M": 64}), (3, {"decode": small})]:
     p = n * 2
     def workspace(short=0):
         b = max(max_blocks(p, m, 4) for m in BLOCK_MS)
         return Workspace(torch.empty(padded_rows(p, 4) - short, dtype=torch.int32),
                          torch.empty(b, dtype=torch.int32), torch.empty(b, dtype=torch.int32),
-                         torch.empty(padded_rows(p, 4) - short, 40), torch.empty(p, 48))
+                         torch.empty(padded_rows(p, 4) - short, 40), torch.empty(p, 48),
+                         torch.empty(align_scratch_len(p, 4), dtype=torch.int32))
     x = torch.randn(n, 48)
     ids, w = routing(n, 2, 8, "skewed", seed=n)
     args = (x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu", cfg)

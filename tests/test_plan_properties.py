@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from moeserve.config import EngineConfig
 from moeserve.models.spec import load_model_spec
-from moeserve.moe.kernels.configs import BLOCK_MS, max_blocks
+from moeserve.moe.kernels.configs import BLOCK_MS, align_scratch_len, max_blocks
 from moeserve.plan.buffers import a2a_dispatch_payload_bytes
 from moeserve.plan.budget import moe_tokens_per_rank
 from moeserve.plan.capacity import build_plan
@@ -85,6 +85,7 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     assert plan.buffer("moe.runner.sorted_pairs").shape == (grouped,)
     assert plan.buffer("moe.runner.block_expert").shape[0] >= max_blocks(all_pairs, 16, e_local)
     assert plan.buffer("moe.runner.down").shape == (all_pairs, plan.spec.hidden_size)
+    assert plan.buffer("moe.runner.align").shape == (align_scratch_len(all_pairs, e_local),)
     if b.decode_batch_sizes:
         assert plan.buffer("graph.decode.input_ids").shape == (b.decode_graph,)
     assert plan.buffer("req_to_token").shape == (b.max_running_requests + 1, b.context_length)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.models.spec import ModelSpec
-from moeserve.moe.kernels.configs import BLOCK_MS, max_blocks, padded_rows
+from moeserve.moe.kernels.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
+                                          padded_rows)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer
@@ -109,6 +110,8 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
           for name in ("block_expert", "block_rows")),
         BufferRecord("moe.runner.act", (grouped, i_local), dtype, f"({gf}) x I/moe_tp", knobs),
         BufferRecord("moe.runner.down", (all_pairs, h), dtype, f"{af} x H", knobs),
+        BufferRecord("moe.runner.align", (align_scratch_len(all_pairs, e_local),), "int32",
+                     f"(2 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
     ]
     if layout.dp_gather:
         # every rank sends its ceil(T/attn_tp) rows, padded to the largest: one collective

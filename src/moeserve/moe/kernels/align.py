@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
-from moeserve.moe.kernels.configs import max_blocks
+from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
 SMALL_PAIRS = 512
-_COUNT_CHUNK = 1024
+_COUNT_CHUNK = ALIGN_CHUNK
 _PLACE_PROGRAMS = 64  # the block map of a large step in parallel chunks
 
 
@@ -149,9 +149,9 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
                                  CHUNK=chunk, num_warps=4)
         return out
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
-    scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)
-    counts, cursor = scratch[:e_pad], scratch[e_pad:]
-    chunk_start = torch.empty(grid[0], e_pad, dtype=torch.int32, device=dev)
+    scratch = take(ws and ws.align, align_scratch_len(pairs, num_local), "align", **i32)
+    counts, cursor = scratch[:e_pad].zero_(), scratch[e_pad:2 * e_pad]
+    chunk_start = scratch[2 * e_pad:].view(grid[0], e_pad)
     _count_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start, E_PAD=e_pad,
                         CHUNK=_COUNT_CHUNK, num_warps=4)
     _place_kernel[(min(triton.cdiv(nb, chunk), _PLACE_PROGRAMS),)](

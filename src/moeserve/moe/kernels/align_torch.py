@@ -32,6 +32,7 @@ class Workspace(NamedTuple):
     block_rows: torch.Tensor  # [B] int32 (moe.runner.block_rows)
     act: torch.Tensor  # [R, I] (moe.runner.act)
     down: torch.Tensor  # [P, H] (moe.runner.down)
+    align: torch.Tensor  # [S] int32, align.py's scratch (moe.runner.align)
 
     @classmethod
     def from_plan(cls, plan: Any, device: Any) -> "Workspace":

@@ -133,6 +133,16 @@ def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
     return min(num_pairs, -(-num_pairs // block_m) + num_local)
 
 
+ALIGN_CHUNK = 1024  # pairs a program of align's large path counts and scatters
+
+
+def align_scratch_len(num_pairs: int, num_local: int) -> int:
+    """int32 words align.py's large path takes: counts and cursors per (padded) expert, and
+    each chunk of ALIGN_CHUNK pairs' start within every expert's segment."""
+    e_pad = max(16, 1 << max(num_local - 1, 0).bit_length())
+    return (2 + -(-num_pairs // ALIGN_CHUNK)) * e_pad
+
+
 def padded_rows(num_pairs: int, num_local: int) -> int:
     """The most grouped rows (blocks x BLOCK_M) a step of num_pairs pairs takes, any BLOCK_M."""
     return max(max_blocks(num_pairs, m, num_local) * m for m in BLOCK_MS)
