@@ -308,8 +308,8 @@ from moeserve.moe.kernels.configs import BLOCK_MS, align_scratch_len, max_blocks
 spec = make_spec(e=8, k=2, h=48, i=40)
 tri = make_experts("triton", spec, 2, 1, torch.float32, "cpu", seed=7)
 grouped = {"BLOCK_M": 16, "gate_up": {**tma, "TMA": 0}, "down": {**tma, "TMA": 0}}
-# 300 rows: 600 pairs, align's large path (its scratch in the workspace)
-for n, cfg in [(30, grouped), (300, {**grouped, "BLOCK_M": 64}), (3, {"decode": small})]:
+# 260 rows: 520 pairs, align's large path (its scratch in the workspace)
+for n, cfg in [(30, grouped), (260, {**grouped, "BLOCK_M": 64}), (3, {"decode": small})]:
     p = n * 2
     def workspace(short=0):
         b = max(max_blocks(p, m, 4) for m in BLOCK_MS)
