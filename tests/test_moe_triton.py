@@ -8,6 +8,7 @@ Legend: N rows, K top-k, E experts (all ranks), H hidden, I intermediate.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 
 import pytest
@@ -194,17 +195,42 @@ def test_default_config_takes_the_gemv_path_only_where_pairs_rarely_share_expert
     assert "decode" not in configs.default_config(64, 8, 128)
 
 
-@pytest.mark.parametrize("device,shape,max_tokens", [
-    ("NVIDIA H200", (128, 2048, 768), 16384),  # a shipped table, max past its largest key
-    ("NVIDIA H200", (64, 2048, 1408), 3000),  # a shipped table, max between its keys
-    ("NVIDIA H100", (128, 2048, 768), 5000)])  # no table: the defaults
-def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tokens):
+def test_hopper_defaults_take_the_sm90_tiles_past_48_rows_an_expert():
+    """Without a table, a compute capability 9.x device gets the tiles the shipped H100 / H200
+    tables share (TMA, PAIRED, WS from 192 rows an expert); other devices, and the small
+    tiles, stay as they were; every default is a valid config."""
+    for n, k, e in itertools.product([1, 2, 8, 64, 200, 1000, 4096, 8192], [2, 8], [8, 60, 128]):
+        plain, hopper = (configs.default_config(n, k, e, hopper=h) for h in (False, True))
+        for cfg in (plain, hopper):
+            configs.validate(cfg, "default")
+        rows = n * k / min(e, n * k)
+        if rows <= 48:
+            assert hopper == plain
+        else:
+            assert hopper["gate_up"].get("PAIRED") and hopper["down"].get("TMA")
+            assert bool(hopper["down"].get("WS")) == (rows > 192) == (hopper["BLOCK_M"] == 128)
+            assert not any(plain[g].get("TMA") for g in ("gate_up", "down"))
+    get = lambda cap, dev="NVIDIA H20": configs.get_config(8192, 8, 128, 4096, 1536,
+                                                          torch.bfloat16, dev, cap)
+    assert get((9, 0)) == configs.default_config(8192, 8, 128, hopper=True)
+    assert get((8, 0)) == get(None) == configs.default_config(8192, 8, 128)
+    shipped = configs.get_config(8192, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H200")
+    assert configs.get_config(8192, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H200",
+                              (9, 0)) == shipped  # a table wins over the defaults
+
+
+@pytest.mark.parametrize("device,shape,max_tokens,cap", [
+    ("NVIDIA H200", (128, 2048, 768), 16384, (9, 0)),  # a shipped table, max past its largest
+    ("NVIDIA H200", (64, 2048, 1408), 3000, (9, 0)),  # a shipped table, max between its keys
+    ("NVIDIA H100", (128, 2048, 768), 5000, None),  # no table: the defaults
+    ("NVIDIA H20", (128, 2048, 768), 5000, (9, 0))])  # no table: the Hopper defaults
+def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tokens, cap):
     """The warm-up runs each distinct config once, at a size that takes it, within the bound:
     after it, no step of 1..max_tokens rows meets an uncompiled config."""
     e, h, i = shape
-    get = lambda n: json.dumps(configs.get_config(n, 8, e, h, i, torch.bfloat16, device),
+    get = lambda n: json.dumps(configs.get_config(n, 8, e, h, i, torch.bfloat16, device, cap),
                                sort_keys=True)
-    sizes = configs.warm_up_sizes(max_tokens, 8, e, h, i, torch.bfloat16, device)
+    sizes = configs.warm_up_sizes(max_tokens, 8, e, h, i, torch.bfloat16, device, cap)
     assert sizes == sorted(sizes) and 1 <= sizes[0] and sizes[-1] <= max_tokens
     warmed = [get(n) for n in sizes]
     assert len(set(warmed)) == len(warmed)  # no config twice
@@ -524,6 +550,23 @@ def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m)
         w.copy_(new_w)
         graph.replay()
         torch.testing.assert_close(y, fused_experts(*args, ws), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_hopper_defaults_compute_the_reference():
+    """A shape with no tuned table takes the defaults for this device (on a Hopper GPU: TMA,
+    PAIRED, and down's warp-specialised kernel at 500 rows an expert); they give the
+    reference's result."""
+    spec = make_spec(e=8, k=2, h=256, i=192)  # no table has this shape
+    fast, ref = _gpu_pair("triton", spec, 1, 0, seed=21)
+    cap = torch.cuda.get_device_capability()
+    for n, mode in [(300, "uniform"), (2000, "skewed"), (2000, "padded")]:
+        want = configs.default_config(n, 2, 8, hopper=cap[0] == 9)
+        assert fast.config_for(n, torch.device("cuda")) == want
+        x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = routing(n, 2, 8, mode, seed=n, device="cuda")
+        assert rel_err(fast(x, ids, w), ref(x.float(), ids, w)) <= 1e-2, (n, mode)
 
 
 @pytest.mark.gpu

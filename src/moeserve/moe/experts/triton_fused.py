@@ -26,6 +26,13 @@ from moeserve.moe.kernels.configs import get_config, warm_up_sizes
 from moeserve.parallel.groups import ParallelState
 
 
+def _device(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
+    """The device's name (the tuned tables' key) and compute capability (the defaults')."""
+    if device.type != "cuda":
+        return "cpu", None
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+
+
 @register_experts("triton")
 class TritonFusedExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
@@ -49,9 +56,8 @@ class TritonFusedExperts(Experts):
     def config_for(self, num_tokens: int, device: torch.device) -> dict[str, Any]:
         key = (num_tokens, str(device))
         if key not in self._configs:
-            name = (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
             self._configs[key] = get_config(num_tokens, self.top_k, self.num_local, self.hidden,
-                                            self.i_local, self.w13.dtype, name)
+                                            self.i_local, self.w13.dtype, *_device(device))
         return self._configs[key]
 
     def warm_up(self, max_rows: int, device: torch.device) -> list[int]:
@@ -59,7 +65,7 @@ class TritonFusedExperts(Experts):
         random rows and routing, so that Triton compiles them at startup rather than during
         the first prefills (a few seconds each). Returns the row counts run."""
         sizes = warm_up_sizes(max_rows, self.top_k, self.num_local, self.hidden, self.i_local,
-                              self.w13.dtype, torch.cuda.get_device_name(device))
+                              self.w13.dtype, *_device(device))
         for n in sizes:
             x = torch.randn(n, self.hidden, device=device, dtype=self.w13.dtype)
             ids = torch.rand(n, self.num_experts, device=device).topk(self.top_k, dim=1).indices

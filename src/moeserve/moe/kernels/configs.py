@@ -6,7 +6,9 @@ One file per (E_local, H, I_local, dtype, device name), written by benchmarks/tu
     {"1": {"BLOCK_M": 16, "gate_up": {...}, "down": {...}}, "16": {...}, ...}
 
 keyed by token count (rows reaching the runner). A step of N rows takes the entry whose key is
-nearest to N on a log scale; a shape or device with no file takes `default_config(...)`.
+nearest to N on a log scale; a shape or device with no file takes `default_config(...)`,
+whose large tiles on a Hopper device (compute capability 9.x) are those the shipped H100 and
+H200 tables share.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
 own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
 tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 1 (a block
@@ -62,9 +64,15 @@ def decode_suits(num_tokens: int, top_k: int, num_local: int) -> bool:
     return num_tokens == 1 or num_tokens * top_k * 8 <= num_local
 
 
-def default_config(num_tokens: int, top_k: int, num_local: int) -> dict[str, Any]:
+def default_config(num_tokens: int, top_k: int, num_local: int,
+                   hopper: bool = False) -> dict[str, Any]:
     """By the mean rows per used expert: small tiles that spread the weight stream over many
-    programs when few rows share an expert (memory-bound), large MMA tiles when many do."""
+    programs when few rows share an expert (memory-bound), large MMA tiles when many do.
+    hopper (a device of compute capability 9.x): from 48 rows an expert, the tiles that every
+    shipped H100 and H200 table chose there: weights by TMA, w13's halves PAIRED, and from
+    192 rows down's warp-specialised kernel ("WS")."""
+    if hopper and _rows_per_expert(num_tokens, top_k, num_local) > 48:
+        return _hopper_config(_rows_per_expert(num_tokens, top_k, num_local))
     pairs = max(1, num_tokens * top_k)
     rows = pairs / min(num_local, pairs)
     if rows <= 16:
@@ -81,6 +89,20 @@ def default_config(num_tokens: int, top_k: int, num_local: int) -> dict[str, Any
                 "down": _gemm(128, 64, 8, 4, 4)}
     return {"BLOCK_M": 128, "gate_up": _gemm(128, 64, 8, 8, 3),
             "down": _gemm(128, 64, 8, 8, 4)}
+
+
+def _rows_per_expert(num_tokens: int, top_k: int, num_local: int) -> float:
+    pairs = max(1, num_tokens * top_k)
+    return pairs / min(num_local, pairs)
+
+
+def _hopper_config(rows: float) -> dict[str, Any]:
+    tma, paired = {"TMA": 1}, {"TMA": 1, "PAIRED": 1}
+    if rows <= 192:
+        return {"BLOCK_M": 64, "gate_up": {**_gemm(64, 64, 8, 4, 4), **paired},
+                "down": {**_gemm(128, 64, 8, 8, 3), **tma}}
+    return {"BLOCK_M": 128, "gate_up": {**_gemm(128, 64, 8, 8, 4), **paired},
+            "down": {**_gemm(256, 64, 8, 8, 3), **tma, "WS": 1}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,15 +176,20 @@ def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]
 
 
 def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
-               dtype: Any, device_name: str) -> dict[str, Any]:
+               dtype: Any, device_name: str,
+               capability: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """The tuned entry for this shape and device, else the defaults (for the device's compute
+    capability when given)."""
     table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name)
     if table:
         return nearest(table, num_tokens)
-    return default_config(num_tokens, top_k, num_local)
+    return default_config(num_tokens, top_k, num_local,
+                          hopper=capability is not None and capability[0] == 9)
 
 
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
-                  dtype: Any, device_name: str) -> list[int]:
+                  dtype: Any, device_name: str,
+                  capability: Optional[tuple[int, int]] = None) -> list[int]:
     """One token count per distinct config that a step of 1..max_tokens rows can take (the
     smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
     once at each compiles every config before the first request needs it."""
@@ -170,6 +197,6 @@ def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inte
     sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
     first: dict[str, int] = {}
     for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
-        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name)
+        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability)
         first.setdefault(json.dumps(cfg, sort_keys=True), n)
     return sorted(first.values())
