@@ -32,7 +32,7 @@ TOKENS = (256, 1024, 4096, 8192)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     lines = [f"Device: {dev}; {datetime.date.today()}; torch {torch.__version__}.",
