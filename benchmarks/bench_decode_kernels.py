@@ -49,9 +49,9 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 32, 4, 128, 48
 MODEL_SHAPES = {
     "qwen3-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
                       "dense": (1536, 2048)},
-    # latent attention's q_proj and kv_a_proj_with_mqa, o_proj, the router, the two shared
-    # experts' gate_up and down
-    "deepseek-v2-lite": {"q_proj": (3072, 2048), "kv_a": (576, 2048), "o_proj": (2048, 2048),
+    # latent attention's q_proj and kv_a_proj_with_mqa (one GEMM since session 13), o_proj,
+    # the router, the two shared experts' gate_up and down
+    "deepseek-v2-lite": {"q_kv_a": (3648, 2048), "o_proj": (2048, 2048),
                          "router": (64, 2048), "shared_gate_up": (5632, 2048),
                          "shared_down": (2048, 2816)},
 }

@@ -48,6 +48,18 @@ def _check_layers(rank: int, world: int) -> str:
     gate, up = merged(x).split(3, dim=-1)
     close(axis_all_gather(gate, axis), x @ g.T, "merged gate")
     close(axis_all_gather(up, axis), x @ u.T, "merged up")
+    # a split shard beside a replicated one (latent attention's q heads and kv_a), with a
+    # bias only the replicated shard's checkpoint has
+    kv, kv_b = torch.randn(5, 12), torch.randn(5)
+    mixed = MergedColumnParallelLinear(12, [6, 5], bias=True, axis=axis, dtype=f32,
+                                       replicated=(False, True))
+    mixed.load_weight("weight", g, 0)
+    mixed.load_weight("weight", kv, 1)
+    mixed.load_weight("bias", kv_b, 1)
+    q_part, kv_part = mixed.split(mixed(x))
+    assert mixed.out_locals == (3, 5)
+    close(axis_all_gather(q_part, axis), x @ g.T, "merged split shard, no bias")
+    close(kv_part, x @ kv.T + kv_b, "merged replicated shard")
 
     # QKV with one KV head replicated on both ranks, and OLMoE's q/k norm over the full width
     d = 4

@@ -137,21 +137,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(nn.Module):
-    """Several column-parallel projections of the same input in one weight, e.g. gate_up:
-    W = [gate_local; up_local], each output split across the axis."""
+    """Several projections of the same input in one weight, e.g. gate_up:
+    W = [gate_local; up_local], each output split across the axis, or whole on every rank
+    where `replicated` says so (latent attention's q_proj beside kv_a_proj_with_mqa). The
+    bias starts at zero, so a shard whose checkpoint has none adds nothing."""
 
     def __init__(self, in_features: int, out_features: Sequence[int], *, bias: bool,
-                 axis: Axis, dtype: torch.dtype):
+                 axis: Axis, dtype: torch.dtype, replicated: Sequence[bool] = ()):
         super().__init__()
         self.in_features, self.axis = in_features, axis
         self.out_features = tuple(out_features)
-        self.out_locals = tuple(_split(o, axis, "output features") for o in out_features)
+        self.replicated = tuple(replicated) or (False,) * len(self.out_features)
+        self.out_locals = tuple(o if whole else _split(o, axis, "output features")
+                                for o, whole in zip(out_features, self.replicated))
         self.offsets = tuple(sum(self.out_locals[:i]) for i in range(len(out_features)))
         self.weight = _param(sum(self.out_locals), in_features, dtype=dtype)
-        self.bias = _param(sum(self.out_locals), dtype=dtype) if bias else None
+        self.bias = nn.Parameter(torch.zeros(sum(self.out_locals), dtype=dtype),
+                                 requires_grad=False) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         return linear(x_TI, self.weight, self.bias)
+
+    def split(self, y_TO: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """forward's output as one view per shard."""
+        return y_TO.split(self.out_locals, dim=-1)
 
     def load_weight(self, param_name: str, src: Any, shard: int) -> None:
         """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
@@ -159,7 +168,8 @@ class MergedColumnParallelLinear(nn.Module):
         out, local = self.out_features[shard], self.out_locals[shard]
         check_shape(src, (out, self.in_features) if param_name == "weight" else (out,))
         dst = param[self.offsets[shard]:self.offsets[shard] + local]
-        copy_into(dst, read_rows(src, self.axis.rank * local, local))
+        start = 0 if self.replicated[shard] else self.axis.rank * local
+        copy_into(dst, read_rows(src, start, local))
 
 
 class QKVParallelLinear(nn.Module):

@@ -13,7 +13,9 @@ V v_head_dim, S a request's cached tokens (prefix + new), H hidden.
 
 The latent and k_pe are replicated on every attn_tp rank (q_a/kv_a are not split); the heads
 are split: q_proj/q_b_proj and kv_b_proj column-parallel, o_proj row-parallel (partial sums,
-reduced by the layer communicator as for every attention block).
+reduced by the layer communicator as for every attention block). q_proj (or q_a_proj) and
+kv_a_proj_with_mqa read the same h: they are one GEMM (q_kv_a), this rank's q heads beside the
+whole kv_a, so a decode step streams both weights in one launch.
 
 Rope: DeepSeek lays the rope dims out in interleaved pairs (x0, x1), (x2, x3) ... rotated by
 one frequency each (DeepSeek-V2, and V3 with rope_interleave, the default); the rotated pairs
@@ -43,14 +45,13 @@ from torch import nn
 
 from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend
 from moeserve.layers.fast_path import fused
-from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                    RowParallelLinear)
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.spec import MLASpec, ModelSpec
-from moeserve.parallel.groups import Axis, ParallelState
+from moeserve.parallel.groups import ParallelState
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
-
-REPLICATED = Axis(None, 0, 1, (0,))  # q_a_proj and kv_a_proj_with_mqa: whole on every rank
 
 
 def mla_softmax_scale(mla: MLASpec, rope_scaling: Optional[dict[str, Any]],
@@ -152,17 +153,17 @@ class MLAttention(nn.Module):
         self.spec, self.layer_id, self.backend = spec, layer_id, backend
         self.heads_local = n // axis.size
         self.bias = spec.attention_bias
-        if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, n * m.qk_head_dim, bias=False, axis=axis,
-                                               dtype=dtype)
-        else:
-            self.q_a_proj = ColumnParallelLinear(h, m.q_lora_rank, bias=self.bias,
-                                                 axis=REPLICATED, dtype=dtype)
+        # the two projections of h in one GEMM: [q_proj's heads of this rank | the whole
+        # kv_a_proj_with_mqa], or [q_a_proj | kv_a_proj_with_mqa], both whole, with q_lora
+        self.first = "q_proj" if m.q_lora_rank is None else "q_a_proj"
+        first_out = n * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank
+        self.q_kv_a = MergedColumnParallelLinear(
+            h, (first_out, m.kv_cache_dim), bias=self.bias, axis=axis, dtype=dtype,
+            replicated=(m.q_lora_rank is not None, True))
+        if m.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, n * m.qk_head_dim, bias=False,
                                                  axis=axis, dtype=dtype)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(h, m.kv_cache_dim, bias=self.bias,
-                                                       axis=REPLICATED, dtype=dtype)
         # transformers builds these two norms with the default eps, not rms_norm_eps
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, dtype)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, n * (m.qk_nope_head_dim
@@ -186,12 +187,10 @@ class MLAttention(nn.Module):
     def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         m, t, n = self.mla, h_TH.shape[0], self.heads_local
-        if m.q_lora_rank is None:
-            q = self.q_proj(h_TH)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h_TH)))
+        q, kv_TW = self.q_kv_a.split(self.q_kv_a(h_TH))  # views of one [T, Q + W] output
+        if m.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_TNQ = q.view(t, n, m.qk_head_dim)
-        kv_TW = self.kv_a_proj_with_mqa(h_TH)
         kernel = fused("mla_prep", h_TH.device) if t else None
         roped = None if kernel is None else kernel(
             positions_T, q_TNQ, kv_TW, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
@@ -255,4 +254,7 @@ class MLAttention(nn.Module):
         if name not in self._shapes():
             raise KeyError(f"MLA attention of layer {self.layer_id} has no tensor {name!r}")
         module_name, param = name.split(".")
-        getattr(self, module_name).load_weight(param, src)
+        if module_name in (self.first, "kv_a_proj_with_mqa"):
+            self.q_kv_a.load_weight(param, src, int(module_name != self.first))
+        else:
+            getattr(self, module_name).load_weight(param, src)

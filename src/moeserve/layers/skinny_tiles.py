@@ -13,13 +13,14 @@ from typing import Optional
 # vs 9.3 / 9.5 / 9.5; qkv 2048->5120 7.1 / 8.9 / 13.2 vs 8.0 / 8.1 / 8.1. A wide BLOCK_K keeps
 # many bytes in flight per program (the loop is not pipelined) and few iterations on the
 # latency path; a narrow BLOCK_N spreads a small N (a router) over SMs. DeepSeek-V2-Lite's
-# q_proj 2048->3072 (bench_decode_kernels.py --model deepseek-v2-lite --try-tiles, same
-# method): (4, 1024, 4) 4.15 / 5.75 us at 1 / 2 rows, against 4.98 us for the last entry's
-# tiles at 1 row and cuBLAS's 6.51 / 6.50.
+# q_proj and kv_a_proj_with_mqa in one GEMM, 2048->3648 (bench_decode_kernels.py --model
+# deepseek-v2-lite --try-tiles, same method, 2026-11-23): (4, 1024, 2) best over 1 and 2 rows
+# (9.77 us together), against 5.48 / 5.79 us for the last entry's tiles and cuBLAS's 6.86 /
+# 6.82 (q_proj alone, 2048->3072, had (4, 1024, 4): 4.15 / 5.75 us).
 TILES: tuple[tuple[int, int, int, tuple[int, int, int]], ...] = (
     (512, 1 << 62, 4, (1, 2048, 4)),
     (2048, 2048, 4, (2, 1024, 4)),
-    (3072, 2048, 2, (4, 1024, 4)),
+    (4096, 2048, 2, (4, 1024, 2)),
     (2048, 1 << 62, 2, (4, 2048, 4)),
     (1 << 62, 1 << 62, 1, (2, 512, 2)),
 )
