@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers over one axis of the ParallelState (attn_tp, moe_tp, ...).
 
   ColumnParallelLinear      W [out/tp, in]: each rank computes a slice of the outputs
-  MergedColumnParallelLinear several column-parallel outputs in one GEMM (gate_up)
+  MergedColumnParallelLinear several outputs of one input in one GEMM (gate_up; MLA's q and
+                            kv_a), each split across the axis or whole on every rank
   QKVParallelLinear         q heads split; KV heads split, or replicated when tp > kv heads
   RowParallelLinear         W [out, in/tp]: each rank returns a partial sum; the reduction
                             (all-reduce or reduce-scatter) belongs to the layer communicator
