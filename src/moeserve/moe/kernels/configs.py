@@ -71,10 +71,10 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
     hopper (a device of compute capability 9.x): from 48 rows an expert, the tiles that every
     shipped H100 and H200 table chose there: weights by TMA, w13's halves PAIRED, and from
     192 rows down's warp-specialised kernel ("WS")."""
-    if hopper and _rows_per_expert(num_tokens, top_k, num_local) > 48:
-        return _hopper_config(_rows_per_expert(num_tokens, top_k, num_local))
     pairs = max(1, num_tokens * top_k)
     rows = pairs / min(num_local, pairs)
+    if hopper and rows > 48:
+        return _hopper_config(rows)
     if rows <= 16:
         cfg = {"BLOCK_M": 16, "gate_up": _gemm(64, 128, 1, 4, 4),
                "down": _gemm(64, 128, 1, 4, 4)}
@@ -89,11 +89,6 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
                 "down": _gemm(128, 64, 8, 4, 4)}
     return {"BLOCK_M": 128, "gate_up": _gemm(128, 64, 8, 8, 3),
             "down": _gemm(128, 64, 8, 8, 4)}
-
-
-def _rows_per_expert(num_tokens: int, top_k: int, num_local: int) -> float:
-    pairs = max(1, num_tokens * top_k)
-    return pairs / min(num_local, pairs)
 
 
 def _hopper_config(rows: float) -> dict[str, Any]:
