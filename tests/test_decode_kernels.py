@@ -196,6 +196,25 @@ def check_act_and_mul(device: str, dtype: torch.dtype) -> None:
             assert rel_err(got, want) < TOL[dtype], (rows, inter, name)
 
 
+def check_shared_gate_add(device: str, dtype: torch.dtype) -> None:
+    """Qwen2-MoE's gated shared expert added in one launch against the torch ops it replaces
+    (hidden 2048 in one slice, 5000 in two, part-full; x a strided row view); mixed dtypes are
+    refused with None."""
+    from moeserve.layers.fused_kernels import shared_gate_add
+
+    gen = torch.Generator().manual_seed(8)
+    for rows, hidden in [(1, 2048), (5, 5000)]:
+        y, s = (torch.randn(rows, hidden, generator=gen).to(device, dtype) for _ in range(2))
+        x = torch.randn(rows, hidden + 8, generator=gen).to(device, dtype)[:, :hidden]
+        w = (torch.randn(1, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
+        want = y.double() + torch.sigmoid(x.double() @ w[0].double())[:, None] * s.double()
+        got = shared_gate_add(y, x, w[0], s)
+        assert got.shape == (rows, hidden) and got.dtype == dtype
+        assert rel_err(got, want) < TOL[dtype], (rows, hidden)
+        assert rel_err(got, y + torch.sigmoid(F.linear(x, w)) * s) < TOL[dtype]
+    assert shared_gate_add(y, x, w[0], s.float() if dtype != torch.float32 else s.half()) is None
+
+
 def check_unpack_decode_inputs(device: str) -> None:
     """The graph head's unpack against the torch formulation: placeholders read the step
     before's tokens, int32 lengths, rows past the batch untouched."""
@@ -251,14 +270,16 @@ def check_topk_softmax(device: str) -> None:
 _INTERPRETER_SCRIPT = r"""
 import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_skinny_linear,
-                                check_topk_softmax, check_unpack_decode_inputs)
+                                check_rope_store_kv, check_shared_gate_add,
+                                check_skinny_linear, check_topk_softmax,
+                                check_unpack_decode_inputs)
 
 check_unpack_decode_inputs("cpu")
 check_topk_softmax("cpu")
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
     check_act_and_mul("cpu", dtype)
+    check_shared_gate_add("cpu", dtype)
     check_add_rms_norm("cpu", dtype)
     check_rope_head_blocks("cpu", dtype)
     check_rope_store_kv("cpu", dtype)
@@ -269,8 +290,9 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm, act-and-mul, head-block rope, rope + KV store and
-    decode-graph unpack kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
+    """The skinny linear, add + RMSNorm, act-and-mul, gated shared-expert add, head-block
+    rope, rope + KV store, top-k softmax and decode-graph unpack kernels on the CPU
+    (TRITON_INTERPRET=1: numpy semantics)."""
     run_interpreted(_INTERPRETER_SCRIPT, timeout=180)
 
 

@@ -17,7 +17,8 @@ from moeserve.parallel.groups import single_process_state
 from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_skinny_linear, check_topk_softmax,
+                                check_rope_store_kv, check_shared_gate_add,
+                                check_skinny_linear, check_topk_softmax,
                                 check_unpack_decode_inputs)
 
 pytestmark = [pytest.mark.gpu,
@@ -70,6 +71,11 @@ def test_rms_norm_and_rotary(dtype):
 
 def test_topk_softmax():
     check_topk_softmax("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_gate_add(dtype):
+    check_shared_gate_add("cuda", dtype)
 
 
 def test_layers_take_the_fused_path_on_cuda():

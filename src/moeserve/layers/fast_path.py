@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 KERNELS = {"rms_norm": "fused_kernels", "add_rms_norm": "fused_kernels",
            "rotary": "fused_kernels", "topk_softmax": "fused_kernels",
            "store_kv": "fused_kernels", "act_and_mul": "fused_kernels",
+           "shared_gate_add": "fused_kernels",
            "unpack_decode_inputs": "fused_kernels",
            "skinny_linear": "skinny_gemm", "mla_prep": "mla_kernels"}
 _broken: set[str] = set()

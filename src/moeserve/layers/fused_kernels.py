@@ -14,6 +14,8 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
   store_kv         the new tokens' K and V into their KV-cache slots in one launch
   act_and_mul      a gated MLP's act(gate) * up from its fused [R, 2 I] projection, in fp32
                    with one rounding, to a contiguous [R, I]
+  shared_gate_add  Qwen2-MoE's gated shared expert added to the routed output:
+                   y + sigmoid(x . w) * shared, rounded as the four torch ops round
   topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
                    renormalisation, scaling, rounding of the weights to the model dtype,
                    ids -1 / weights 0 for padding rows
@@ -384,6 +386,49 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block,
             num_warps=4, **pdl_args(gate_up.device))
+    return out
+
+
+@triton.jit
+def _gated_add_kernel(Y, X, W, S, Out, stride_y, stride_x, stride_s, H,
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """One row: out = y + sigmoid(x . w) * s, each step rounded to the model dtype as the
+    torch ops round it (the linear's output, the sigmoid, the product, the sum)."""
+    pdl_gate(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    dot = tl.zeros([BLOCK_H], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask = h0 + offs < H
+        x = tl.load(X + row * stride_x + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        dot += x * w
+    dt = Out.dtype.element_ty
+    gate = tl.sigmoid(tl.sum(dot, 0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask = h0 + offs < H
+        sv = tl.load(S + row * stride_s + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + row * stride_y + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + row * H + h0 + offs, (y + (gate * sv).to(dt).to(tl.float32)).to(dt),
+                 mask=mask)
+
+
+def shared_gate_add(y_MH: torch.Tensor, x_MH: torch.Tensor, gate_w_H: torch.Tensor,
+                    shared_MH: torch.Tensor) -> Optional[torch.Tensor]:
+    """y + sigmoid(x . gate_w) * shared, a new [M, H] tensor: Qwen2-MoE's gated shared expert
+    added to the routed experts' output in one launch, where torch takes four (a GEMV of one
+    output, the sigmoid, the product, the sum). None for mixed dtypes or strided rows."""
+    m, hidden = y_MH.shape
+    if not (y_MH.dtype == x_MH.dtype == gate_w_H.dtype == shared_MH.dtype
+            and y_MH.stride(-1) == x_MH.stride(-1) == shared_MH.stride(-1) == 1
+            and gate_w_H.is_contiguous() and gate_w_H.numel() == x_MH.shape[1] == hidden):
+        return None  # the caller's torch ops
+    out = torch.empty(m, hidden, dtype=y_MH.dtype, device=y_MH.device)
+    if m:
+        _gated_add_kernel[(m,)](y_MH, x_MH, gate_w_H, shared_MH, out, y_MH.stride(0),
+                                x_MH.stride(0), shared_MH.stride(0), hidden,
+                                BLOCK_H=min(4096, _pow2(hidden)), num_warps=4,
+                                **pdl_args(y_MH.device))
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.fast_path import fused
 from moeserve.layers.mlp import DenseMLP, _Proj
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.dispatch.base import Dispatcher, create_dispatcher
@@ -80,18 +81,24 @@ class MoELayer(nn.Module):
         tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
         y_NH = self.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)
         if self.shared_on_dispatched:
-            y_NH = y_NH + self._shared(tokens.x_NH)
+            y_NH = self._add_shared(y_NH, tokens.x_NH)
         y_MH = self.dispatcher.combine(y_NH, handle)
         if self.shared_expert is not None and not self.shared_on_dispatched:
-            y_MH = y_MH + self._shared(x_MH)
+            y_MH = self._add_shared(y_MH, x_MH)
         return y_MH
 
-    def _shared(self, x_NH: torch.Tensor) -> torch.Tensor:
+    def _add_shared(self, y_NH: torch.Tensor, x_NH: torch.Tensor) -> torch.Tensor:
+        """y + the shared experts' output (partial sums when split) on rows x."""
         assert self.shared_expert is not None
-        y_NH = self.shared_expert.partial(x_NH)
-        if self.shared_expert_gate is not None:  # Qwen2-MoE
-            y_NH = torch.sigmoid(F.linear(x_NH, self.shared_expert_gate.weight)) * y_NH
-        return y_NH
+        shared_NH = self.shared_expert.partial(x_NH)
+        if self.shared_expert_gate is None:
+            return y_NH + shared_NH
+        # Qwen2-MoE: y + sigmoid(x . gate) * shared, one launch on a GPU
+        kernel = fused("shared_gate_add", x_NH.device)
+        out = kernel and kernel(y_NH, x_NH, self.shared_expert_gate.weight[0], shared_NH)
+        if out is not None:
+            return out
+        return y_NH + torch.sigmoid(F.linear(x_NH, self.shared_expert_gate.weight)) * shared_NH
 
     # --- weights (names relative to the MLP module, e.g. "mlp.") --------------------------
     def checkpoint_names(self) -> list[str]:
