@@ -49,7 +49,8 @@ def close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 def check_skinny_linear(device: str, dtype: torch.dtype, n: int = 37, k: int = 200,
                         tiles=((8, 64, 4), None)) -> None:
     """M = 1..4 rows (and 6: two row groups), with and without bias, N and K off the block
-    sizes; strided rows and a 3-dim x; bf16 inputs with an fp32 output (DeepSeek's router)."""
+    sizes; strided rows and a 3-dim x; bf16 inputs with an fp32 output (DeepSeek's router); a
+    residual added in the same launch."""
     from moeserve.layers.skinny_gemm import skinny_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -71,6 +72,14 @@ def check_skinny_linear(device: str, dtype: torch.dtype, n: int = 37, k: int = 2
     y32 = skinny_linear(x, w, out_dtype=torch.float32)  # = F.linear(x.float(), w.float())
     assert y32.dtype == torch.float32
     assert rel_err(y32, F.linear(x.float(), w.float())) < 1e-6
+    # a residual added in the epilogue, after the product's rounding: the same bits as the
+    # product and then torch's +, in every row group (strided residual rows)
+    for m in (1, 3, 6):
+        x = wide[:m, 5:5 + k]
+        res = torch.randn(m, n + 3, generator=gen).to(device, dtype)[:, :n]
+        for bias in (None, b):
+            got = skinny_linear(x, w, bias, residual=res)
+            assert torch.equal(got, skinny_linear(x, w, bias) + res), (m, bias is not None)
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:

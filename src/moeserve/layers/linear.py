@@ -67,27 +67,34 @@ def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
 # The product itself.
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           out_dtype: Optional[torch.dtype] = None,
-           max_rows: int = SKINNY_MAX_ROWS) -> Optional[torch.Tensor]:
+           out_dtype: Optional[torch.dtype] = None, max_rows: int = SKINNY_MAX_ROWS,
+           residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """x @ weight.T (+ bias) in out_dtype (x's by default) by the skinny-GEMM kernel, with fp32
-    accumulation, for a CUDA x of 1..max_rows rows with a contiguous last dim; None where it
-    does not apply (the caller computes it in torch)."""
+    accumulation, for a CUDA x of 1..max_rows rows with a contiguous last dim, plus `residual`
+    in the same launch when given; None where it does not apply (the caller computes it in
+    torch)."""
     if (x.device.type != "cuda" or x.dim() == 0 or x.stride(-1) != 1
             or weight.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1)
+            or (residual is not None and (residual.stride(-1) != 1
+                                          or residual.dtype != (out_dtype or x.dtype)))
             or not 0 < x.numel() <= max_rows * x.shape[-1]):
         return None
     kernel = fused("skinny_linear", x.device)
-    return None if kernel is None else kernel(x, weight, bias, out_dtype)
+    return None if kernel is None else kernel(x, weight, bias, out_dtype, residual=residual)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); a decode step's few rows on a GPU by the skinny kernel where
-    its measurements beat cuBLAS's (skinny_gemm.TILES)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
+    kernel where its measurements beat cuBLAS's (skinny_gemm.TILES), the residual added in
+    its epilogue."""
     y = None
     if x.is_cuda and x.dim() and beats_cublas(x.numel() // max(1, x.shape[-1]), *weight.shape):
-        y = skinny(x, weight, bias)
-    return y if y is not None else nn.functional.linear(x, weight, bias)
+        y = skinny(x, weight, bias, residual=residual)
+        if y is not None:
+            return y
+    y = nn.functional.linear(x, weight, bias)
+    return y if residual is None else y + residual
 
 
 # ------------------------------------------------------------------------------------------

@@ -83,14 +83,16 @@ class DenseMLP(nn.Module):
         self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
         self.down = _Proj(self.hidden, self.i_local, dtype)
 
-    def partial(self, x_NH: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the MLP output (the whole output when replicated)."""
+    def partial(self, x_NH: torch.Tensor, add_to: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """This rank's share of the MLP output (the whole output when replicated), plus
+        `add_to` when given (in the down projection's launch on a decode step's rows)."""
         gate_up = linear(x_NH, self.gate_up.weight)
         act_and_mul = fused("act_and_mul", gate_up.device) if self.kernel_act else None
         h = act_and_mul(gate_up, self.kernel_act) if act_and_mul else None
         if h is None:
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
-        return linear(h, self.down.weight)
+        return linear(h, self.down.weight, residual=add_to)
 
     def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""

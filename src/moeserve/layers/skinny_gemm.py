@@ -10,7 +10,8 @@ take more row groups (a second grid dim), each streaming W again (from L2, mostl
 
 Any of bf16/fp16/fp32 for x and W (they may differ: DeepSeek's router reads bf16 and wants
 F.linear(x.float(), W.float())), fp32 accumulation, the output in `out_dtype` (x's by default,
-rounded once after the bias is added, as cuBLAS's epilogue does).
+rounded once after the bias is added, as cuBLAS's epilogue does), optionally plus a residual
+added after that rounding (the MoE layer's routed output plus its shared expert's down).
 
 Tiles: TILES maps (N, K) ranges to (BLOCK_N, BLOCK_K, num_warps) for one row and to the most
 rows at which the kernel beats cuBLAS (`beats_cublas`); more rows shrink BLOCK_K so that the
@@ -51,15 +52,18 @@ def _rows_product(acc0, acc1, acc2, acc3, w, X, stride_xm, k, mask_k, rows,
 
 
 @triton.jit
-def _row_store(acc, y_row, offs_n, mask_n, bias, valid):
+def _row_store(acc, y_row, offs_n, mask_n, bias, valid, res_row, HAS_RES: tl.constexpr):
     y = tl.sum(acc, 1) + bias
+    if HAS_RES:  # the product rounded first, then the sum rounded: torch's F.linear, then +
+        res = tl.load(res_row + offs_n, mask=mask_n & valid, other=0.0).to(tl.float32)
+        y = y.to(y_row.dtype.element_ty).to(tl.float32) + res
     tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=mask_n & valid)
 
 
 @triton.jit
-def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+def _skinny_kernel(X, W, B, R, Y, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
     # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -75,6 +79,7 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIA
     rows = M - pid_m * ROWS
     X += pid_m * ROWS * stride_xm
     Y += pid_m * ROWS * stride_ym
+    R += pid_m * ROWS * stride_rm
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -90,32 +95,40 @@ def _skinny_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIA
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    _row_store(acc0, Y, offs_n, mask_n, bias, rows > 0)
+    _row_store(acc0, Y, offs_n, mask_n, bias, rows > 0, R, HAS_RES)
     if ROWS > 1:
-        _row_store(acc1, Y + stride_ym, offs_n, mask_n, bias, rows > 1)
+        _row_store(acc1, Y + stride_ym, offs_n, mask_n, bias, rows > 1, R + stride_rm, HAS_RES)
     if ROWS > 2:
-        _row_store(acc2, Y + 2 * stride_ym, offs_n, mask_n, bias, rows > 2)
+        _row_store(acc2, Y + 2 * stride_ym, offs_n, mask_n, bias, rows > 2, R + 2 * stride_rm,
+                   HAS_RES)
     if ROWS > 3:
-        _row_store(acc3, Y + 3 * stride_ym, offs_n, mask_n, bias, rows > 3)
+        _row_store(acc3, Y + 3 * stride_ym, offs_n, mask_n, bias, rows > 3, R + 3 * stride_rm,
+                   HAS_RES)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   out_dtype: Optional[torch.dtype] = None,
-                  tiles: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+                  tiles: Optional[tuple[int, int, int]] = None,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] (last dim contiguous) @ weight [N, K]^T + bias [N] -> [..., N] in out_dtype
-    (x's dtype by default). Meant for a few rows; correct for any number."""
+    (x's dtype by default), plus `residual` [..., N] when given (added to the rounded product,
+    as `F.linear(...) + residual` adds). Meant for a few rows; correct for any number."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, \
         (x.shape, x.stride(), weight.shape, weight.stride())
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
     x_MK = x if x.dim() == 2 else x.reshape(-1, k)
     m = x_MK.shape[0]
+    res = None if residual is None else residual.reshape(m, n)
+    assert res is None or res.stride(-1) == 1
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m and n:
         rows, block_n, block_k, warps = tiles_for(m, n, k, tiles)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
-        _skinny_kernel[grid](x_MK, weight, weight if bias is None else bias, y, m, n, k,
-                             x_MK.stride(0), weight.stride(0), y.stride(0),
-                             HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
+        _skinny_kernel[grid](x_MK, weight, weight if bias is None else bias,
+                             y if res is None else res, y, m, n, k, x_MK.stride(0),
+                             weight.stride(0), 0 if res is None else res.stride(0),
+                             y.stride(0), HAS_BIAS=bias is not None, HAS_RES=res is not None,
+                             ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                             **pdl_args(x.device))
     return y.view(*x.shape[:-1], n)

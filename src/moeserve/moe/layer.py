@@ -90,9 +90,9 @@ class MoELayer(nn.Module):
     def _add_shared(self, y_NH: torch.Tensor, x_NH: torch.Tensor) -> torch.Tensor:
         """y + the shared experts' output (partial sums when split) on rows x."""
         assert self.shared_expert is not None
+        if self.shared_expert_gate is None:  # the sum in the down projection's launch
+            return self.shared_expert.partial(x_NH, add_to=y_NH)
         shared_NH = self.shared_expert.partial(x_NH)
-        if self.shared_expert_gate is None:
-            return y_NH + shared_NH
         # Qwen2-MoE: y + sigmoid(x . gate) * shared, one launch on a GPU
         kernel = fused("shared_gate_add", x_NH.device)
         out = kernel and kernel(y_NH, x_NH, self.shared_expert_gate.weight[0], shared_NH)
