@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
         self.bias = spec.attention_bias
         # the two projections of h in one GEMM: [q_proj's heads of this rank | the whole
         # kv_a_proj_with_mqa], or [q_a_proj | kv_a_proj_with_mqa], both whole, with q_lora
-        self.first = "q_proj" if m.q_lora_rank is None else "q_a_proj"
+        self.q_name = "q_proj" if m.q_lora_rank is None else "q_a_proj"
         first_out = n * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank
         self.q_kv_a = MergedColumnParallelLinear(
             h, (first_out, m.kv_cache_dim), bias=self.bias, axis=axis, dtype=dtype,
@@ -254,7 +254,7 @@ class MLAttention(nn.Module):
         if name not in self._shapes():
             raise KeyError(f"MLA attention of layer {self.layer_id} has no tensor {name!r}")
         module_name, param = name.split(".")
-        if module_name in (self.first, "kv_a_proj_with_mqa"):
-            self.q_kv_a.load_weight(param, src, int(module_name != self.first))
+        if module_name in (self.q_name, "kv_a_proj_with_mqa"):
+            self.q_kv_a.load_weight(param, src, int(module_name != self.q_name))
         else:
             getattr(self, module_name).load_weight(param, src)
