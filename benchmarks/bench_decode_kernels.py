@@ -13,9 +13,10 @@ projection reads its own copy of the weight, and the graphs rotate over at least
 copies, so that no weight is in L2 when it is read (in a decode step every layer reads its own
 weights, and the experts between them flush L2). GB/s counts the weight bytes once per call.
 
---try-tiles times each projection at each row count with the (BLOCK_N, BLOCK_K, num_warps)
-alternatives (BLOCK_K cut to the register budget as the kernel's table is) and the rope with
-each head-block count, and prints the best; layers/skinny_gemm.py TILES and
+--try-tiles times each projection at each row count with the FMA kernel's (BLOCK_N, BLOCK_K,
+num_warps) alternatives (BLOCK_K cut to the register budget as the kernel's table is), the MMA
+kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages) up to 16 rows, and the rope with each
+head-block count, and prints the best; layers/skinny_tiles.py TILES and
 fused_kernels.ROPE_HEADS_PER_PROGRAM take their defaults from it.
 """
 
@@ -56,6 +57,9 @@ MODEL_SHAPES = {
                          "shared_down": (2048, 2816)},
 }
 TRY_BLOCK_N, TRY_BLOCK_K, TRY_WARPS = (1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)
+# the MMA kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages)
+TRY_MMA = [t for t in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (3, 4))
+           if t[0] * t[1] * 2 * t[3] <= 160 << 10]
 TRY_HEAD_BLOCKS = (1, 2, 4, 8, 16, 32)
 KV_SLOTS = 1 << 16  # one layer's KV cache [2, slots, KV_HEADS, HEAD_DIM]
 
@@ -191,23 +195,30 @@ def try_tiles(shapes: dict, rows: list[int], say, rope: bool = True) -> list[dic
         for m in rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             by_eff: dict[tuple, float] = {}  # tiles that BLOCK_K's cut makes equal: timed once
-            for tile in itertools.product(TRY_BLOCK_N, TRY_BLOCK_K, TRY_WARPS):
+            fma = list(itertools.product(TRY_BLOCK_N, TRY_BLOCK_K, TRY_WARPS))
+            for tile in fma + (TRY_MMA if m <= 16 else []):
                 eff = tiles_for(m, n, k, tile)
                 if eff not in by_eff:
                     by_eff[eff] = proj.time(x, tiles=tile)
                     found.append({"shape": name, "rows": m, "tiles": list(tile),
                                   "effective": list(eff), "us": by_eff[eff]})
                 per_tile.setdefault(tile, {})[m] = by_eff[eff]
-            best = min((f for f in found if f["shape"] == name and f["rows"] == m),
-                       key=lambda f: f["us"])
-            say(f"{name} {k}->{n} rows {m}: best (ROWS, BLOCK_N, BLOCK_K, warps) = "
-                f"{best['effective']} {best['us']:.2f} us ({proj.bytes / best['us'] / 1e3:.0f} "
-                f"GB/s); default {list(tiles_for(m, n, k))} {proj.time(x):.2f} us")
-        full = {t: sum(v.values()) for t, v in per_tile.items() if len(v) == len(rows)}
-        if full:
-            t = min(full, key=full.get)
-            say(f"{name} {k}->{n}: best (BLOCK_N, BLOCK_K, warps) over rows {rows}: {list(t)} "
-                f"(sum {full[t]:.2f} us); for skinny_gemm.TILES")
+            for mma in (False, True):
+                best = min((f for f in found if f["shape"] == name and f["rows"] == m
+                            and f["effective"][0] == mma), key=lambda f: f["us"], default=None)
+                if best:
+                    say(f"{name} {k}->{n} rows {m}: best {'MMA' if mma else 'FMA'} "
+                        f"{best['tiles']} {best['us']:.2f} us "
+                        f"({proj.bytes / best['us'] / 1e3:.0f} GB/s)")
+            say(f"{name} {k}->{n} rows {m}: table {tiles_for(m, n, k)} {proj.time(x):.2f} us, "
+                f"cuBLAS {proj.time(x, cublas=True):.2f} us")
+        for kind in (3, 4):
+            full = {t: sum(v.values()) for t, v in per_tile.items()
+                    if len(t) == kind and len(v) == len(rows)}
+            if full:
+                t = min(full, key=full.get)
+                say(f"{name} {k}->{n}: best {'MMA' if kind == 4 else 'FMA'} tiles over rows "
+                    f"{rows}: {list(t)} (sum {full[t]:.2f} us); for skinny_tiles.TILES")
         del proj
         torch.cuda.empty_cache()
     for m in rows if rope else []:
@@ -257,7 +268,7 @@ def step_summary(rows_out: list[dict], rows: list[int]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--try-tiles", action="store_true",
                     help="sweep the skinny-GEMM tiles and the rope head blocks")
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_SHAPES),

@@ -33,53 +33,67 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-                   b: torch.Tensor | None) -> bool:
+                   b: torch.Tensor | None, sum_ulps: float = 8) -> bool:
     """got = x @ w.T + b accumulated in fp32 and rounded once to got's dtype: each element
-    within an ulp of the exact value, plus the fp32 summation error (a few 2^-24 of the sum of
-    the terms' magnitudes)."""
+    within an ulp of the exact value, plus the fp32 summation error (sum_ulps 2^-24 of the sum
+    of the terms' magnitudes: a few where the sums run in short chains and a tree, as in the
+    FMA kernel; 2 K for one running sum of K terms whose adds may truncate, as tensor cores'
+    do)."""
     x, w = x.double(), w.double()
     want = F.linear(x, w, None if b is None else b.double())
     terms = F.linear(x.abs(), w.abs(), None if b is None else b.double().abs())
-    bound = torch.finfo(got.dtype).eps * want.abs() + 2 ** -24 * 8 * terms
+    bound = torch.finfo(got.dtype).eps * want.abs() + 2 ** -24 * sum_ulps * terms
     return bool(((got.double() - want).abs() <= bound).all())
 
 
 # --- checks shared with the interpreter script and the GPU tests ---------------------------
 
 def check_skinny_linear(device: str, dtype: torch.dtype, n: int = 37, k: int = 200,
-                        tiles=((8, 64, 4), None)) -> None:
-    """M = 1..4 rows (and 6: two row groups), with and without bias, N and K off the block
-    sizes; strided rows and a 3-dim x; bf16 inputs with an fp32 output (DeepSeek's router); a
-    residual added in the same launch."""
+                        tiles=((8, 64, 4), (16, 64, 4, 2), None)) -> None:
+    """The FMA kernel (a 3-tuple of tiles) and the MMA kernel (a 4-tuple): 1..4 rows, 6 (two
+    FMA row groups), 16 and 19 (two MMA row groups), with and without bias, N and K off the
+    block sizes; strided rows and a 3-dim x; bf16 inputs with an fp32 output (DeepSeek's
+    router); a residual added in the same launch."""
     from moeserve.layers.skinny_gemm import skinny_linear
+    from moeserve.layers.skinny_tiles import tiles_for
+
+    def sum_ulps(m: int, tile) -> float:
+        return 2 * k if tiles_for(m, n, k, tile).mma else 8
 
     gen = torch.Generator().manual_seed(0)
-    wide = torch.randn(6, k + 24, generator=gen).to(device, dtype)
+    wide = torch.randn(19, k + 24, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype)
     for tile in tiles:
-        for m in (1, 2, 3, 4, 6):
+        # (the table's tiles for N = 37 are a router's, BLOCK_N 1: slow under the interpreter)
+        rows = ((1, 6) if device == "cpu" else (1, 6, 19)) if tile is None else \
+            (1, 3, 16, 19) if len(tile) == 4 else (1, 2, 3, 4, 6)
+        for m in rows:
             x = wide[:m, 5:5 + k]  # rows with a stride, as a slice of a fused projection
             for bias in (None, b):
                 y = skinny_linear(x, w, bias, tiles=tile)
                 assert y.shape == (m, n) and y.dtype == dtype
-                assert close_to_exact(y, x, w, bias), (tile, m, bias is not None)
+                assert close_to_exact(y, x, w, bias, sum_ulps(m, tile)), \
+                    (tile, m, bias is not None)
     x3 = torch.randn(2, 2, k, generator=gen).to(device, dtype)
     y3 = skinny_linear(x3, w, b)
     assert y3.shape == (2, 2, n)
     assert rel_err(y3, F.linear(x3.double(), w.double(), b.double())) < TOL[dtype]
-    x = wide[:3, :k]
-    y32 = skinny_linear(x, w, out_dtype=torch.float32)  # = F.linear(x.float(), w.float())
-    assert y32.dtype == torch.float32
-    assert rel_err(y32, F.linear(x.float(), w.float())) < 1e-6
+    for m in (3, 6):  # the FMA and the MMA kernel by the table
+        x = wide[:m, :k]
+        y32 = skinny_linear(x, w, out_dtype=torch.float32)  # = F.linear(x.float(), w.float())
+        assert y32.dtype == torch.float32
+        assert rel_err(y32, F.linear(x.float(), w.float())) < 1e-6 * sum_ulps(m, None) / 8
     # a residual added in the epilogue, after the product's rounding: the same bits as the
     # product and then torch's +, in every row group (strided residual rows)
-    for m in (1, 3, 6):
+    for m, tile in ((1, None), (6, None), (3, (8, 64, 4)), (19, (8, 64, 4)),
+                    (3, (16, 64, 4, 2)), (19, (16, 64, 4, 2))):
         x = wide[:m, 5:5 + k]
         res = torch.randn(m, n + 3, generator=gen).to(device, dtype)[:, :n]
         for bias in (None, b):
-            got = skinny_linear(x, w, bias, residual=res)
-            assert torch.equal(got, skinny_linear(x, w, bias) + res), (m, bias is not None)
+            got = skinny_linear(x, w, bias, tiles=tile, residual=res)
+            assert torch.equal(got, skinny_linear(x, w, bias, tiles=tile) + res), \
+                (m, tile, bias is not None)
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
@@ -354,22 +368,32 @@ def test_rope_with_a_kv_write_on_cpu_stores_through_the_pool():
 
 @needs_triton
 def test_skinny_tiles_stay_within_the_register_budget():
-    from moeserve.layers.skinny_tiles import MAX_ROWS, TILE_BUDGET, tiles_for
+    from moeserve.layers.skinny_tiles import MAX_ROWS, MMA_ROWS, TILE_BUDGET, beats_cublas, tiles_for
 
-    for m in (1, 2, 3, 4, 8, 100):
+    for m in (1, 2, 3, 4, 8, 16, 17, 100):
         for n, k in [(128, 2048), (2048, 4096), (5120, 2048), (1536, 2048), (37, 40)]:
-            rows, bn, bk, warps = tiles_for(m, n, k)
-            assert rows == min(m, MAX_ROWS) and bk & (bk - 1) == 0
-            assert 16 <= bk < 2 * max(k, 16)
-            assert rows * bn * bk <= TILE_BUDGET * 32 * warps or bk == 16
-    assert tiles_for(1, 5120, 2048, (32, 128, 8)) == (1, 32, 128, 8)
-    assert tiles_for(4, 5120, 2048, (16, 1024, 4)) == (4, 16, 128, 4)
+            t = tiles_for(m, n, k)
+            assert t.block_k & (t.block_k - 1) == 0 and 16 <= t.block_k < 2 * max(k, 16)
+            if t.mma:  # MMA up to the table's rows only; 16 rows a program
+                assert beats_cublas(m, n, k) and t.rows == MMA_ROWS and t.block_n >= 16
+            else:
+                assert t.rows == min(m, MAX_ROWS)
+                assert t.rows * t.block_n * t.block_k <= TILE_BUDGET * 32 * t.warps \
+                    or t.block_k == 16
+    assert tiles_for(1, 5120, 2048, (32, 128, 8)) == (False, 1, 32, 128, 8, 1)
+    assert tiles_for(4, 5120, 2048, (16, 1024, 4)) == (False, 4, 16, 128, 4, 1)
+    assert tiles_for(1, 5120, 40, (64, 256, 4, 3)) == (True, MMA_ROWS, 64, 64, 4, 3)
 
 
-def test_linear_takes_the_skinny_kernel_only_where_it_was_measured_faster():
-    from moeserve.layers.skinny_tiles import beats_cublas
+def test_linear_takes_the_skinny_kernels_only_where_they_were_measured_faster():
+    from moeserve.layers.skinny_tiles import beats_cublas, tiles_for
 
-    assert beats_cublas(1, 5120, 2048) and not beats_cublas(2, 5120, 2048)  # qkv
-    assert beats_cublas(2, 2048, 4096) and not beats_cublas(4, 2048, 4096)  # o_proj
-    assert beats_cublas(4, 128, 2048) and beats_cublas(4, 1536, 2048)  # router, dense
-    assert not beats_cublas(0, 128, 2048) and not beats_cublas(5, 128, 2048)
+    # FMA at 1 row, MMA to 16 (qkv); FMA to 2 rows, then MMA (o_proj); FMA to 16 (router)
+    for m, n, k, mma in [(1, 5120, 2048, False), (2, 5120, 2048, True),
+                         (16, 5120, 2048, True), (2, 2048, 4096, False),
+                         (3, 2048, 4096, True), (4, 128, 2048, False), (16, 128, 2048, False)]:
+        assert beats_cublas(m, n, k) and tiles_for(m, n, k).mma == mma, (m, n, k)
+    assert not beats_cublas(0, 128, 2048) and not beats_cublas(17, 128, 2048)
+    assert not beats_cublas(17, 5120, 2048)
+    # past the table's rows (DeepSeek's fp32 router logits, up to 64): FMA row groups
+    assert not tiles_for(64, 64, 2048).mma

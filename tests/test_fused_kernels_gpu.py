@@ -148,9 +148,11 @@ def test_decode_kernels(dtype):
 
 
 def test_layers_take_the_decode_kernels_on_cuda():
-    """Linear layers and the router go through the skinny kernel up to 4 rows (F.linear
-    beyond), the decoder's add + norm through add_rms_norm; all match the torch results."""
+    """Linear layers and the router go through the skinny kernels up to the table's rows
+    (F.linear beyond), the decoder's add + norm through add_rms_norm; all match the torch
+    results."""
     from moeserve.layers.skinny_gemm import skinny_linear
+    from moeserve.layers.skinny_tiles import beats_cublas
 
     gen = torch.Generator().manual_seed(5)
     axis = single_process_state().attn_tp
@@ -160,12 +162,12 @@ def test_layers_take_the_decode_kernels_on_cuda():
         for p in layer.parameters():
             p.data = (torch.randn(p.shape, generator=gen) * 0.1).to("cuda", p.dtype)
         k = layer.weight.shape[1]
-        for m in (1, 3, 4, 9):
+        for m in (1, 3, 4, 9, 16, 17):
             x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
             y = layer(x)
             assert rel_err(y, F.linear(x.double(), layer.weight.double(),
                                        None if layer.bias is None else layer.bias.double())) < 1e-2
-            if m <= 4:
+            if beats_cublas(m, *layer.weight.shape):
                 assert torch.equal(y, skinny_linear(x, layer.weight, layer.bias))
     for kind, fp32 in (("deepseek_v3", True), ("qwen3", False)):
         router = Router(tiny_spec(kind), torch.bfloat16).cuda()

@@ -26,7 +26,7 @@ from moeserve.layers.fast_path import fused
 from moeserve.layers.skinny_tiles import beats_cublas
 from moeserve.parallel.groups import Axis
 
-SKINNY_MAX_ROWS = 4  # up to this many rows, a GPU projection is a GEMV: the skinny kernel
+SKINNY_MAX_ROWS = 16  # up to this many rows a GPU projection is a GEMV: the skinny kernels
 
 
 class WeightShapeError(ValueError):
@@ -86,7 +86,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
-    kernel where its measurements beat cuBLAS's (skinny_gemm.TILES), the residual added in
+    kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
     its epilogue."""
     y = None
     if x.is_cuda and x.dim() and beats_cublas(x.numel() // max(1, x.shape[-1]), *weight.shape):
