@@ -1,10 +1,11 @@
-"""The small kernels of a decode step (Qwen3-30B-A3B, bf16, tp = 1) at 1..8 rows: the skinny
-linear against F.linear (cuBLAS), add + RMSNorm in one kernel against the add and the RMSNorm
-kernel, the rope over head blocks against one program per token (head_blocks=1, the former
-kernel), the rope that writes K/V into their cache slots against the rope, then store_kv (two
-launches), with the device's copy bandwidth from the same run.
+"""The small kernels of a decode step (Qwen3-30B-A3B, bf16, tp = 1) at 1..16 rows: the skinny
+linear (the table's FMA or MMA kernel) against F.linear (cuBLAS), add + RMSNorm in one kernel
+against the add and the RMSNorm kernel, the rope over head blocks against one program per
+token (head_blocks=1, the former kernel), the rope that writes K/V into their cache slots
+against the rope, then store_kv (two launches), with the device's copy bandwidth from the
+same run.
 
-    PYTHONPATH=src python benchmarks/bench_decode_kernels.py --out DIR [--rows 1 2 4 8] \
+    PYTHONPATH=src python benchmarks/bench_decode_kernels.py --out DIR [--rows 1 2 4 8 16] \
         [--try-tiles] [--model deepseek-v2-lite]
 
 Timing: a CUDA graph of 20 back-to-back calls (so launch gaps count, as in the engine's decode
