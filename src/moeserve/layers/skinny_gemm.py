@@ -4,11 +4,11 @@ At a few rows a projection is a memory-bound GEMV: the cost is streaming W once.
 GEMM tiles that leave most SMs idle at M = 1 (or a split-K with a second kernel). Two kernels
 here, each one launch, no split over K (every program writes its own outputs: deterministic):
 
-  FMA  (1-4 rows; the decode step of one request) each program takes BLOCK_N rows of W,
-       streams them along K once for up to 4 rows of x, and keeps one [BLOCK_N, BLOCK_K] fp32
-       tile of products per row (in the layout the W tile is loaded in, so no data moves
-       between threads in the loop), reduced over K once at the end. More rows take more row
-       groups (a second grid dim), each streaming W again (from L2, mostly).
+  FMA  (1-2 rows; routers up to 16) each program takes BLOCK_N rows of W, streams them
+       along K once for up to 4 rows of x, and keeps one [BLOCK_N, BLOCK_K] fp32 tile of
+       products per row (in the layout the W tile is loaded in, so no data moves between
+       threads in the loop), reduced over K once at the end. More rows take more row groups
+       (a second grid dim), each streaming W again (from L2, mostly).
   MMA  (up to 16 rows) the product transposed, y^T = W x^T, on tensor cores: the W tile is
        the MMA's wide side and x's rows, padded to 16, its narrow one, so a program streams
        BLOCK_N rows of W for all 16 rows at once, its K loop pipelined over `stages` buffers.
