@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
 from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
@@ -66,7 +67,9 @@ _STEP_ARGS = ["num_pairs", "first_expert", "num_local", "num_blocks"]
 @triton.jit(do_not_specialize=_STEP_ARGS)
 def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
                        block_expert_ptr, block_rows_ptr, num_blocks,
-                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_gate(PDL)
     e_idx = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
@@ -87,9 +90,10 @@ def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
 def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr, chunk_ptr,
-                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Adds the chunk's histogram to counts and keeps, per expert, where the chunk's pairs
     start within the expert's segment (the counts before its add)."""
+    pdl_gate(PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
     e_idx = tl.arange(0, E_PAD)
@@ -100,9 +104,11 @@ def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr, chunk
 
 @triton.jit(do_not_specialize=_STEP_ARGS[2:])
 def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_rows_ptr,
-                  num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                  num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program i writes the block map's chunks i, i + PROGRAMS, ... (each program redoes the
     prefix sum over E_PAD counts, which is cheap); program 0 also the experts' cursors."""
+    pdl_gate(PDL)
     e_idx = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + e_idx)
     cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
@@ -114,10 +120,11 @@ def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_row
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
 def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, chunk_ptr,
-                    sorted_ptr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                    sorted_ptr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Each pair to its expert's first row + its chunk's start within the expert + its rank in
     the chunk, the last from an atomic counter of the chunk's own (few pairs share one, where
     a counter per expert had every pair of the step)."""
+    pdl_gate(PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
     within = tl.atomic_add(chunk_ptr + tl.program_id(0) * E_PAD + local, 1, mask=own)
@@ -142,21 +149,22 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
     if pairs == 0:
         return out
     e_pad = max(16, triton.next_power_of_2(num_local))
-    chunk = max(16, min(128, 8192 // e_pad))  # the one-hot tiles stay at <= 8192 elements
+    chunk = max(16, min(128, 8192 // e_pad))
+    pdl = pdl_args(dev)  # the one-hot tiles stay at <= 8192 elements
     if pairs <= SMALL_PAIRS:
         _align_one_program[(1,)](ids, pairs, first_expert, num_local, sorted_pairs,
                                  block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
-                                 CHUNK=chunk, num_warps=4)
+                                 CHUNK=chunk, num_warps=4, **pdl)
         return out
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
     scratch = take(ws and ws.align, align_scratch_len(pairs, num_local), "align", **i32)
     counts, cursor = scratch[:e_pad].zero_(), scratch[e_pad:2 * e_pad]
     chunk_start = scratch[2 * e_pad:].view(grid[0], e_pad)
     _count_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start, E_PAD=e_pad,
-                        CHUNK=_COUNT_CHUNK, num_warps=4)
+                        CHUNK=_COUNT_CHUNK, num_warps=4, **pdl)
     _place_kernel[(min(triton.cdiv(nb, chunk), _PLACE_PROGRAMS),)](
         counts, cursor, num_local, block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
-        CHUNK=chunk, num_warps=4)
+        CHUNK=chunk, num_warps=4, **pdl)
     _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, chunk_start,
-                          sorted_pairs, E_PAD=e_pad, CHUNK=_COUNT_CHUNK, num_warps=4)
+                          sorted_pairs, E_PAD=e_pad, CHUNK=_COUNT_CHUNK, num_warps=4, **pdl)
     return out

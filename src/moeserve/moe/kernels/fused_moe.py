@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
 from moeserve.moe.kernels import down_ws
 from moeserve.moe.kernels.align import align_triton
@@ -139,11 +140,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
                     num_blocks, hidden, inter, top_k, GROUP_M,
                     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                    HALF_TAIL: tl.constexpr, PAIRED: tl.constexpr):
+                    HALF_TAIL: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr):
     """HALF_TAIL: a block of at most BLOCK_M / 2 rows takes a tile of half the rows (one kernel
     with both tile shapes, so the tail shares its expert's weight tiles in L2 with the
     expert's other blocks; a second launch for the tails re-read them from HBM and ran up to
     30% slower on the H200)."""
+    pdl_gate(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, inter, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -193,7 +195,9 @@ def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0,
 def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
                  topk_weights_ptr, num_blocks, hidden, inter, GROUP_M,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr):
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_gate(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -209,7 +213,8 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
 
 @triton.jit(do_not_specialize=["top_k", "first_expert", "num_local"])
 def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, hidden, top_k, first_expert, num_local,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < hidden
@@ -268,7 +273,8 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
     _gate_up_kernel[grid](x_NH, w_arg, h, blocks.sorted_pairs, blocks.block_expert,
                           blocks.block_rows, blocks.num_blocks, hidden, inter, top_k,
                           cfg["GROUP_M"], ACT=ACT_CODES[act], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-                          TMA=tma, PAIRED=paired, **_launch_opts(cfg, blocks.block_m))
+                          TMA=tma, PAIRED=paired, **_launch_opts(cfg, blocks.block_m),
+                          **pdl_args(x_NH.device))
     return h
 
 
@@ -286,7 +292,7 @@ def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
     _down_kernel[grid](h, w_arg, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
                        topk_weights_P, blocks.num_blocks, hidden, inter, cfg["GROUP_M"],
                        EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
-                       **_launch_opts(cfg, blocks.block_m))
+                       **_launch_opts(cfg, blocks.block_m), **pdl_args(h.device))
     return y
 
 
@@ -299,7 +305,7 @@ def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tens
     block_h = min(1024, triton.next_power_of_2(hidden))
     _topk_sum_kernel[(n, triton.cdiv(hidden, block_h))](
         y_PH, topk_ids_NK, out, hidden, k, first_expert, num_local, BLOCK_H=block_h,
-        num_warps=4)
+        num_warps=4, **pdl_args(y_PH.device))
     return out
 
 
