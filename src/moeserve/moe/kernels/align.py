@@ -149,8 +149,8 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
     if pairs == 0:
         return out
     e_pad = max(16, triton.next_power_of_2(num_local))
-    chunk = max(16, min(128, 8192 // e_pad))
-    pdl = pdl_args(dev)  # the one-hot tiles stay at <= 8192 elements
+    chunk = max(16, min(128, 8192 // e_pad))  # the one-hot tiles stay at <= 8192 elements
+    pdl = pdl_args(dev)
     if pairs <= SMALL_PAIRS:
         _align_one_program[(1,)](ids, pairs, first_expert, num_local, sorted_pairs,
                                  block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
