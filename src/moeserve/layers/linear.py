@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.layers.fast_path import fused
-from moeserve.layers.skinny_tiles import beats_cublas
+from moeserve.layers.skinny_tiles import MOST_ROWS, beats_cublas
 from moeserve.parallel.groups import Axis
 
-SKINNY_MAX_ROWS = 16  # up to this many rows a GPU projection is a GEMV: the skinny kernels
+SKINNY_MAX_ROWS = MOST_ROWS  # up to this many rows a GPU projection is a GEMV (skinny_tiles)
 
 
 class WeightShapeError(ValueError):

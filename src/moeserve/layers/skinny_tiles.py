@@ -38,6 +38,7 @@ TILES: tuple[tuple[int, int, int, tuple[int, int, int], int,
     (2048, 1 << 62, 2, (4, 2048, 4), 16, (16, 512, 2, 4)),
     (1 << 62, 1 << 62, 1, (2, 512, 2), 16, (64, 256, 4, 3)),
 )
+MOST_ROWS = max(max(e[2], e[4]) for e in TILES)  # past these rows every shape takes cuBLAS
 TILE_BUDGET = 64  # fp32 products per thread held across the K loop (FMA kernel)
 MAX_ROWS = 4  # rows per program of the FMA kernel; more rows take more row groups
 MMA_ROWS = 16  # rows per program of the MMA kernel (x's side of the MMA, padded)
