@@ -262,6 +262,7 @@ def main() -> None:
             rows += bench_model(name, args.tokens, ceil, lambda s: print(s, flush=True),
                                 args.profile_from)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_moe.json").write_text(json.dumps({"meta": meta, "ceilings": ceil,
                                                     "rows": rows}, indent=1))
     body = markdown(rows, ceil, meta)
