@@ -47,8 +47,9 @@ TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
 DECODE_MAX_TOKENS = 8
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels; no num_stages: their loops' loads feed
-# FMAs, and Triton compiles the same code at 1, 2 and 3 stages (sm90 PTX compared, session 15)
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels, gate_up's with and without PREFETCH; no
+# num_stages: their loops' loads feed FMAs, and Triton compiles the same code at 1, 2 and 3
+# stages (sm90 PTX compared, session 15)
 GEMV_UP = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8)))
 GEMV_DOWN = list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (2, 4, 8)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
@@ -99,7 +100,8 @@ def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
     else:
         tk = 1 << (top_k - 1).bit_length()
         space, elems = GEMV_DOWN, lambda bn, bk: tk * bn * bk
-    return [dict(zip(DECODE_KEYS, c)) for c in space
+    prefetch = ({}, {"PREFETCH": 1}) if gemm == "gate_up" else ({},)
+    return [{**dict(zip(DECODE_KEYS, c)), **pf} for c in space for pf in prefetch
             if 16 * 32 * c[2] <= elems(c[0], c[1]) <= 64 * 32 * c[2]]
 
 

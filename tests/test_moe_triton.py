@@ -185,6 +185,13 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
         configs.load_tuned.cache_clear()
         with pytest.raises(ValueError, match="sets WS where it cannot run"):
             get(4096)
+    for where in ("gate_up", "down", "decode.down"):  # PREFETCH: the decode gate_up's only
+        pf = configs.default_config(1, 8, 128)
+        (pf["decode"]["down"] if where == "decode.down" else pf[where])["PREFETCH"] = 1
+        (tmp_path / name).write_text(json.dumps({"1": pf}))
+        configs.load_tuned.cache_clear()
+        with pytest.raises(ValueError, match=f"sets PREFETCH for {where}:"):
+            get(1)
     configs.load_tuned.cache_clear()
 
 
@@ -276,10 +283,13 @@ from moeserve.moe.kernels.fused_moe import fused_experts
 small = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4},
          "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
 large = {**small, "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1}}
+ahead = {**small, "gate_up": {**small["gate_up"], "PREFETCH": 1}}  # the next chunk loaded first
 for gemv, act, (ep, rank), n, h in [(small, "silu", (1, 0), 1, 48),
                                     (large, "silu", (1, 0), 1, 48),
                                     (small, "gelu", (2, 1), 4, 40),
-                                    (large, "silu", (2, 0), 7, 64)]:
+                                    (large, "silu", (2, 0), 7, 64),
+                                    (ahead, "silu", (1, 0), 1, 48),
+                                    (ahead, "silu", (2, 1), 3, 40)]:
     spec = make_spec(e=8, k=2, h=h, i=40, act=act)
     ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=5)
     tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=5)
@@ -461,15 +471,18 @@ def test_triton_duplicate_ids_add_up():
 @needs_cuda
 @pytest.mark.parametrize("tiles", [(16, 256, 4, 16, 256, 4), (8, 128, 2, 4, 512, 4),
                                    (32, 64, 8, 32, 128, 8), (16, 128, 8, 2, 128, 4)])
-def test_triton_decode_path_at_any_rows(tiles):
-    """The GEMV kernels (decode_moe.py) with tiles the tuner may pick, forced at row counts
-    where pairs share experts, on an EP rank (ids of the other rank skipped) and with -1s."""
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_triton_decode_path_at_any_rows(tiles, prefetch):
+    """The GEMV kernels (decode_moe.py) with tiles the tuner may pick, gate_up with and
+    without PREFETCH, forced at row counts where pairs share experts, on an EP rank (ids of
+    the other rank skipped) and with -1s."""
     from moeserve.moe.kernels.fused_moe import fused_experts
 
     spec = make_spec(e=16, k=4, h=328, i=200)
     fast, ref = _gpu_pair("triton", spec, 2, 1, seed=sum(tiles))
     keys = ("BLOCK_N", "BLOCK_K", "num_warps")
-    cfg = {"decode": {"gate_up": dict(zip(keys, tiles[:3])), "down": dict(zip(keys, tiles[3:]))}}
+    cfg = {"decode": {"gate_up": {**dict(zip(keys, tiles[:3])), "PREFETCH": prefetch},
+                      "down": dict(zip(keys, tiles[3:]))}}
     for n in (1, 2, 5, 33):
         for mode in ROUTINGS:
             x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()

@@ -16,9 +16,10 @@ of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32) and, for gate_u
 "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA of twice the width,
 in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon kernel of
 down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
-key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}, older tables with a
-num_stages that changes nothing there: decode_moe._opts) runs that size through the GEMV
-kernels of decode_moe.py instead of align + grouped GEMMs.
+key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optionally "PREFETCH": 1 (the next K
+chunk's tiles loaded before the products of the held ones)}, "down": {...}}; older tables
+carry a num_stages that changes nothing there: decode_moe._opts) runs that size through the
+GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
 Pure Python: no triton import.
 """
 
@@ -139,6 +140,12 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
                          "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
                          "tile of 64 rows a warpgroup); drop it or re-run "
+                         "benchmarks/tune_moe.py")
+    elsewhere = [g for g in ("gate_up", "down") if cfg[g].get("PREFETCH")]
+    elsewhere += ["decode.down"] if cfg.get("decode", {}).get("down", {}).get("PREFETCH") else []
+    if elsewhere:
+        raise ValueError(f"MoE tile config in {where} sets PREFETCH for {', '.join(elsewhere)}: "
+                         "only the decode gate_up GEMV takes it; drop it or re-run "
                          "benchmarks/tune_moe.py")
     return cfg
 

@@ -36,10 +36,34 @@ from moeserve.moe.kernels.align_torch import take
 _ARGS = ["top_k", "first_expert", "num_local"]
 
 
+@triton.jit
+def _gu_tiles(g_ptrs, u_ptrs, n_ok, offs_k, k_left, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tiles of both halves at this K chunk (k_left columns left)."""
+    if EVEN_K:
+        g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+        u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        ok = n_ok[:, None] & (offs_k < k_left)[None, :]
+        g = tl.load(g_ptrs, mask=ok, other=0.0)
+        u = tl.load(u_ptrs, mask=ok, other=0.0)
+    return g, u
+
+
+@triton.jit
+def _x_chunk(x_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptrs).to(tl.float32)
+    return tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k, first_expert,
                            num_local, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """PREFETCH: each K step loads the next chunk's tiles before it forms the products of
+    the tiles it holds, so two chunks a program are in flight (Triton does not pipeline
+    these FMA loops itself); the tables set it per size, where it measured faster."""
     pdl_gate(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
@@ -55,21 +79,28 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, hidden, inter, top_k,
     u_ptrs = g_ptrs + inter * hidden
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k0
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if PREFETCH:
+        g, u = _gu_tiles(g_ptrs, u_ptrs, n_ok, offs_k, hidden, EVEN_K)
+        for k0 in range(BLOCK_K, hidden, BLOCK_K):
+            g_next, u_next = _gu_tiles(g_ptrs + k0, u_ptrs + k0, n_ok, offs_k, hidden - k0,
+                                       EVEN_K)
+            x = _x_chunk(x_ptrs + k0 - BLOCK_K, offs_k, hidden - k0 + BLOCK_K, EVEN_K)
+            acc_g += g.to(tl.float32) * x[None, :]
+            acc_u += u.to(tl.float32) * x[None, :]
+            g, u = g_next, u_next
+        last = (hidden - 1) // BLOCK_K * BLOCK_K
+        x = _x_chunk(x_ptrs + last, offs_k, hidden - last, EVEN_K)
         acc_g += g.to(tl.float32) * x[None, :]
         acc_u += u.to(tl.float32) * x[None, :]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            x = _x_chunk(x_ptrs, offs_k, hidden - k0, EVEN_K)
+            g, u = _gu_tiles(g_ptrs, u_ptrs, n_ok, offs_k, hidden - k0, EVEN_K)
+            acc_g += g.to(tl.float32) * x[None, :]
+            acc_u += u.to(tl.float32) * x[None, :]
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     h = _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1)
     tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, h.to(h_ptr.dtype.element_ty),
              mask=n_ok)
@@ -94,16 +125,23 @@ def _down_row(ids_ptr, weights_ptr, pair, offs_j, top_k, first_expert, num_local
 
 
 @triton.jit
-def _down_chunk(acc, h_ptrs, w_ptrs, mine, w_ok, weight, offs_k, k_left,
-                EVEN_K: tl.constexpr):
-    """acc += the chunk's weight tiles times the pairs' h chunk, scaled by their weights."""
+def _w_tile(w_ptrs, w_ok, offs_k, k_left, EVEN_K: tl.constexpr):
+    """The [TOP_K, BLOCK_N, BLOCK_K] weight tiles of the row's experts at this K chunk."""
     if EVEN_K:
-        h = tl.load(h_ptrs, mask=mine[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-    else:
-        k_ok = offs_k < k_left
-        h = tl.load(h_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
+        return tl.load(w_ptrs, mask=w_ok, other=0.0)
+    return tl.load(w_ptrs, mask=w_ok & (offs_k < k_left)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _h_chunk(h_ptrs, mine, offs_k, k_left, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(h_ptrs, mask=mine[:, None], other=0.0)
+    return tl.load(h_ptrs, mask=mine[:, None] & (offs_k < k_left)[None, :], other=0.0)
+
+
+@triton.jit
+def _down_product(acc, w, h, weight):
+    """acc += the weight tiles times the pairs' h chunk, scaled by their top-k weights."""
     hw = h.to(tl.float32) * weight[:, None]
     return acc + w.to(tl.float32) * hw[:, None, :]
 
@@ -138,22 +176,23 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
               + offs_k[None, None, :])
     w_ok = mine[:, None, None] & n_ok[None, :, None]
     acc = tl.zeros((TOP_K, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if EARLY:  # the first chunk: its tiles before the gate, its h after
-        w = tl.load(w_ptrs, mask=w_ok & (offs_k < inter)[None, None, :], other=0.0)
+    if EARLY:  # the first chunk's tiles before the gate; then each K step loads the next
+        # chunk's tiles before it forms the products of the ones it holds (two in flight)
+        w = _w_tile(w_ptrs, w_ok, offs_k, inter, EVEN_K)
         pdl_gate(PDL)
-        h = tl.load(h_ptrs, mask=mine[:, None] & (offs_k < inter)[None, :], other=0.0)
-        acc += w.to(tl.float32) * (h.to(tl.float32) * weight[:, None])[:, None, :]
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
         for k0 in range(BLOCK_K, inter, BLOCK_K):
-            acc = _down_chunk(acc, h_ptrs, w_ptrs, mine, w_ok, weight, offs_k, inter - k0,
-                              EVEN_K)
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            w_next = _w_tile(w_ptrs + k0, w_ok, offs_k, inter - k0, EVEN_K)
+            h = _h_chunk(h_ptrs + k0 - BLOCK_K, mine, offs_k, inter - k0 + BLOCK_K, EVEN_K)
+            acc = _down_product(acc, w, h, weight)
+            w = w_next
+        last = (inter - 1) // BLOCK_K * BLOCK_K
+        acc = _down_product(acc, w, _h_chunk(h_ptrs + last, mine, offs_k, inter - last,
+                                             EVEN_K), weight)
     else:
         for k0 in range(0, inter, BLOCK_K):
-            acc = _down_chunk(acc, h_ptrs, w_ptrs, mine, w_ok, weight, offs_k, inter - k0,
-                              EVEN_K)
+            h = _h_chunk(h_ptrs, mine, offs_k, inter - k0, EVEN_K)
+            w = _w_tile(w_ptrs, w_ok, offs_k, inter - k0, EVEN_K)
+            acc = _down_product(acc, w, h, weight)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     y = tl.sum(tl.sum(acc, 2), 0)
@@ -187,7 +226,8 @@ def decode_gate_up(x_NH: torch.Tensor, w13: torch.Tensor, ids_P: torch.Tensor, t
     if pairs:
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
         _decode_gate_up_kernel[grid](x_NH, w13, h, ids_P, hidden, inter, top_k, first_expert,
-                                     num_local, ACT=ACT_CODES[act], **_opts(cfg, hidden),
+                                     num_local, ACT=ACT_CODES[act],
+                                     PREFETCH=bool(cfg.get("PREFETCH")), **_opts(cfg, hidden),
                                      **pdl_args(x_NH.device))
     return h
 
