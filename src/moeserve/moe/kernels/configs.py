@@ -16,10 +16,10 @@ of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32) and, for gate_u
 "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA of twice the width,
 in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon kernel of
 down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
-key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps, optionally "PREFETCH": 1 (the next K
-chunk's tiles loaded before the products of the held ones)}, "down": {...}}; older tables
-carry a num_stages that changes nothing there: decode_moe._opts) runs that size through the
-GEMV kernels of decode_moe.py instead of align + grouped GEMMs.
+key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
+GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
+"PREFETCH": 1 (each K step loads the next chunk's tiles first). Older tables' decode entries
+carry a num_stages, which changes nothing there (decode_moe._opts).
 Pure Python: no triton import.
 """
 
