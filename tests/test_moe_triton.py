@@ -254,7 +254,7 @@ _INTERPRETER_SCRIPT = r"""
 import itertools
 import torch
 from test_moe_triton import check_aligned, make_experts, make_spec, rel_err, routing
-from moeserve.moe.kernels.align import SMALL_PAIRS, align_triton
+from moeserve.moe.kernels.align import align_triton, one_program
 from moeserve.moe.kernels.align_torch import align_torch
 
 for n, k, e, first, num_local, bm in [(1, 8, 128, 0, 128, 16), (40, 4, 16, 8, 8, 16),
@@ -266,7 +266,7 @@ for n, k, e, first, num_local, bm in [(1, 8, 128, 0, 128, 16), (40, 4, 16, 8, 8,
         check_aligned(got, ids, first, num_local)
         assert torch.equal(got.block_expert, want.block_expert)
         assert torch.equal(got.block_rows, want.block_rows)
-assert 700 * 2 > SMALL_PAIRS >= 40 * 4  # both align paths ran
+assert one_program(40 * 4, 8) and not one_program(300 * 8, 32)  # both paths ran
 for act, (ep, rank), n, h in [("silu", (1, 0), 5, 48), ("gelu", (2, 1), 70, 48),
                               ("gelu_pytorch_tanh", (1, 0), 3, 48), ("silu", (2, 0), 300, 128)]:
     spec = make_spec(e=8, k=2, h=h, i=40, act=act)

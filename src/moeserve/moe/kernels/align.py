@@ -1,15 +1,15 @@
 """moe_align in Triton (same output as align_torch.py; see its docstring for the format).
 
-Small steps (P <= SMALL_PAIRS, the decode sizes) run in one program, one launch: count pairs per
-expert, place the blocks, then scatter each pair to its slot (its rank among the same expert's
-pairs, from a one-hot prefix sum). Large steps use three launches over chunks of pairs: count
-(each chunk's histogram atomically added to the counts; the value before the add is where
-the chunk's pairs start in each expert's segment), place the blocks (up to 64 programs, each
-over its chunks of the block map), scatter (a pair's rank within its chunk from an atomic
-counter of the chunk's own; a counter per expert serialised every pair of an expert on one
-address: 15.4 us at 65536 pairs on the H200). The order inside an expert's segment is then
-arbitrary, which changes no result: every row of a GEMM tile is computed independently and
-the top-k sum is taken per pair slot.
+Small steps (P x padded experts <= SMALL_WORK: a few pairs over few experts) run in one
+program, one launch: count pairs per expert, place the blocks, then scatter each pair to its
+slot (its rank among the same expert's pairs, from a one-hot prefix sum). Others use three
+launches over chunks of pairs: count (each chunk's histogram atomically added to the counts;
+the value before the add is where the chunk's pairs start in each expert's segment), place
+the blocks (up to 64 programs, each over its chunks of the block map), scatter (a pair's
+rank within its chunk from an atomic counter of the chunk's own; a counter per expert
+serialised every pair of an expert on one address: 15.4 us at 65536 pairs on the H200). The
+order inside an expert's segment is then arbitrary, which changes no result: every row of a
+GEMM tile is computed independently and the top-k sum is taken per pair slot.
 No launch reads a count back to the host.
 """
 
@@ -25,7 +25,13 @@ from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
 from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
-SMALL_PAIRS = 512
+# one program aligns a step of up to this many pairs x padded local experts (its one-hot
+# tiles are that big); past it the three launches are faster. Graph replays, H200, session
+# 16, one program against three launches, us: 128 experts 3.6 / 7.3 at 16 pairs, 5.1 / 7.4 at
+# 32, 8.2 / 7.4 at 64; 64 experts 5.6 / 7.5 at 48, 9.2 / 7.7 at 96; 32 experts 3.2 / 5.9 at
+# 128, 13.5 / 7.6 at 512; 8 experts 4.1 / 5.8 at 128. (Before, one program took every step of
+# up to 512 pairs in tiles of 8192: 40.1 us at 512 pairs of 128 experts.)
+SMALL_WORK = 4096
 _COUNT_CHUNK = ALIGN_CHUNK
 _PLACE_PROGRAMS = 64  # the block map of a large step in parallel chunks
 
@@ -132,6 +138,15 @@ def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, chu
     tl.store(sorted_ptr + slot, offs, mask=own)
 
 
+def _e_pad(num_local: int) -> int:
+    return max(16, triton.next_power_of_2(num_local))
+
+
+def one_program(num_pairs: int, num_local: int) -> bool:
+    """Whether align_triton aligns these pairs in one program (else in three launches)."""
+    return num_pairs * _e_pad(num_local) <= SMALL_WORK
+
+
 def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
                  block_m: int, ws: Optional[Workspace] = None) -> AlignedBlocks:
     """The block map of the pairs (align_torch.py's contract), in `ws` when given."""
@@ -148,15 +163,16 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
     out = AlignedBlocks(sorted_pairs, block_expert, block_rows, block_m)
     if pairs == 0:
         return out
-    e_pad = max(16, triton.next_power_of_2(num_local))
-    chunk = max(16, min(128, 8192 // e_pad))  # the one-hot tiles stay at <= 8192 elements
+    e_pad = _e_pad(num_local)
     pdl = pdl_args(dev)
-    if pairs <= SMALL_PAIRS:
+    if one_program(pairs, num_local):
+        chunk = max(16, triton.next_power_of_2(pairs))  # one-hot tiles of <= SMALL_WORK
         _align_one_program[(1,)](ids, pairs, first_expert, num_local, sorted_pairs,
                                  block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
                                  CHUNK=chunk, num_warps=4, **pdl)
         return out
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
+    chunk = max(16, min(128, 8192 // e_pad))  # the place tiles stay at <= 8192 elements
     scratch = take(ws and ws.align, align_scratch_len(pairs, num_local), "align", **i32)
     counts, cursor = scratch[:e_pad].zero_(), scratch[e_pad:2 * e_pad]
     chunk_start = scratch[2 * e_pad:].view(grid[0], e_pad)
