@@ -49,11 +49,13 @@ def timeline(model: str, batch: int, ctx: int, more: list[int]) -> dict[str, Any
     kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0)
     # 6 steps, each the same graph replay, and a few one-off kernels: the last step is the
-    # latest run of len // 6 kernels whose names repeat the run just before it
+    # latest run of about len // 6 kernels whose names repeat the run just before it
     names = [k[2] for k in kernels]
-    per = len(kernels) // 6
-    end = next(e for e in range(len(names), 2 * per - 1, -1)
-               if names[e - per:e] == names[e - 2 * per:e - per])
+    guess = len(kernels) // 6
+    end, per = next((e, p) for e in range(len(names), 0, -1)
+                    for p in sorted(range(max(1, guess - 64), guess + 1),
+                                    key=lambda p: -p) if e >= 2 * p
+                    and names[e - p:e] == names[e - 2 * p:e - p])
     last = kernels[end - per:end]
     by_name: dict[str, dict[str, float]] = {}
     prev_end = last[0][0]
