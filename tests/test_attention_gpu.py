@@ -57,6 +57,21 @@ def test_triton_attention_matches_torch(dtype, page_size, n, kh, d, window):
     assert max(errors) < TOL[dtype], errors
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_split_decode_writes_the_output_itself(monkeypatch, dtype):
+    """Batches that fill the GPU without splitting their keys: the decode kernel writes the
+    attention's output and no combine runs (also replayed in a CUDA graph)."""
+    import moeserve.layers.attention_kernels as K
+    import moeserve.layers.attention_tiles as TL
+
+    monkeypatch.setattr(TL, "MAX_SPLITS", 1)
+    monkeypatch.setattr(K, "decode_combine_kernel", None)  # a launch of it would fail
+    errors = run_case("cuda", dtype, 16, 32, 4, 128, None, [70, 4, 203, 129, 9],
+                      [33, 0, 140, 64, 1])
+    assert max(errors) < TOL[dtype], errors
+    test_triton_decode_replays_in_a_cuda_graph()
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     """The first extend (no request has a cached prefix) goes through SDPA: with the

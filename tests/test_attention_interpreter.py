@@ -17,7 +17,12 @@ from test_attention_gpu import run_case
 cases = [(torch.float32, 16, 8, 2, 64, None, [20, 37], [10, 20]),
          # prefixes past a key block: the unmasked key blocks before the diagonal
          (torch.float32, 16, 8, 2, 64, None, [150, 9], [80, 1]),
-         (torch.float32, 1, 4, 4, 32, 7, [9, 30], [4, 12])]
+         (torch.float32, 1, 4, 4, 32, 7, [9, 30], [4, 12]),
+         # 5 requests x 2 KV heads fill the interpreter's 8 "SMs": one split, the decode
+         # kernel writes the output itself (no combine)
+         (torch.float32, 1, 8, 2, 32, None, [20, 37, 9, 15, 30], [10, 20, 4, 1, 25])]
+from moeserve.layers.attention_tiles import decode_num_splits
+assert decode_num_splits(5, 2, 8, True) == 1 and decode_num_splits(2, 2, 8, True) > 1
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)

@@ -108,12 +108,16 @@ def store_partial(PartO, PartLse, b, split, heads, h_mask, offs_d, d_mask, m_i, 
 
 @triton.jit
 def decode_partial_kernel(
-        Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse,
+        Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt, stride_xh,
         scale_log2, window, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr):
+    """DIRECT (one split, num_splits == 1): the program's normalised output is the
+    attention's, written to Out in its dtype (what the combine would make of one split) and
+    no partial is stored."""
     pdl_gate(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,8 +147,14 @@ def decode_partial_kernel(
                                      n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
                                      scale_log2, IEEE)
 
-    store_partial(PartO, PartLse, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
-                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
+                 + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        store_partial(PartO, PartLse, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+                      end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
 
 
 @triton.jit

@@ -73,10 +73,21 @@ def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
     return next(t for bound, t in EXTEND_TILES if max_extend <= bound)
 
 
-def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
-    """Splits of each request's keys: enough programs to fill the GPU twice over, from the
-    batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device)."""
-    want = -(-2 * num_sms // max(1, batch_size * kv_heads))
+SPLIT_FILL = 2  # decode programs per SM that the splits aim at
+
+
+def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int,
+                      whole_when_full: bool = False) -> int:
+    """Splits of each request's keys: enough programs to fill the GPU SPLIT_FILL times over,
+    from the batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device).
+    whole_when_full (GQA's decode kernel, which writes the output itself from one split, with
+    no combine): one split once a program per (request, KV head) fills every SM. H200,
+    session 16, Qwen3-30B-A3B decode graphs at context 512 (RESULTS.md): batch 64 17.48 ->
+    17.10 ms (one split, not two), 128 19.47 -> 18.76, 256 22.71 -> 21.36 (no combine); at
+    batch 32 two splits rather than three cost 0.4%."""
+    if whole_when_full and batch_size * kv_heads >= num_sms:
+        return 1
+    want = -(-SPLIT_FILL * num_sms // max(1, batch_size * kv_heads))
     return max(1, min(MAX_SPLITS, want))
 
 

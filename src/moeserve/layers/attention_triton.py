@@ -67,7 +67,7 @@ class _StepMeta:
         dev = q.device
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
-            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms)
+            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms, True)
             self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32, device=dev)
             self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32, device=dev)
         else:
@@ -139,14 +139,18 @@ class TritonAttentionBackend(AttentionBackend):
             po, pl = meta.part_o, meta.part_lse
             block_n, warps, stages = T.decode_tiles(bs)
             pdl = pdl_args(q_TND.device)
+            direct = meta.splits == 1  # no partials: the kernel writes the output itself
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
-                q_TND.stride(0), q_TND.stride(1), k_cache.stride(0), k_cache.stride(1),
-                v_cache.stride(0), v_cache.stride(1), table.stride(0),
+                out_TND, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),
+                k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-                scale, window, meta.splits,
+                out_TND.stride(0), out_TND.stride(1), scale, window, meta.splits,
                 GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages, **pdl)
+                BLOCK_N=block_n, IEEE=ieee, DIRECT=direct, num_warps=warps,
+                num_stages=stages, **pdl)
+            if direct:
+                return out_TND
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
