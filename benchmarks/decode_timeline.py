@@ -53,9 +53,8 @@ def timeline(model: str, batch: int, ctx: int, more: list[int]) -> dict[str, Any
     names = [k[2] for k in kernels]
     guess = len(kernels) // 6
     end, per = next((e, p) for e in range(len(names), 0, -1)
-                    for p in sorted(range(max(1, guess - 64), guess + 1),
-                                    key=lambda p: -p) if e >= 2 * p
-                    and names[e - p:e] == names[e - 2 * p:e - p])
+                    for p in range(guess, max(0, guess - 65), -1)
+                    if e >= 2 * p and names[e - p:e] == names[e - 2 * p:e - p])
     last = kernels[end - per:end]
     by_name: dict[str, dict[str, float]] = {}
     prev_end = last[0][0]

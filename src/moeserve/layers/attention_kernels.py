@@ -13,8 +13,9 @@ decode   one query token per request. Flash-decoding: program (b, kv head, split
          a partial output with its log-sum-exp; a second kernel combines the S partials
          (program (b, head, block of BLOCK_D dims): latent attention's 512-dim rows take
          several). With one split (DIRECT: batches that fill the GPU) the first kernel writes
-         the output itself and no combine runs. The grid depends only on (B, K, S): lengths are read from device tensors
-         inside the kernel, so a CUDA graph captured for a bucket of B serves any lengths.
+         the output itself and no combine runs. The grid depends only on (B, K, S): lengths
+         are read from device tensors inside the kernel, so a CUDA graph captured for a
+         bucket of B serves any lengths.
 extend   new tokens after a cached prefix. Program (b, head, block of BLOCK_M new tokens) runs
          an online softmax over positions [window start, last query of the block], causal.
          Without a window (SPLIT), the key blocks wholly before the block's first query take
