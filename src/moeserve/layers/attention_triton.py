@@ -68,8 +68,13 @@ class _StepMeta:
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
             self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms, True)
-            self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32, device=dev)
-            self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32, device=dev)
+            # partials only where a combine reads them (one split: the output directly)
+            self.part_o = self.part_lse = None
+            if self.splits > 1:
+                self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32,
+                                          device=dev)
+                self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32,
+                                            device=dev)
         else:
             lens = fb.extend_seq_lens_cpu
             starts = query_starts(lens)
@@ -136,10 +141,11 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.mode is ForwardMode.DECODE:
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
-            po, pl = meta.part_o, meta.part_lse
+            direct = meta.splits == 1  # no partials: the kernel writes the output itself
+            po, pl = ((out_TND[:, :, None], out_TND[:, :, 0]) if direct  # untouched stand-ins
+                      else (meta.part_o, meta.part_lse))
             block_n, warps, stages = T.decode_tiles(bs)
             pdl = pdl_args(q_TND.device)
-            direct = meta.splits == 1  # no partials: the kernel writes the output itself
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
                 out_TND, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),
