@@ -49,11 +49,12 @@ def timeline(model: str, batch: int, ctx: int, more: list[int]) -> dict[str, Any
     kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0)
     # 6 steps, each the same graph replay, and a few one-off kernels: the last step is the
-    # latest run of about len // 6 kernels whose names repeat the run just before it
+    # latest run of about len // 6 kernels whose names repeat the run just before it (searched
+    # from 1.3x that down to half: below a second step, above a layer's run of kernels)
     names = [k[2] for k in kernels]
     guess = len(kernels) // 6
     end, per = next((e, p) for e in range(len(names), 0, -1)
-                    for p in range(guess, max(0, guess - 65), -1)
+                    for p in range(guess * 13 // 10, max(0, guess // 2), -1)
                     if e >= 2 * p and names[e - p:e] == names[e - 2 * p:e - p])
     last = kernels[end - per:end]
     by_name: dict[str, dict[str, float]] = {}

@@ -22,7 +22,7 @@ cases = [(torch.float32, 16, 8, 2, 64, None, [20, 37], [10, 20]),
          # kernel writes the output itself (no combine)
          (torch.float32, 1, 8, 2, 32, None, [20, 37, 9, 15, 30], [10, 20, 4, 1, 25])]
 from moeserve.layers.attention_tiles import decode_num_splits
-assert decode_num_splits(5, 2, 8, True) == 1 and decode_num_splits(2, 2, 8, True) > 1
+assert decode_num_splits(5, 2, 8, 1.0) == 1 and decode_num_splits(2, 2, 8, 1.0) > 1
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)

@@ -44,13 +44,15 @@ def test_mla_extend_rows_are_a_dot_of_16_or_more():
         assert block_h >= min(heads, 16)
 
 
-@given(st.integers(1, 4096), st.integers(1, 16), st.integers(1, 264), st.booleans())
+@given(st.integers(1, 4096), st.integers(1, 16), st.integers(1, 264),
+       st.sampled_from([None, TL.GQA_WHOLE_FROM, TL.MLA_WHOLE_FROM]))
 def test_decode_splits_stay_in_range_and_fall_as_the_batch_grows(batch, kv_heads, sms, whole):
     splits = TL.decode_num_splits(batch, kv_heads, sms, whole)
     assert 1 <= splits <= TL.MAX_SPLITS
     assert TL.decode_num_splits(batch + 1, kv_heads, sms, whole) <= splits
-    # GQA's kernel takes one split (and no combine) once the batch alone fills every SM
-    assert (splits == 1) >= (whole and batch * kv_heads >= sms)
+    # the kernels that write their output themselves take one split (and no combine) once
+    # the batch's programs reach that share of the SMs
+    assert (splits == 1) >= (whole is not None and batch * kv_heads >= whole * sms)
     assert splits <= TL.decode_num_splits(batch, kv_heads, sms)
 
 

@@ -234,6 +234,20 @@ def test_triton_mla_decode_replays_in_a_cuda_graph(bucket, lens):
     assert rel_err(out[:len(lens)], want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_split_mla_decode_writes_the_output_itself(monkeypatch, dtype):
+    """Batches that fill the GPU without splitting their keys: the latent decode kernel writes
+    the attention's output and no combine runs (also replayed in a CUDA graph)."""
+    import moeserve.layers.attention_kernels as AK
+    import moeserve.layers.attention_tiles as TL
+
+    monkeypatch.setattr(TL, "MAX_SPLITS", 1)
+    monkeypatch.setattr(AK, "decode_combine_kernel", None)  # a launch of it would fail
+    errors = run_case("cuda", dtype, 16, LITE, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+    assert max(errors) < TOL[dtype], errors
+    test_triton_mla_decode_replays_in_a_cuda_graph(8, [700, 33, 1000, 5, 256])
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepseek_engine_with_graphs_gives_the_torch_backend_tokens(monkeypatch, tmp_path, case):
     """A small DeepSeek (V2-Lite's latent dims, 2 layers, dummy fp32 weights; a V2 and a V3)

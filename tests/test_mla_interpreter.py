@@ -1,7 +1,8 @@
 """The "triton" latent attention kernels (layers/mla_kernels.py) on the CPU under Triton's
 interpreter, against the torch MLA backend, in fp32: the cases of tests/test_mla_gpu.py
 (prompts, a chunk after a prefix, decode steps; paged and not; heads below and past one
-program's 16, rope dims below a tl.dot's 16); the backend sending its long requests through
+program's 16, rope dims below a tl.dot's 16; a decode batch of one split, which writes its
+output without the combine); the backend sending its long requests through
 SDPA (allowed on the CPU for the test) and the others through the kernel in the same step;
 the prep kernel (latent norm, rope, cache store) against MLAttention's torch
 formulation; and the GEMVs of kv_b_proj's two halves against torch.bmm."""
@@ -19,7 +20,14 @@ import torch
 from test_mla_gpu import run_case
 cases = [(torch.float32, 16, (4, 16, 8, 8, 8), [20, 37], [10, 20]),
          # prefixes past a key block: the unmasked key blocks before the diagonal; 20 heads
-         (torch.float32, 1, (20, 32, 4, 8, 12), [90, 9], [70, 1])]
+         (torch.float32, 1, (20, 32, 4, 8, 12), [90, 9], [70, 1]),
+         # 9 requests of one head block fill the interpreter's 8 "SMs": one split, the
+         # decode kernel writes the output itself (DIRECT), no combine
+         (torch.float32, 16, (4, 16, 8, 8, 8), [9, 6, 12, 5, 7, 4, 10, 6, 8],
+          [5, 2, 8, 1, 3, 0, 6, 4, 2])]
+from moeserve.layers.attention_tiles import MLA_WHOLE_FROM, decode_num_splits
+assert decode_num_splits(9, 1, 8, MLA_WHOLE_FROM) == 1
+assert decode_num_splits(2, 1, 8, MLA_WHOLE_FROM) > 1
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)

@@ -8,6 +8,8 @@ the tables and the step timings are in benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+from typing import Optional
+
 MAX_SPLITS = 64  # splits of a decode request's keys at most
 # (largest batch, (BLOCK_N, num_warps, num_stages)) of the decode partial kernel: the first
 # entry whose bound holds the batch wins (a decode graph is captured per batch bucket, so
@@ -76,16 +78,25 @@ def extend_tiles(max_extend: int) -> tuple[int, int, int, int]:
 SPLIT_FILL = 2  # decode programs per SM that the splits aim at
 
 
+# One split (no combine: the decode kernel writes the output itself) once the batch's
+# programs, one per (request, KV head or head block), reach this share of the SMs. H200,
+# decode graphs at context 512, session 16 and 17 (RESULTS.md):
+# - GQA (Qwen3-30B-A3B, 4 KV heads): batch 64 17.48 -> 17.10 ms (one split, not two), 128
+#   19.47 -> 18.76, 256 22.71 -> 21.36; batch 32 (128 programs) 15.24 -> 15.15 ms; batch 24
+#   (96 programs) level, 14.01 -> 14.06.
+# - latent attention (DeepSeek-V2-Lite, one head block): batch 96 10.71 -> 10.55 ms, 128
+#   11.18 -> 10.78, 160 12.20 -> 11.60, 256 13.62 -> 11.79; batch 64 9.97 -> 10.26 (worse).
+GQA_WHOLE_FROM = 0.9
+MLA_WHOLE_FROM = 0.7
+
+
 def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int,
-                      whole_when_full: bool = False) -> int:
+                      whole_from: Optional[float] = None) -> int:
     """Splits of each request's keys: enough programs to fill the GPU SPLIT_FILL times over,
     from the batch size alone (a CUDA graph fixes it per bucket; lengths stay on the device).
-    whole_when_full (GQA's decode kernel, which writes the output itself from one split, with
-    no combine): one split once a program per (request, KV head) fills every SM. H200,
-    session 16, Qwen3-30B-A3B decode graphs at context 512 (RESULTS.md): batch 64 17.48 ->
-    17.10 ms (one split, not two), 128 19.47 -> 18.76, 256 22.71 -> 21.36 (no combine); at
-    batch 32 two splits rather than three cost 0.4%."""
-    if whole_when_full and batch_size * kv_heads >= num_sms:
+    With whole_from (kernels that write the output themselves from one split): one split
+    once batch_size x kv_heads programs reach whole_from x num_sms."""
+    if whole_from is not None and batch_size * kv_heads >= whole_from * num_sms:
         return 1
     want = -(-SPLIT_FILL * num_sms // max(1, batch_size * kv_heads))
     return max(1, min(MAX_SPLITS, want))

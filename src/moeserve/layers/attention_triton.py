@@ -67,7 +67,7 @@ class _StepMeta:
         dev = q.device
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
-            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms, True)
+            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms, T.GQA_WHOLE_FROM)
             # partials only where a combine reads them (one split: the output directly)
             self.part_o = self.part_lse = None
             if self.splits > 1:

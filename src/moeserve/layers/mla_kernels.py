@@ -73,13 +73,16 @@ def _load_queries(QL, QR, tok, heads, rows_mask, offs_c, c_mask, offs_r, r_mask,
 
 @triton.jit
 def mla_decode_kernel(
-        QL, QR, Cache, ReqToToken, ReqRows, SeqLens, PartO, PartLse,
+        QL, QR, Cache, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_lt, stride_lh, stride_pt, stride_ph, stride_cs, stride_rt,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh2,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh2, stride_xt, stride_xh,
         scale_log2, num_heads, num_splits,
         KV_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
+        IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+    """DIRECT (one split, num_splits == 1): the program's normalised latent output is the
+    attention's, written to Out in its dtype (what the combine would make of one split) and
+    no partial is stored."""
     pdl_gate(PDL)
     b = tl.program_id(0)
     hblk = tl.program_id(1)
@@ -110,8 +113,14 @@ def mla_decode_kernel(
                                        offs_r, r_mask, m_i, l_i, acc, scale_log2,
                                        KV_RANK, IEEE, True)
 
-    store_partial(PartO, PartLse, b, split, heads, h_mask, offs_c, c_mask, m_i, l_i, acc,
-                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh2)
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
+                 + offs_c[None, :], out.to(Out.dtype.element_ty),
+                 mask=h_mask[:, None] & c_mask[None, :])
+    else:
+        store_partial(PartO, PartLse, b, split, heads, h_mask, offs_c, c_mask, m_i, l_i, acc,
+                      end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh2)
 
 
 @triton.jit

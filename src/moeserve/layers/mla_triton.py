@@ -55,7 +55,8 @@ class _StepMeta:
     def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int, num_sms: int):
         self.fb = fb
         if fb.mode is ForwardMode.DECODE:
-            self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms)
+            self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms,
+                                              T.MLA_WHOLE_FROM)
             return
         lens = fb.extend_seq_lens_cpu
         starts = query_starts(lens)
@@ -161,19 +162,25 @@ class TritonMLABackend(AttentionBackend):
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             splits = meta.splits
-            po = torch.empty(bs, n, splits, c, dtype=torch.float32, device=q_TNQ.device)
-            pl = torch.empty(bs, n, splits, dtype=torch.float32, device=q_TNQ.device)
+            direct = splits == 1  # no partials: the kernel writes the output itself
+            if direct:  # stand-ins the kernel never touches
+                po, pl = o_lat_NTC.transpose(0, 1)[:, :, None], o_lat_NTC[0]
+            else:
+                po = torch.empty(bs, n, splits, c, dtype=torch.float32, device=q_TNQ.device)
+                pl = torch.empty(bs, n, splits, dtype=torch.float32, device=q_TNQ.device)
             pdl = pdl_args(q_TNQ.device)
             K.mla_decode_kernel[(bs, head_blocks, splits)](
                 q_lat_NTC, q_pe_TNR, cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
-                *q_strides, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                pl.stride(1), scale, n, splits, **common, **pdl)
-            block_d = min(_pow2(c), T.MLA_COMBINE_BLOCK_D)
-            AK.decode_combine_kernel[(bs, n, -(-c // block_d))](
-                po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
-                HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
-                **pdl)
+                o_lat_NTC, *q_strides, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, splits,
+                DIRECT=direct, **common, **pdl)
+            if not direct:
+                block_d = min(_pow2(c), T.MLA_COMBINE_BLOCK_D)
+                AK.decode_combine_kernel[(bs, n, -(-c // block_d))](
+                    po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                    pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
+                    HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
+                    **pdl)
         elif max_extend:
             grid = (fb.req_pool_indices.shape[0], head_blocks, -(-max_extend // block_t))
             K.mla_extend_kernel[grid](
