@@ -109,6 +109,23 @@ def store_partial(PartO, PartLse, b, split, heads, h_mask, offs_d, d_mask, m_i, 
 
 
 @triton.jit
+def store_decode(PartO, PartLse, Out, b, split, heads, h_mask, offs_d, d_mask, m_i, l_i, acc,
+                 has_keys, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt,
+                 stride_xh, DIRECT: tl.constexpr):
+    """A decode program's result. DIRECT (one split): the normalised output is the
+    attention's, written to Out in its dtype (what the combine would make of one split);
+    else the split's partial (store_partial)."""
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
+                 + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        store_partial(PartO, PartLse, b, split, heads, h_mask, offs_d, d_mask, m_i, l_i, acc,
+                      has_keys, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+
+
+@triton.jit
 def decode_partial_kernel(
         Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -149,14 +166,9 @@ def decode_partial_kernel(
                                      n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
                                      scale_log2, IEEE)
 
-    if DIRECT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + b.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
-                 + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        store_partial(PartO, PartLse, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
-                      end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+    store_decode(PartO, PartLse, Out, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+                 end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt,
+                 stride_xh, DIRECT)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moeserve.layers.attention_kernels import (NEG_INIT, _dot, extend_request, online_softmax,
-                                               split_range, store_partial)
+                                               split_range, store_decode)
 from moeserve.layers.pdl import pdl_gate
 
 
@@ -113,14 +113,9 @@ def mla_decode_kernel(
                                        offs_r, r_mask, m_i, l_i, acc, scale_log2,
                                        KV_RANK, IEEE, True)
 
-    if DIRECT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + b.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
-                 + offs_c[None, :], out.to(Out.dtype.element_ty),
-                 mask=h_mask[:, None] & c_mask[None, :])
-    else:
-        store_partial(PartO, PartLse, b, split, heads, h_mask, offs_c, c_mask, m_i, l_i, acc,
-                      end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh2)
+    store_decode(PartO, PartLse, Out, b, split, heads, h_mask, offs_c, c_mask, m_i, l_i, acc,
+                 end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh2, stride_xt,
+                 stride_xh, DIRECT)
 
 
 @triton.jit
