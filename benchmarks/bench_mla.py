@@ -83,7 +83,7 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
     from moeserve.layers import attention_tiles as TL
 
     w_bytes = N * (P + V) * C * 2
-    shipped_tiles = TL.MLA_DECODE_TILES
+    shipped_tiles, shipped_whole = TL.MLA_DECODE_TILES, TL.MLA_WHOLE_DECODE_TILES
     for ctx in args.ctx_list:
         for b in args.batches:
             layer, fast, ref, fb, q = _setup(b, [(ctx, 1)] * b, ForwardMode.DECODE)
@@ -93,9 +93,12 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
                 "batch": b, "ctx": ctx, "bytes": nbytes,
                 "floor_us": nbytes / out["copy_GBps"] / 1e3,
                 "torch_us": time_us(lambda: ref.forward(q, layer, fb), reps=5, warmup=1)}
-            # the shipped tiles ("triton"), then each --decode-tiles (BLOCK_N, warps, stages)
-            for i, tiles in enumerate([shipped_tiles[2:]] + args.decode_tiles):
-                TL.MLA_DECODE_TILES = shipped_tiles[:2] + tuple(tiles)
+            # the shipped tiles ("triton": split batches' and one-split batches' own), then
+            # each --decode-tiles (BLOCK_N, warps, stages) for both
+            for i, tiles in enumerate([None] + args.decode_tiles):
+                if tiles is not None:
+                    TL.MLA_DECODE_TILES = shipped_tiles[:2] + tuple(tiles)
+                    TL.MLA_WHOLE_DECODE_TILES = tuple(tiles)
                 key = "triton" if i == 0 else "tiles_" + "_".join(map(str, tiles))
                 calls = 20
                 try:
@@ -108,7 +111,7 @@ def part_attention(args: argparse.Namespace) -> dict[str, Any]:
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 row.update({f"{key}_us": us, f"{key}_GBps": nbytes / us / 1e3,
                             f"{key}_rel_err": err})
-            TL.MLA_DECODE_TILES = shipped_tiles
+            TL.MLA_DECODE_TILES, TL.MLA_WHOLE_DECODE_TILES = shipped_tiles, shipped_whole
             out["decode"].append(row)
             print(json.dumps(row), flush=True)
             del layer, fast, ref, fb, q

@@ -113,6 +113,12 @@ def decode_tiles(batch_size: int) -> tuple[int, int, int]:
 # batch 1 / 8 / 64 x context 512 / 4096 / 16384): best at 6 of the 9; (64, 4, 2) gains up to
 # 10% at batch <= 8 with 16384 cached tokens and loses 10-15% at 512.
 MLA_DECODE_TILES = (16, 1, 32, 4, 2)
+# (BLOCK_N, num_warps, num_stages) of a latent decode in one split (MLA_WHOLE_FROM): fewer
+# programs, each reading a whole request. H200, session 17, one layer's attention
+# (bench_mla.py --decode-tiles, µs), (32, 4, 2) -> (64, 4, 2): batch 128 / 256 at context 512
+# 59.8 -> 49.4 / 71.0 -> 64.3, at 2048 187.0 -> 139.0 / 224.0 -> 181.6; batch 64 (5 splits)
+# 46.0 -> 47.0 and 84.5 -> 89.7, so split batches keep MLA_DECODE_TILES.
+MLA_WHOLE_DECODE_TILES = (64, 4, 2)
 MLA_EXTEND_ROWS = 32  # rows of an extend program: up to 16 heads, the rest tokens
 MLA_EXTEND_TILES = (32, 4, 2)  # (BLOCK_N, num_warps, num_stages) of the extend kernel
 MLA_COMBINE_BLOCK_D = 128  # latent dims per program of the split combine

@@ -112,6 +112,8 @@ class TritonMLABackend(AttentionBackend):
         decode = fb.mode is ForwardMode.DECODE
         tiles = T.MLA_DECODE_TILES if decode else T.mla_extend_tiles(n)
         meta = self._step_meta(fb, q_TNQ.device, -(-n // tiles[0]))
+        if decode and meta.splits == 1:
+            tiles = tiles[:2] + T.MLA_WHOLE_DECODE_TILES
         sdpa = (not decode and meta.sdpa
                 and _sdpa_takes(q_TNQ.device, q_TNQ.dtype, _sdpa_dim(layer)))
         if not sdpa:
