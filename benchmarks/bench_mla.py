@@ -8,9 +8,10 @@ Parts, each in its own process:
   attention  one layer's attention (backend.forward: the absorbing GEMMs, the kernels, the
              output GEMM), random latent cache:
              decode at batch x context: triton as CUDA-graph replays (20 calls per graph),
-             with the shipped tiles and each --decode-tiles, torch eagerly; GB/s on the bytes a step must read (the requests' cached rows,
-             (C + R) x 2 bytes each, plus kv_b_proj's weight), beside the copy bandwidth
-             measured in the same run;
+             with the shipped tiles (split batches' and one-split batches' own) and with
+             each --decode-tiles for both, torch eagerly; GB/s on the bytes a step must
+             read (the requests' cached rows, (C + R) x 2 bytes each, plus kv_b_proj's
+             weight), beside the copy bandwidth measured in the same run;
              extend (prompts, and a chunk after a cached prefix): µs of the absorbed
              kernel (TFLOP/s on its FLOPs: per visible (query, key) pair and head 2 (2C + R))
              and of the expanded form through SDPA (on 2 x 2 (P + R): q/k/v padded to
