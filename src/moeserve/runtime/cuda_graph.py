@@ -226,8 +226,8 @@ class DecodeGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.bufs.unpack(bs)
-                logits = self.model(fb.input_ids, fb.positions, fb, step)
-                self.bufs.logits[:bs].copy_(logits)
+                self.model(fb.input_ids, fb.positions, fb, step,
+                           logits_out=self.bufs.logits[:bs])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
