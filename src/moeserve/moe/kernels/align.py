@@ -1,15 +1,18 @@
 """moe_align in Triton (same output as align_torch.py; see its docstring for the format).
 
-Small steps (P x padded experts <= SMALL_WORK: a few pairs over few experts) run in one
-program, one launch: count pairs per expert, place the blocks, then scatter each pair to its
-slot (its rank among the same expert's pairs, from a one-hot prefix sum). Others use three
-launches over chunks of pairs: count (each chunk's histogram atomically added to the counts;
-the value before the add is where the chunk's pairs start in each expert's segment), place
-the blocks (up to 64 programs, each over its chunks of the block map), scatter (a pair's
-rank within its chunk from an atomic counter of the chunk's own; a counter per expert
-serialised every pair of an expert on one address: 15.4 us at 65536 pairs on the H200). The
-order inside an expert's segment is then arbitrary, which changes no result: every row of a
-GEMM tile is computed independently and the top-k sum is taken per pair slot.
+Two ways, by the size of the step (P pairs):
+- up to ONE_PROGRAM_PAIRS pairs, one program: count the pairs per expert (histograms), write
+  the block map expert-major (round j writes every expert's j-th block), store each expert's
+  first row as its cursor, then each pair takes its slot by an atomic add on its expert's
+  cursor. One launch, no memset, no [pairs or blocks, experts] tiles.
+- larger steps, three launches over chunks of pairs: count (each chunk's histogram
+  atomically added to the counts; the value before the add is where the chunk's pairs start
+  in each expert's segment), place the blocks (up to 64 programs, each over its chunks of the
+  block map), scatter (a pair's rank within its chunk from an atomic counter of the chunk's
+  own; a counter per expert serialised every pair of an expert on one address: 15.4 us at
+  65536 pairs on the H200).
+With atomics the order inside an expert's segment is arbitrary, which changes no result:
+every row of a GEMM tile is computed independently and the top-k sum is taken per pair slot.
 No launch reads a count back to the host.
 """
 
@@ -25,13 +28,15 @@ from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
 from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
-# one program aligns a step of up to this many pairs x padded local experts (its one-hot
-# tiles are that big); past it the three launches are faster. Graph replays, H200, session
-# 16, one program against three launches, us: 128 experts 3.6 / 7.3 at 16 pairs, 5.1 / 7.4 at
-# 32, 8.2 / 7.4 at 64; 64 experts 5.6 / 7.5 at 48, 9.2 / 7.7 at 96; 32 experts 3.2 / 5.9 at
-# 128, 13.5 / 7.6 at 512; 8 experts 4.1 / 5.8 at 128. (Before, one program took every step of
-# up to 512 pairs in tiles of 8192: 40.1 us at 512 pairs of 128 experts.)
-SMALL_WORK = 4096
+# one program aligns a step of up to this many pairs; past it the three launches are faster.
+# Graph replays of 10 aligns, H200, session 18 (probe), us, one program / three launches:
+# 128 experts (top-8) at 8 / 64 / 512 / 2048 / 4096 / 8192 pairs 1.9 / 2.3 / 2.8 / 6.1 / 10.7 /
+# 20.3 against 7.3 / 7.6 / 9.0 / 11.8 / 12.6 / 12.4; 64 experts (top-6) at 3072 7.7 / 12.1,
+# 6144 14.2 / 12.1; 32 experts at 4096 8.7 / 9.7; 8 experts at 4096 7.3 / 9.7. (The
+# one-program align before, a one-hot prefix sum over [chunk, experts] tiles and a search of
+# [blocks, experts] tiles for the block map, took 3.6 us at 8 pairs of 128 experts and 13.7
+# at 128, where the three launches took over.)
+ONE_PROGRAM_PAIRS = 4096
 _COUNT_CHUNK = ALIGN_CHUNK
 _PLACE_PROGRAMS = 64  # the block map of a large step in parallel chunks
 
@@ -66,15 +71,38 @@ def _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr, nu
     return blk_start * BLOCK_M
 
 
+@triton.jit
+def _place_by_expert(counts, e_idx, block_expert_ptr, block_rows_ptr, num_blocks,
+                     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole block map from per-expert counts [E_PAD], expert-major: round j writes every
+    expert's j-th block (as many rounds as the most blocks of one expert), then the unused
+    blocks; return each expert's first row. One program, no [blocks, experts] search."""
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)
+    blk_start = blk_end - nblk
+    for j in range(0, tl.max(nblk, 0)):
+        has = j < nblk
+        tl.store(block_expert_ptr + blk_start + j, e_idx, mask=has)
+        tl.store(block_rows_ptr + blk_start + j, tl.minimum(counts - j * BLOCK_M, BLOCK_M),
+                 mask=has)
+    for b0 in range(tl.sum(nblk, 0), num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < num_blocks)
+        tl.store(block_rows_ptr + b, tl.zeros([CHUNK], tl.int32), mask=b < num_blocks)
+    return blk_start * BLOCK_M
+
+
 # runtime ints that change with the step are not specialised (no recompile per value)
 _STEP_ARGS = ["num_pairs", "first_expert", "num_local", "num_blocks"]
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS)
-def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
-                       block_expert_ptr, block_rows_ptr, num_blocks,
-                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                       PDL: tl.constexpr):
+def _align_by_cursors(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, sorted_ptr,
+                      block_expert_ptr, block_rows_ptr, num_blocks, BLOCK_M: tl.constexpr,
+                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, PLACE_CHUNK: tl.constexpr,
+                      PDL: tl.constexpr):
+    """One program: counts, the block map, then each pair's slot from an atomic add on its
+    expert's cursor (cursor_ptr: E_PAD int32 words of scratch, set here)."""
     pdl_gate(PDL)
     e_idx = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -82,16 +110,15 @@ def _align_one_program(ids_ptr, num_pairs, first_expert, num_local, sorted_ptr,
         local, own = _local_of(ids_ptr, p0 + tl.arange(0, CHUNK), num_pairs, first_expert,
                                num_local)
         counts += tl.histogram(local, E_PAD, mask=own)
-    cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
-                           num_blocks, 0, CHUNK, BLOCK_M, CHUNK)
+    cursor = _place_by_expert(counts, e_idx, block_expert_ptr, block_rows_ptr, num_blocks,
+                              BLOCK_M, PLACE_CHUNK)
+    tl.store(cursor_ptr + e_idx, cursor)
+    tl.debug_barrier()  # every cursor stored before any thread adds to one
     for p0 in range(0, num_pairs, CHUNK):
         offs = p0 + tl.arange(0, CHUNK)
         local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
-        onehot = ((local[:, None] == e_idx[None, :]) & own[:, None]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, axis=1) - 1
-        base = tl.sum(onehot * cursor[None, :], axis=1)
-        tl.store(sorted_ptr + base + rank, offs, mask=own)
-        cursor += tl.sum(onehot, axis=0)
+        slot = tl.atomic_add(cursor_ptr + local, 1, mask=own, sem="relaxed")
+        tl.store(sorted_ptr + slot, offs, mask=own)
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS[:3])
@@ -142,9 +169,9 @@ def _e_pad(num_local: int) -> int:
     return max(16, triton.next_power_of_2(num_local))
 
 
-def one_program(num_pairs: int, num_local: int) -> bool:
+def one_program(num_pairs: int) -> bool:
     """Whether align_triton aligns these pairs in one program (else in three launches)."""
-    return num_pairs * _e_pad(num_local) <= SMALL_WORK
+    return num_pairs <= ONE_PROGRAM_PAIRS
 
 
 def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
@@ -165,15 +192,15 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
         return out
     e_pad = _e_pad(num_local)
     pdl = pdl_args(dev)
-    if one_program(pairs, num_local):
-        chunk = max(16, triton.next_power_of_2(pairs))  # one-hot tiles of <= SMALL_WORK
-        _align_one_program[(1,)](ids, pairs, first_expert, num_local, sorted_pairs,
-                                 block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
-                                 CHUNK=chunk, num_warps=4, **pdl)
+    scratch = take(ws and ws.align, align_scratch_len(pairs, num_local), "align", **i32)
+    if one_program(pairs):
+        _align_by_cursors[(1,)](ids, pairs, first_expert, num_local, scratch, sorted_pairs,
+                                block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
+                                CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(pairs))),
+                                PLACE_CHUNK=128, num_warps=4, **pdl)
         return out
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
     chunk = max(16, min(128, 8192 // e_pad))  # the place tiles stay at <= 8192 elements
-    scratch = take(ws and ws.align, align_scratch_len(pairs, num_local), "align", **i32)
     counts, cursor = scratch[:e_pad].zero_(), scratch[e_pad:2 * e_pad]
     chunk_start = scratch[2 * e_pad:].view(grid[0], e_pad)
     _count_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start, E_PAD=e_pad,

@@ -158,12 +158,14 @@ def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
     return min(num_pairs, -(-num_pairs // block_m) + num_local)
 
 
-ALIGN_CHUNK = 1024  # pairs a program of align's large path counts and scatters
+# pairs a program of align's large path counts and scatters; a round of its one program
+ALIGN_CHUNK = 1024
 
 
 def align_scratch_len(num_pairs: int, num_local: int) -> int:
-    """int32 words align.py's large path takes: counts and cursors per (padded) expert, and
-    each chunk of ALIGN_CHUNK pairs' start within every expert's segment."""
+    """int32 words align.py takes: counts and cursors per (padded) expert, and each chunk of
+    ALIGN_CHUNK pairs' start within every expert's segment (the one-program path uses the
+    first E_PAD words, its cursors)."""
     e_pad = max(16, 1 << max(num_local - 1, 0).bit_length())
     return (2 + -(-num_pairs // ALIGN_CHUNK)) * e_pad
 
