@@ -267,6 +267,10 @@ for n, k, e, first, num_local, bm in [(1, 8, 128, 0, 128, 16), (40, 4, 16, 8, 8,
         assert torch.equal(got.block_expert, want.block_expert)
         assert torch.equal(got.block_rows, want.block_rows)
 assert one_program(1 * 8) and one_program(300 * 8) and not one_program(3000 * 2)  # both ran
+for ids in (torch.full((5, 2), -1, dtype=torch.int32), torch.zeros(5, 2, dtype=torch.int32)):
+    got, want = align_triton(ids, 8, 8, 16), align_torch(ids, 8, 8, 16)  # no pair is owned
+    assert torch.equal(got.block_expert, want.block_expert) and (got.block_expert < 0).all()
+    assert torch.equal(got.block_rows, want.block_rows)
 for act, (ep, rank), n, h in [("silu", (1, 0), 5, 48), ("gelu", (2, 1), 70, 48),
                               ("gelu_pytorch_tanh", (1, 0), 3, 48), ("silu", (2, 0), 300, 128)]:
     spec = make_spec(e=8, k=2, h=h, i=40, act=act)
