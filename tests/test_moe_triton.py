@@ -259,7 +259,7 @@ from moeserve.moe.kernels.align_torch import align_torch
 
 for n, k, e, first, num_local, bm in [(1, 8, 128, 0, 128, 16), (40, 4, 16, 8, 8, 16),
                                       (700, 2, 8, 0, 8, 64), (300, 8, 64, 32, 32, 32),
-                                      (3000, 2, 8, 0, 8, 16)]:  # 3 programs place blocks
+                                      (3000, 2, 8, 0, 8, 16)]:  # 6 chunks of pairs
     for mode in ("uniform", "skewed", "padded"):
         ids, _ = routing(n, k, e, mode, seed=n)
         got, want = align_triton(ids, first, num_local, bm), align_torch(ids, first, num_local, bm)

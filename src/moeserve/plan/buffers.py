@@ -111,7 +111,7 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
         BufferRecord("moe.runner.act", (grouped, i_local), dtype, f"({gf}) x I/moe_tp", knobs),
         BufferRecord("moe.runner.down", (all_pairs, h), dtype, f"{af} x H", knobs),
         BufferRecord("moe.runner.align", (align_scratch_len(all_pairs, e_local),), "int32",
-                     f"(2 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
+                     f"(1 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
     ]
     if layout.dp_gather:
         # every rank sends its ceil(T/attn_tp) rows, padded to the largest: one collective

@@ -5,12 +5,12 @@ Two ways, by the size of the step (P pairs):
   the block map expert-major (round j writes every expert's j-th block), store each expert's
   first row as its cursor, then each pair takes its slot by an atomic add on its expert's
   cursor. One launch, no memset, no [pairs or blocks, experts] tiles.
-- larger steps, three launches over chunks of pairs: count (each chunk's histogram
-  atomically added to the counts; the value before the add is where the chunk's pairs start
-  in each expert's segment), place the blocks (up to 64 programs, each over its chunks of the
-  block map), scatter (a pair's rank within its chunk from an atomic counter of the chunk's
-  own; a counter per expert serialised every pair of an expert on one address: 15.4 us at
-  65536 pairs on the H200).
+- larger steps, two launches over chunks of pairs: count (each chunk's histogram atomically
+  added to the counts; the value before the add is where the chunk's pairs start in each
+  expert's segment), then scatter (each program adds the experts' first rows to its chunk's
+  starts, and its pairs take their slots by atomic adds on those cursors of the chunk's own:
+  a cursor per expert serialised every pair of an expert on one address, 15.4 us at 65536
+  pairs on the H200); the scatter's first program also writes the block map, as above.
 With atomics the order inside an expert's segment is arbitrary, which changes no result:
 every row of a GEMM tile is computed independently and the top-k sum is taken per pair slot.
 No launch reads a count back to the host.
@@ -28,17 +28,16 @@ from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.align_torch import AlignedBlocks, Workspace, take
 from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
-# one program aligns a step of up to this many pairs; past it the three launches are faster.
-# Graph replays of 10 aligns, H200, session 18 (probe), us, one program / three launches:
-# 128 experts (top-8) at 8 / 64 / 512 / 2048 / 4096 / 8192 pairs 1.9 / 2.3 / 2.8 / 6.1 / 10.7 /
-# 20.3 against 7.3 / 7.6 / 9.0 / 11.8 / 12.6 / 12.4; 64 experts (top-6) at 3072 7.7 / 12.1,
-# 6144 14.2 / 12.1; 32 experts at 4096 8.7 / 9.7; 8 experts at 4096 7.3 / 9.7. (The
-# one-program align before, a one-hot prefix sum over [chunk, experts] tiles and a search of
-# [blocks, experts] tiles for the block map, took 3.6 us at 8 pairs of 128 experts and 13.7
-# at 128, where the three launches took over.)
+# one program aligns a step of up to this many pairs; past it the two launches are faster.
+# Graph replays of 10 aligns, H200, session 18 (probe), us, one program / the three launches
+# of then (count, place the blocks, scatter): 128 experts (top-8) at 8 / 64 / 512 / 2048 /
+# 4096 / 8192 pairs 1.9 / 2.3 / 2.8 / 6.1 / 10.7 / 20.3 against 7.3 / 7.6 / 9.0 / 11.8 / 12.6
+# / 12.4; 64 experts (top-6) at 3072 7.7 / 12.1, 6144 14.2 / 12.1; 32 experts at 4096 8.7 /
+# 9.7; 8 experts at 4096 7.3 / 9.7. Session 19, the two launches of now against those three
+# (BLOCK_M 128): 128 experts at 8192 / 16384 / 32768 / 65536 pairs 6.3 / 6.5 / 6.8 / 7.4
+# against 12.3 / 13.0 / 13.1 / 13.4; 8 experts at 16384 pairs 5.9 against 10.4.
 ONE_PROGRAM_PAIRS = 4096
 _COUNT_CHUNK = ALIGN_CHUNK
-_PLACE_PROGRAMS = 64  # the block map of a large step in parallel chunks
 
 
 @triton.jit
@@ -47,28 +46,6 @@ def _local_of(ids_ptr, offs, num_pairs, first_expert, num_local):
     local = ids - first_expert
     own = (ids >= 0) & (local >= 0) & (local < num_local)
     return tl.where(own, local, 0), own
-
-
-@triton.jit
-def _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr, num_blocks,
-                  b_first, b_step, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Write the block map's chunks b_first, b_first + b_step, ... from per-expert counts
-    [E_PAD]; return each expert's first row."""
-    nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    blk_end = tl.cumsum(nblk, 0)
-    blk_start = blk_end - nblk
-    end_key = tl.where(e_idx < num_local, blk_end, 1 << 30)
-    for b0 in range(b_first, num_blocks, b_step):
-        b = b0 + tl.arange(0, CHUNK)
-        e_b = tl.sum((end_key[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        sel = e_idx[None, :] == e_b[:, None]
-        cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-        first = tl.sum(tl.where(sel, blk_start[None, :], 0), axis=1)
-        used = e_b < num_local
-        rows = tl.minimum(cnt - (b - first) * BLOCK_M, BLOCK_M)
-        tl.store(block_expert_ptr + b, tl.where(used, e_b, -1), mask=b < num_blocks)
-        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=b < num_blocks)
-    return blk_start * BLOCK_M
 
 
 @triton.jit
@@ -135,33 +112,31 @@ def _count_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr, chunk
     tl.store(chunk_ptr + tl.program_id(0) * E_PAD + e_idx, before)
 
 
-@triton.jit(do_not_specialize=_STEP_ARGS[2:])
-def _place_kernel(counts_ptr, cursor_ptr, num_local, block_expert_ptr, block_rows_ptr,
-                  num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """Program i writes the block map's chunks i, i + PROGRAMS, ... (each program redoes the
-    prefix sum over E_PAD counts, which is cheap); program 0 also the experts' cursors."""
+@triton.jit(do_not_specialize=_STEP_ARGS)
+def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, counts_ptr, chunk_ptr,
+                    sorted_ptr, block_expert_ptr, block_rows_ptr, num_blocks,
+                    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    PLACE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Each pair to its expert's first row + its chunk's start within the expert + its rank in
+    the chunk, the last from an atomic add on the chunk's own cursors (few pairs share one,
+    where a cursor per expert had every pair of the step). Every program finds the experts'
+    first rows from the counts (a prefix sum over E_PAD, cheap); program 0 also writes the
+    block map."""
     pdl_gate(PDL)
     e_idx = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + e_idx)
-    cursor = _place_blocks(counts, e_idx, num_local, block_expert_ptr, block_rows_ptr,
-                           num_blocks, tl.program_id(0) * CHUNK, tl.num_programs(0) * CHUNK,
-                           BLOCK_M, CHUNK)
     if tl.program_id(0) == 0:
-        tl.store(cursor_ptr + e_idx, cursor)
-
-
-@triton.jit(do_not_specialize=_STEP_ARGS[:3])
-def _scatter_kernel(ids_ptr, num_pairs, first_expert, num_local, cursor_ptr, chunk_ptr,
-                    sorted_ptr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Each pair to its expert's first row + its chunk's start within the expert + its rank in
-    the chunk, the last from an atomic counter of the chunk's own (few pairs share one, where
-    a counter per expert had every pair of the step)."""
-    pdl_gate(PDL)
+        first_row = _place_by_expert(counts, e_idx, block_expert_ptr, block_rows_ptr,
+                                     num_blocks, BLOCK_M, PLACE_CHUNK)
+    else:
+        nblk = (counts + BLOCK_M - 1) // BLOCK_M
+        first_row = (tl.cumsum(nblk, 0) - nblk) * BLOCK_M
+    row = chunk_ptr + tl.program_id(0) * E_PAD
+    tl.store(row + e_idx, tl.load(row + e_idx) + first_row)
+    tl.debug_barrier()  # the chunk's cursors stored before any thread adds to one
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     local, own = _local_of(ids_ptr, offs, num_pairs, first_expert, num_local)
-    within = tl.atomic_add(chunk_ptr + tl.program_id(0) * E_PAD + local, 1, mask=own)
-    slot = tl.load(cursor_ptr + local, mask=own, other=0) + within
+    slot = tl.atomic_add(row + local, 1, mask=own, sem="relaxed")
     tl.store(sorted_ptr + slot, offs, mask=own)
 
 
@@ -170,7 +145,7 @@ def _e_pad(num_local: int) -> int:
 
 
 def one_program(num_pairs: int) -> bool:
-    """Whether align_triton aligns these pairs in one program (else in three launches)."""
+    """Whether align_triton aligns these pairs in one program (else in two launches)."""
     return num_pairs <= ONE_PROGRAM_PAIRS
 
 
@@ -200,14 +175,11 @@ def align_triton(topk_ids_NK: torch.Tensor, first_expert: int, num_local: int,
                                 PLACE_CHUNK=128, num_warps=4, **pdl)
         return out
     grid = (triton.cdiv(pairs, _COUNT_CHUNK),)
-    chunk = max(16, min(128, 8192 // e_pad))  # the place tiles stay at <= 8192 elements
-    counts, cursor = scratch[:e_pad].zero_(), scratch[e_pad:2 * e_pad]
-    chunk_start = scratch[2 * e_pad:].view(grid[0], e_pad)
+    counts = scratch[:e_pad].zero_()
+    chunk_start = scratch[e_pad:].view(grid[0], e_pad)
     _count_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start, E_PAD=e_pad,
                         CHUNK=_COUNT_CHUNK, num_warps=4, **pdl)
-    _place_kernel[(min(triton.cdiv(nb, chunk), _PLACE_PROGRAMS),)](
-        counts, cursor, num_local, block_expert, block_rows, nb, BLOCK_M=block_m, E_PAD=e_pad,
-        CHUNK=chunk, num_warps=4, **pdl)
-    _scatter_kernel[grid](ids, pairs, first_expert, num_local, cursor, chunk_start,
-                          sorted_pairs, E_PAD=e_pad, CHUNK=_COUNT_CHUNK, num_warps=4, **pdl)
+    _scatter_kernel[grid](ids, pairs, first_expert, num_local, counts, chunk_start,
+                          sorted_pairs, block_expert, block_rows, nb, BLOCK_M=block_m,
+                          E_PAD=e_pad, CHUNK=_COUNT_CHUNK, PLACE_CHUNK=128, num_warps=4, **pdl)
     return out

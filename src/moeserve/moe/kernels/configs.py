@@ -163,11 +163,11 @@ ALIGN_CHUNK = 1024
 
 
 def align_scratch_len(num_pairs: int, num_local: int) -> int:
-    """int32 words align.py takes: counts and cursors per (padded) expert, and each chunk of
-    ALIGN_CHUNK pairs' start within every expert's segment (the one-program path uses the
-    first E_PAD words, its cursors)."""
+    """int32 words align.py takes: counts per (padded) expert, and each chunk of ALIGN_CHUNK
+    pairs' start within every expert's segment (the one-program path uses the first E_PAD
+    words, its cursors)."""
     e_pad = max(16, 1 << max(num_local - 1, 0).bit_length())
-    return (2 + -(-num_pairs // ALIGN_CHUNK)) * e_pad
+    return (1 + -(-num_pairs // ALIGN_CHUNK)) * e_pad
 
 
 def padded_rows(num_pairs: int, num_local: int) -> int:
