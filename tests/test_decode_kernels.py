@@ -269,7 +269,7 @@ def check_unpack_decode_inputs(device: str) -> None:
 # --- the Triton kernels on the CPU --------------------------------------------------------
 
 def check_topk_softmax(device: str) -> None:
-    from moeserve.layers.fused_kernels import topk_softmax
+    from moeserve.layers.router_kernels import topk_softmax
 
     gen = torch.Generator().manual_seed(2)
     # 11 rows: one a program; 90: 16 a program, the last program part-full, padding rows
@@ -290,15 +290,55 @@ def check_topk_softmax(device: str) -> None:
         assert torch.equal(w16, w16.bfloat16().float())
 
 
+def check_router_topk(device: str, dtype: torch.dtype) -> None:
+    """router_topk(x, w) against the logits in fp64 (rounded to dtype where the model rounds
+    them) and select_experts: the same experts, weights within the dtype's tolerance. A row
+    may choose otherwise where two of its scores lie closer than the logits' rounding (the
+    kernel's fp32 sums run in another order): at most 2% of the rows in 16-bit dtypes."""
+    from moeserve.layers.router_kernels import router_topk
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [((128, 8, True, 1.0), (150, 140), 256, None),  # 3 programs, the last part-full
+             ((60, 4, False, 2.5), (40, 40), 200, {"ROWS": 16, "BLOCK_H": 32}),  # H % 32 != 0
+             ((8, 2, True, 1.0), (33, 20), 128, {"ROWS": 16})]  # E below the MMA's 16
+    for (e, k, renorm, scale), (m, valid), h, tile in cases:
+        for round_logits in (True, False):
+            cfg = RoutingConfig(e, k, "softmax", "greedy", 1, 1, renorm, scale)
+            x = torch.randn(m, h, generator=gen).to(dtype)
+            w = (torch.randn(e, h, generator=gen) * h ** -0.5).to(dtype)
+            logits = F.linear(x.double(), w.double())
+            if round_logits:
+                logits = logits.to(dtype)
+            want_ids, want_w = select_experts(logits.double(), cfg, None, num_valid=valid)
+            round_to = dtype if round_logits else torch.float32
+            ids, got_w = router_topk(x.to(device), w.to(device), k, renorm, scale, valid,
+                                     round_logits, round_to, tile)
+            ids, got_w = ids.cpu(), got_w.cpu()
+            assert (ids[valid:] == -1).all() and (got_w[valid:] == 0).all()
+            if round_to != torch.float32:
+                assert torch.equal(got_w, got_w.to(round_to).float())
+            tol = 1e-6 if dtype == torch.float32 else TOL[dtype]
+            differ = 0
+            for r in range(valid):
+                got = dict(zip(ids[r].tolist(), got_w[r].tolist()))
+                ref = dict(zip(want_ids[r].tolist(), want_w[r].tolist()))
+                if got.keys() != ref.keys():
+                    differ += 1
+                    continue
+                assert max(abs(got[i] - ref[i]) for i in ref) <= tol * max(1.0, scale)
+            assert differ <= (0 if dtype == torch.float32 else valid // 50), (differ, valid)
+
+
 _INTERPRETER_SCRIPT = r"""
 import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
                                 check_rope_store_kv, check_shared_gate_add,
-                                check_skinny_linear, check_topk_softmax,
+                                check_router_topk, check_skinny_linear, check_topk_softmax,
                                 check_unpack_decode_inputs)
 
 check_unpack_decode_inputs("cpu")
 check_topk_softmax("cpu")
+check_router_topk("cpu", torch.float32)
 for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwise than a GPU
     check_skinny_linear("cpu", dtype)
     check_act_and_mul("cpu", dtype)
@@ -314,8 +354,8 @@ print("interpreter ok")
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
     """The skinny linear, add + RMSNorm, act-and-mul, gated shared-expert add, head-block
-    rope, rope + KV store, top-k softmax and decode-graph unpack kernels on the CPU
-    (TRITON_INTERPRET=1: numpy semantics)."""
+    rope, rope + KV store, top-k softmax, router GEMM + top-k and decode-graph unpack
+    kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
     run_interpreted(_INTERPRETER_SCRIPT, timeout=180)
 
 

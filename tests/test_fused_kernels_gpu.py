@@ -18,7 +18,7 @@ from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
 from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
                                 check_rope_store_kv, check_shared_gate_add,
-                                check_skinny_linear, check_topk_softmax,
+                                check_router_topk, check_skinny_linear, check_topk_softmax,
                                 check_unpack_decode_inputs)
 
 pytestmark = [pytest.mark.gpu,
@@ -71,6 +71,35 @@ def test_rms_norm_and_rotary(dtype):
 
 def test_topk_softmax():
     check_topk_softmax("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_router_topk(dtype):
+    check_router_topk("cuda", dtype)
+
+
+@pytest.mark.parametrize("kind,experts,rows", [("qwen2", 60, 700), ("qwen3", 64, 8192)])
+def test_router_takes_the_one_launch_where_it_suits(kind, experts, rows):
+    """A bf16 router at rows where router_gemm_suits (60 experts from 512 rows, 64 from 8192)
+    chooses as the CPU router does (up to rows where two scores lie within the logits'
+    rounding), padding rows included."""
+    from moe_cases import HF_CONFIGS
+    from moeserve.models.spec import spec_from_hf_config
+    from moeserve.moe.router import router_gemm_suits
+
+    assert router_gemm_suits(rows, experts) and not router_gemm_suits(rows // 2, 64)
+    spec = spec_from_hf_config({**HF_CONFIGS[kind], "num_experts": experts,
+                                "num_experts_per_tok": 4}, name=f"{kind}-{experts}")
+    router = Router(spec, torch.bfloat16)
+    router.weight.data.normal_(0, spec.hidden_size ** -0.5)
+    x = torch.randn(rows, spec.hidden_size).bfloat16()
+    want_ids, want_w = router(x, rows - 5)
+    got_ids, got_w = (t.cpu() for t in router.cuda()(x.cuda(), rows - 5))
+    assert (got_ids[rows - 5:] == -1).all() and (got_w[rows - 5:] == 0).all()
+    same = (got_ids.sort(1).values == want_ids.sort(1).values).all(1)
+    assert int((~same).sum()) <= rows // 50
+    order = lambda ids, w: w.gather(1, ids.argsort(1))
+    assert rel_err(order(got_ids, got_w)[same], order(want_ids, want_w)[same]) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

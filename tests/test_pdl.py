@@ -22,7 +22,8 @@ def test_off_on_the_cpu_and_under_the_switch(monkeypatch):
 def _chain(x, r, norm_w, w_qkv, w_router, w13, w2, top_k):
     """add + RMSNorm -> skinny projection -> router logits -> top-k -> expert GEMVs: each
     kernel reads what the one before wrote."""
-    from moeserve.layers.fused_kernels import add_rms_norm, topk_softmax
+    from moeserve.layers.fused_kernels import add_rms_norm
+    from moeserve.layers.router_kernels import topk_softmax
     from moeserve.layers.skinny_gemm import skinny_linear
     from moeserve.moe.kernels.decode_moe import decode_experts
 

@@ -1,5 +1,5 @@
 """Where the layers reach the fused GPU kernels (layers/fused_kernels.py, layers/skinny_gemm.py,
-layers/mla_kernels.py).
+layers/mla_kernels.py, layers/router_kernels.py).
 
 `fused(name, device)` returns the kernel wrapper `name` (one of KERNELS) for CUDA tensors, or
 None (CPU tensors, Triton absent, or a kernel that failed to build here: then the layer keeps
@@ -18,7 +18,8 @@ import torch
 log = logging.getLogger(__name__)
 # kernel name -> the module (under moeserve.layers) that defines it
 KERNELS = {"rms_norm": "fused_kernels", "add_rms_norm": "fused_kernels",
-           "rotary": "fused_kernels", "topk_softmax": "fused_kernels",
+           "rotary": "fused_kernels", "topk_softmax": "router_kernels",
+           "router_topk": "router_kernels",
            "store_kv": "fused_kernels", "act_and_mul": "fused_kernels",
            "shared_gate_add": "fused_kernels",
            "unpack_decode_inputs": "fused_kernels",

@@ -16,13 +16,11 @@ layers/fast_path.py): one launch where the torch formulation takes five to fifte
                    with one rounding, to a contiguous [R, I]
   shared_gate_add  Qwen2-MoE's gated shared expert added to the routed output:
                    y + sigmoid(x . w) * shared, rounded as the four torch ops round
-  topk_softmax     the softmax + greedy top-k router: top-k of the fp32 softmax, optional
-                   renormalisation, scaling, rounding of the weights to the model dtype,
-                   ids -1 / weights 0 for padding rows
   unpack_decode_inputs  the head of a decode graph: its staged (token, position, request
                    row) rows into the model's inputs, each placeholder token -(j + 1) read
                    from the tokens of the step before
 
+(The router's kernels are in layers/router_kernels.py.)
 A decode step of a 48-layer model launches each of them 48 to 192 times; at batch 1 the
 launches, not the bytes, are the cost, and a CUDA graph only removes their host side.
 """
@@ -37,10 +35,6 @@ import triton.language as tl
 
 from moeserve.layers.pdl import pdl_args, pdl_gate
 from moeserve.moe.kernels.act import ACT_CODES, _act
-
-
-TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a program
-TOPK_ROWS = 16  # past it, rows a program
 
 
 def _pow2(n: int) -> int:
@@ -301,65 +295,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc_T: torch.Tensor,
                                k_cache.stride(0), v_offset, WIDTH=width, BLOCK=_pow2(width),
                                num_warps=4, **pdl_args(k_TKD.device))
     return True
-
-
-@triton.jit
-def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
-                         TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         ROUND_F16: tl.constexpr, PDL: tl.constexpr):
-    """ROWS rows a program: the softmax over E, then TOP_K rounds of argmax (the lowest id
-    among equal scores), each row's ids and weights in the order taken."""
-    pdl_gate(PDL)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK_E)
-    row_ok = rows < M
-    x = tl.load(Logits + rows.to(tl.int64)[:, None] * stride_l + offs[None, :],
-                mask=row_ok[:, None] & (offs < E)[None, :], other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    offs_k = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([ROWS, BLOCK_K], tl.int32)
-    ws = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    work = tl.where((offs < E)[None, :], p, -1.0)
-    for j in tl.static_range(TOP_K):
-        top, best = tl.max(work, 1, return_indices=True)  # one reduction for both
-        taken = offs_k[None, :] == j
-        ids = tl.where(taken, best[:, None], ids)
-        ws = tl.where(taken, top[:, None], ws)
-        work = tl.where(offs[None, :] == best[:, None], -1.0, work)
-    if RENORM:
-        ws = ws / (tl.sum(ws, 1)[:, None] + 1e-20)
-    ws = ws * scale
-    if ROUND_BF16:
-        ws = ws.to(tl.bfloat16).to(tl.float32)
-    if ROUND_F16:
-        ws = ws.to(tl.float16).to(tl.float32)
-    pad = (rows >= num_valid)[:, None]
-    out = rows[:, None] * TOP_K + offs_k[None, :]
-    mask = row_ok[:, None] & (offs_k < TOP_K)[None, :]
-    tl.store(Ids + out, tl.where(pad, -1, ids), mask=mask)
-    tl.store(Weights + out, tl.where(pad, 0.0, ws), mask=mask)
-
-
-def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                 num_valid: int, round_to: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router."""
-    m, e = logits_ME.shape
-    assert logits_ME.stride(-1) == 1
-    ids = torch.empty(m, top_k, dtype=torch.int32, device=logits_ME.device)
-    weights = torch.empty(m, top_k, dtype=torch.float32, device=logits_ME.device)
-    if m:
-        # decode sizes: a row a warp; prefill: TOPK_ROWS rows a program of 4 warps (one row a
-        # program took 10.9 us at 8192 rows of 128 experts on the H200)
-        rows, warps = (1, 1) if m <= TOPK_ONE_ROW_MAX else (TOPK_ROWS, 4)
-        _topk_softmax_kernel[(triton.cdiv(m, rows),)](
-            logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, TOP_K=top_k,
-            ROWS=rows, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), RENORM=renormalize,
-            ROUND_BF16=round_to == torch.bfloat16, ROUND_F16=round_to == torch.float16,
-            num_warps=warps, **pdl_args(logits_ME.device))
-    return ids, weights
 
 
 @triton.jit

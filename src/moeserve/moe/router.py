@@ -35,6 +35,22 @@ FP32_SKINNY_ROWS = 64
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
+def router_gemm_suits(rows: int, num_experts: int) -> bool:
+    """Whether a GPU router of a 16-bit model takes layers/router_kernels.router_topk (the
+    logits GEMM and the top-k in one launch) over cuBLAS's logits and then the top-k's launch.
+    Measured (H200, graph replays, session 19, us, one launch with ROUTER_TILE against two):
+    with E no multiple of 8 cuBLAS's GEMM is slow, and one launch wins from 512 rows (60
+    experts at 8192 rows: 10.8 against 33.9); elsewhere it wins from 8192 rows at E <= 64 (64
+    experts 11.1 against 13.7; 8 experts 20.7 against 21.3) and at 128 experts from 16384
+    rows (8192: 18.8 against 16.0; 16384: at most 30.5 against 34.8): each program reads all
+    of W [E, H] from L2, which costs more than cuBLAS's tiles save until the rows are many."""
+    if rows < 512:
+        return False
+    if num_experts % 8:
+        return True
+    return rows >= (8192 if num_experts <= 64 else 16384)
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     num_experts: int
@@ -147,15 +163,8 @@ class Router(nn.Module):
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        kernel = (fused("topk_softmax", x_MH.device)
-                  if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") else None)
-        if kernel is not None:  # one launch on a GPU (layers/fused_kernels.py)
-            # model-dtype logits go in as they are: the kernel upcasts them, as .float() would
-            logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
-            out = kernel(logits, cfg.top_k, cfg.norm_topk_prob,
-                         cfg.routed_scaling_factor,
-                         x_MH.shape[0] if num_valid is None else num_valid,
-                         torch.float32 if self.fp32_logits else x_MH.dtype)
+        if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") and x_MH.is_cuda:
+            out = self._fused(x_MH, x_MH.shape[0] if num_valid is None else num_valid)
             if out is not None:
                 return out
         ids, weights = select_experts(self.logits(x_MH), self.cfg,
@@ -163,6 +172,28 @@ class Router(nn.Module):
         if not self.fp32_logits:  # HF rounds these blocks' weights to the model dtype
             weights = weights.to(x_MH.dtype).float()
         return ids, weights
+
+    def _fused(self, x_MH: torch.Tensor, num_valid: int
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The softmax + greedy router on a GPU (layers/router_kernels.py): the logits GEMM
+        and the top-k in one launch where router_gemm_suits, else the logits, then the top-k's
+        launch. None where neither kernel runs."""
+        cfg = self.cfg
+        # model-dtype logits go in as they are: the kernels upcast them, as .float() would
+        round_to = torch.float32 if self.fp32_logits else x_MH.dtype
+        args = (cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor, num_valid)
+        if (router_gemm_suits(x_MH.shape[0], cfg.num_experts) and cfg.num_experts <= 256
+                and x_MH.dtype in (torch.bfloat16, torch.float16)
+                and self.weight.dtype == x_MH.dtype and x_MH.stride(-1) == 1):
+            kernel = fused("router_topk", x_MH.device)
+            out = kernel and kernel(x_MH, self.weight, *args, not self.fp32_logits, round_to)
+            if out is not None:
+                return out
+        kernel = fused("topk_softmax", x_MH.device)
+        if kernel is None:
+            return None
+        logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
+        return kernel(logits, *args, round_to)
 
     def checkpoint_names(self) -> list[str]:
         names = ["weight"]
