@@ -155,7 +155,7 @@ def with_half_tail(name: str, fn, timed: tuple[float, dict], block_m: int
     """(time, cfg) of `timed` with "HALF_TAIL": 1 when that times at least 1% faster
     (BLOCK_M >= 32)."""
     t, cfg = timed
-    if block_m < 32 or cfg.get("WS"):  # the warp-specialised kernel has no half tiles
+    if block_m < (128 if cfg.get("WS") else 32):  # half tiles of 64 rows a warpgroup in WS
         return t, cfg
     base = {c: v for c, v in cfg.items() if c != "HALF_TAIL"}
     return a_or_b(f"{name} BLOCK_M={block_m}", fn, base, {**base, "HALF_TAIL": 1})

@@ -529,22 +529,25 @@ def test_triton_every_block_m_and_tile(block_m, tma, paired, half_tail):
                                            (dict(e=8, k=2, h=512, i=200), 256),
                                            (dict(e=16, k=2, h=328, i=200), 128)])
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m):
+@pytest.mark.parametrize("half_tail", [0, 1])
+def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m, half_tail):
     """down by the Gluon kernel (down_ws.py: persistent, warp-specialised; sm90) against the
     Triton kernel and the reference: on an EP rank (other ranks' ids skipped), with -1 ids, a
     K (200) that is no multiple of BLOCK_K, and a hidden (328) that is no multiple of BLOCK_N,
-    where it must fall back; replayed in a CUDA graph on new routings."""
+    where it must fall back (and with half tiles at BLOCK_M 64); replayed in a CUDA graph on
+    new routings."""
     from moeserve.moe.kernels import down_ws
     from moeserve.moe.kernels.fused_moe import fused_experts
 
     spec = make_spec(**shape)
     fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m + block_n)
     gemm = {"BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
-            "TMA": 1}
+            "TMA": 1, "HALF_TAIL": half_tail}
     plain = {"BLOCK_M": block_m, "gate_up": {**gemm, "BLOCK_N": 64}, "down": gemm}
     ws = {**plain, "down": {**gemm, "WS": 1}}
     h = torch.empty(block_m, spec.moe_intermediate_size, device="cuda", dtype=torch.bfloat16)
-    assert down_ws.usable(fast.w2, h, ws["down"], block_m) == (spec.hidden_size % block_n == 0)
+    assert down_ws.usable(fast.w2, h, ws["down"], block_m) == (
+        spec.hidden_size % block_n == 0 and not (half_tail and block_m < 128))
     e, k = spec.num_experts, spec.top_k
     for n, mode in [(3, "uniform"), (300, "skewed"), (2000, "padded")]:
         x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()

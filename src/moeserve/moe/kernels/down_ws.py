@@ -20,6 +20,9 @@ Triton's own kernel (fused_moe._down_kernel) issues loads and MMAs from the same
 CTA barrier at each K step, waits for its first loads at every tile and writes each tile out
 before the next starts: at K = 768 (Qwen3-30B-A3B) that was a third of a tile's time.
 
+With "HALF_TAIL" (BLOCK_M >= 128), a block of at most BLOCK_M / 2 rows (an expert's last)
+loads only those rows of h and takes MMAs of half the rows, as fused_moe.py's kernels do.
+
 Config: "WS": 1 in a down entry (BLOCK_M >= 64; shared memory: STAGES x (BLOCK_M + BLOCK_N)
 x BLOCK_K x 2 bytes plus the BLOCK_M x BLOCK_N bf16 tile, at most 227 KB). `usable` says
 whether a call qualifies (a CUDA device of compute capability 9.x, bf16, hidden % BLOCK_N == 0
@@ -51,7 +54,8 @@ def sm90(*tensors: torch.Tensor) -> bool:
 
 
 def usable(w2: torch.Tensor, h: torch.Tensor, cfg: dict[str, Any], block_m: int) -> bool:
-    if block_m < 64 or not sm90(w2, h):
+    # a wgmma tile has 64 rows a warpgroup: a half tile needs BLOCK_M >= 128
+    if block_m < (128 if cfg.get("HALF_TAIL") else 64) or not sm90(w2, h):
         return False
     _, hidden, inter = w2.shape
     return (hidden % cfg["BLOCK_N"] == 0 and (inter * w2.element_size()) % 16 == 0
@@ -77,68 +81,107 @@ if gluon is not None:
                                          instr_shape=[16, min(256, block_n // warps[1]), 16])
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_tiles,
-                num_n, hidden, inter):
+    def _loader(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr,
+                block_rows_ptr, num_tiles, num_n, hidden, inter, HALF_TAIL: gl.constexpr):
+        """HALF_TAIL: a block of at most BLOCK_M / 2 rows loads only that many rows of h."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        HALF: gl.constexpr = a_half_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         it = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blk = t // num_n
             expert = gl.load(block_expert_ptr + blk)
             if expert >= 0:
+                half = HALF_TAIL and gl.load(block_rows_ptr + blk) <= HALF
                 w_row = expert * hidden + (t % num_n) * BLOCK_N
                 for k in range(0, inter, BLOCK_K):
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s),
-                                    a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(a_desc, [blk * BLOCK_M, k], ready.index(s),
-                                                    a_bufs.index(s))
+                    if half:
+                        mbarrier.expect(ready.index(s), a_half_desc.block_type.nbytes
+                                        + b_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(a_half_desc, [blk * BLOCK_M, k],
+                                                        ready.index(s),
+                                                        a_bufs.index(s).slice(0, HALF, dim=0))
+                    else:
+                        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes
+                                        + b_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(a_desc, [blk * BLOCK_M, k],
+                                                        ready.index(s), a_bufs.index(s))
                     tma.async_copy_global_to_shared(b_desc, [w_row, k], ready.index(s),
                                                     b_bufs.index(s))
                     it += 1
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, ready, empty, block_expert_ptr, out_smem, out_ready, out_free,
-             w_smem, w_ready, num_tiles, num_n, inter, BLOCK_K: gl.constexpr,
-             acc_layout: gl.constexpr):
-        """The MMAs over the ring; each finished tile, times the pairs' top-k weights (which
-        the store warps put in w_smem), goes to out_smem in bf16. The only global load, the
-        next tile's expert, is issued a tile ahead."""
+    def _mma_tile(a_bufs, b_bufs, ready, empty, it, inter, M: gl.constexpr,
+                  BLOCK_K: gl.constexpr, acc_layout: gl.constexpr):
+        """One tile's MMAs over the ring (the first M rows of each h stage); returns the
+        accumulator and the ring position after it."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+        acc = gl.zeros((M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        for k in range(0, inter, BLOCK_K):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s).slice(0, M, dim=0)
+            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # at most one MMA in flight: the one before this has read its stage
+            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a, b_bufs.index(s)))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        return acc, it
+
+    @gluon.jit
+    def _weighted_out(acc, w_smem, w_ready, out_smem, out_free, out_ready, done,
+                      acc_layout: gl.constexpr):
+        """The tile times the pairs' top-k weights, in bf16, into the first rows of
+        out_smem."""
+        M: gl.constexpr = acc.shape[0]
+        mbarrier.wait(w_ready, done & 1)
+        weight = w_smem.slice(0, M).load(gl.SliceLayout(1, acc_layout))
+        y = (acc * weight[:, None]).to(out_smem.dtype)
+        mbarrier.wait(out_free, (done & 1) ^ 1)
+        out_smem.slice(0, M, dim=0).store(y)
+        mbarrier.arrive(out_ready)
+
+    @gluon.jit
+    def _mma(a_bufs, b_bufs, ready, empty, block_expert_ptr, block_rows_ptr, out_smem,
+             out_ready, out_free, w_smem, w_ready, num_tiles, num_n, inter,
+             BLOCK_K: gl.constexpr, acc_layout: gl.constexpr, half_layout: gl.constexpr,
+             HALF_TAIL: gl.constexpr):
+        """The MMAs over the ring; each finished tile, times the pairs' top-k weights (which
+        the store warps put in w_smem), goes to out_smem in bf16. The only global loads, the
+        next tile's expert and rows, are issued a tile ahead. HALF_TAIL: a block of at most
+        BLOCK_M / 2 rows takes MMAs of half the rows."""
         BLOCK_M: gl.constexpr = out_smem.type.shape[0]
-        BLOCK_N: gl.constexpr = out_smem.type.shape[1]
         step = gl.num_programs(0)
         first = gl.program_id(0)
         expert_next = gl.load(block_expert_ptr + first // num_n)
+        rows_next = gl.load(block_rows_ptr + first // num_n)
         it = 0
         done = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
-            after = gl.minimum(t + step, num_tiles - 1)
-            expert_next = gl.load(block_expert_ptr + after // num_n)
+            rows = rows_next
+            after = gl.minimum(t + step, num_tiles - 1) // num_n
+            expert_next = gl.load(block_expert_ptr + after)
+            rows_next = gl.load(block_rows_ptr + after)
             if expert >= 0:
-                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-                for k in range(0, inter, BLOCK_K):
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
-                                        is_async=True)
-                    # at most one MMA in flight: the one before this has read its stage
-                    acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s),
-                                                            b_bufs.index(s)))
-                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
-                    it += 1
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-                mbarrier.wait(w_ready, done & 1)
-                weight = w_smem.load(gl.SliceLayout(1, acc_layout))
-                y = (acc * weight[:, None]).to(out_smem.dtype)
-                mbarrier.wait(out_free, (done & 1) ^ 1)
-                out_smem.store(y)
-                mbarrier.arrive(out_ready)
+                if HALF_TAIL and rows <= BLOCK_M // 2:
+                    # (its own name: a value merged after the branches has one type)
+                    half, it = _mma_tile(a_bufs, b_bufs, ready, empty, it, inter, BLOCK_M // 2,
+                                         BLOCK_K, half_layout)
+                    _weighted_out(half, w_smem, w_ready, out_smem, out_free, out_ready, done,
+                                  half_layout)
+                else:
+                    acc, it = _mma_tile(a_bufs, b_bufs, ready, empty, it, inter, BLOCK_M,
+                                        BLOCK_K, acc_layout)
+                    _weighted_out(acc, w_smem, w_ready, out_smem, out_free, out_ready, done,
+                                  acc_layout)
                 done += 1
 
     @gluon.jit
@@ -179,9 +222,10 @@ if gluon is not None:
                 done += 1
 
     @gluon.jit
-    def _down_ws_kernel(a_desc, b_desc, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                        topk_weights_ptr, num_blocks, hidden, inter, STAGES: gl.constexpr,
-                        ACC_LAYOUT: gl.constexpr, CHUNK: gl.constexpr,
+    def _down_ws_kernel(a_desc, a_half_desc, b_desc, y_ptr, sorted_ptr, block_expert_ptr,
+                        block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter,
+                        STAGES: gl.constexpr, HALF_TAIL: gl.constexpr,
+                        ACC_LAYOUT: gl.constexpr, HALF_LAYOUT: gl.constexpr, CHUNK: gl.constexpr,
                         CHUNK_LAYOUT: gl.constexpr, OUT_SMEM_LAYOUT: gl.constexpr,
                         W_LAYOUT: gl.constexpr, W_SMEM_LAYOUT: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -208,10 +252,12 @@ if gluon is not None:
         num_n = hidden // BLOCK_N
         num_tiles = num_blocks * num_n
         gl.warp_specialize([
-            (_mma, (a_bufs, b_bufs, ready, empty, block_expert_ptr, out_smem, out_ready,
-                    out_free, w_smem, w_ready, num_tiles, num_n, inter, BLOCK_K, ACC_LAYOUT)),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr,
-                       num_tiles, num_n, hidden, inter)),
+            (_mma, (a_bufs, b_bufs, ready, empty, block_expert_ptr, block_rows_ptr, out_smem,
+                    out_ready, out_free, w_smem, w_ready, num_tiles, num_n, inter, BLOCK_K,
+                    ACC_LAYOUT, HALF_LAYOUT, HALF_TAIL)),
+            (_loader, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                       block_expert_ptr, block_rows_ptr, num_tiles, num_n, hidden, inter,
+                       HALF_TAIL)),
             (_store_out, (out_smem, out_ready, out_free, w_smem, w_ready, y_ptr, sorted_ptr,
                           block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
                           num_n, hidden, CHUNK, CHUNK_LAYOUT, W_LAYOUT)),
@@ -226,6 +272,8 @@ def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_wei
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
     a_desc = TensorDescriptor.from_tensor(h, [bm, bk], a_layout)
+    # the h rows of a half tile: the same smem layout (its swizzle depends on BLOCK_K alone)
+    a_half_desc = TensorDescriptor.from_tensor(h, [bm // 2, bk], a_layout)
     b_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter), [bn, bk],
                                           b_layout)
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
@@ -235,9 +283,11 @@ def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_wei
     # the MMA warps get what those leave of maxnreg x all warps
     maxnreg = min(255, 65536 // (32 * (warps + 4))) // 8 * 8
     _down_ws_kernel[(min(sms, tiles),)](
-        a_desc, b_desc, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
-        topk_weights_P, blocks.num_blocks, hidden, inter, STAGES=cfg["num_stages"],
-        ACC_LAYOUT=_mma_layout(bm, bn, warps), CHUNK=STORE_CHUNK,
+        a_desc, a_half_desc, b_desc, y, blocks.sorted_pairs, blocks.block_expert,
+        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter,
+        STAGES=cfg["num_stages"], HALF_TAIL=bool(cfg.get("HALF_TAIL")),
+        ACC_LAYOUT=_mma_layout(bm, bn, warps), HALF_LAYOUT=_mma_layout(bm // 2, bn, warps),
+        CHUNK=STORE_CHUNK,
         CHUNK_LAYOUT=gl.BlockedLayout([1, bn // 32], [1, 32], [2, 1], [1, 0]),
         OUT_SMEM_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
         W_LAYOUT=gl.BlockedLayout([1], [32], [2], [0]),
