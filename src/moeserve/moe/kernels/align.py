@@ -1,10 +1,10 @@
 """moe_align in Triton (same output as align_torch.py; see its docstring for the format).
 
 Two ways, by the size of the step (P pairs):
-- up to ONE_PROGRAM_PAIRS pairs, one program: count the pairs per expert (histograms), write
-  the block map expert-major (round j writes every expert's j-th block), store each expert's
-  first row as its cursor, then each pair takes its slot by an atomic add on its expert's
-  cursor. One launch, no memset, no [pairs or blocks, experts] tiles.
+- up to ONE_PROGRAM_PAIRS (2048) pairs, one program: count the pairs per expert
+  (histograms), write the block map expert-major (round j writes every expert's j-th block),
+  store each expert's first row as its cursor, then each pair takes its slot by an atomic add
+  on its expert's cursor. One launch, no memset, no [pairs or blocks, experts] tiles.
 - larger steps, two launches over chunks of pairs: count (each chunk's histogram atomically
   added to the counts; the value before the add is where the chunk's pairs start in each
   expert's segment), then scatter (each program adds the experts' first rows to its chunk's
@@ -35,8 +35,12 @@ from moeserve.moe.kernels.configs import ALIGN_CHUNK, align_scratch_len, max_blo
 # / 12.4; 64 experts (top-6) at 3072 7.7 / 12.1, 6144 14.2 / 12.1; 32 experts at 4096 8.7 /
 # 9.7; 8 experts at 4096 7.3 / 9.7. Session 19, the two launches of now against those three
 # (BLOCK_M 128): 128 experts at 8192 / 16384 / 32768 / 65536 pairs 6.3 / 6.5 / 6.8 / 7.4
-# against 12.3 / 13.0 / 13.1 / 13.4; 8 experts at 16384 pairs 5.9 against 10.4.
-ONE_PROGRAM_PAIRS = 4096
+# against 12.3 / 13.0 / 13.1 / 13.4; 8 experts at 16384 pairs 5.9 against 10.4. One program
+# against these two launches (session 19, BLOCK_M 16): 128 experts at 2048 / 3072 / 4096
+# pairs 6.0 / 8.4 / 10.9 against 6.2 / 6.3 / 6.1; 64 experts at 1536 / 2304 4.9 / 6.8
+# against 6.0 / 5.9; 32 experts at 2048 / 3072 4.9 / 6.8 against 5.5 / 5.5; 8 experts at
+# 2048 / 4096 4.2 / 7.4 against 5.2 / 5.3.
+ONE_PROGRAM_PAIRS = 2048
 _COUNT_CHUNK = ALIGN_CHUNK
 
 
