@@ -25,10 +25,18 @@ from moeserve.layers.pdl import pdl_args, pdl_gate
 
 TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a program
 TOPK_ROWS, TOPK_WARPS = 16, 4  # past it, rows and warps a program
-# router_topk's tiles: rows a program, H a step, warps, stages. The best or within 5% of it at
-# 512-16384 rows of 64 and 60 experts, and at 8192-16384 rows of 8 and 128 (H200, session 19)
-ROUTER_TILE = {"ROWS": 64, "BLOCK_H": 128, "num_warps": 4, "num_stages": 3}
 
+
+def router_tile(rows: int, experts: int) -> dict:
+    """router_topk's tile (rows a program, H a step, warps, stages): the fastest of 14 that
+    probe/s19/router_tune.py timed (H200, session 19) at the sizes moe/router.py sends here."""
+    if experts % 8 and rows < 8192:  # 60 experts, 512-4096 rows
+        return {"ROWS": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
+    if experts > 64:  # 128 experts, 16384 rows
+        return {"ROWS": 64, "BLOCK_H": 64, "num_warps": 4, "num_stages": 4}
+    if experts <= 16 and rows >= 16384:  # 8 experts, 16384 rows
+        return {"ROWS": 128, "BLOCK_H": 128, "num_warps": 8, "num_stages": 3}
+    return {"ROWS": 64, "BLOCK_H": 128, "num_warps": 4, "num_stages": 3}
 
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
@@ -158,7 +166,7 @@ def router_topk(x_MH: torch.Tensor, w_EH: torch.Tensor, top_k: int, renormalize:
                          f"{x_MH.dtype}, w {tuple(w_EH.shape)} {w_EH.dtype}")
     ids, weights = _outputs(m, top_k, x_MH.device)
     if m:
-        t = dict(ROUTER_TILE, **(tile or {}))
+        t = dict(router_tile(m, e), **(tile or {}))
         rows = t.pop("ROWS")
         _router_topk_kernel[(triton.cdiv(m, rows),)](
             x_MH, w_EH, ids, weights, x_MH.stride(0), m, e, h, num_valid, scale, TOP_K=top_k,
