@@ -23,9 +23,10 @@ TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d: int,
-             window, lens, split, seed: int = 0) -> list[float]:
+             window, lens, split, seed: int = 0, partials: tuple = ()) -> list[float]:
     """Errors of the triton backend against torch for: prompts, chunks after a prefix, and
-    three decode steps, all requests of a forward batched together."""
+    three decode steps, all requests of a forward batched together; with `partials`
+    (part_o, part_lse), the decode partials come from them, as from the plan's buffers."""
     gen = torch.Generator().manual_seed(seed)
     layers = 2
     total = sum(lens) + 8
@@ -34,6 +35,8 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
     rows = ReqToTokenPool(len(lens) + 1, max(lens) + 4, device)
     req_rows = [rows.alloc() for _ in lens]
     fast = PagedAttention(1, n, kh, d, d ** -0.5, create_attention_backend("triton"), window)
+    if partials:
+        fast.backend.use_partials(*partials)
     ref = create_attention_backend("torch")
     seqs = [tuple(torch.randn(s, h, d, generator=gen).to(device, dtype) for h in (n, kh, kh))
             for s in lens]

@@ -84,9 +84,10 @@ def backends() -> tuple:
 
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens, split,
-             seed: int = 0) -> list[float]:
+             seed: int = 0, partials: tuple = ()) -> list[float]:
     """Errors of the triton MLA backend against torch for: prompts, chunks after a prefix,
-    and three decode steps, all requests of a forward batched together."""
+    and three decode steps, all requests of a forward batched together; with `partials`
+    (part_o, part_lse), the decode partials come from them, as from the plan's buffers."""
     n, c, r, p, v = dims
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens) + 8
@@ -96,6 +97,8 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens,
     req_rows = [rows.alloc() for _ in lens]
     layer = fake_layer(n, c, r, p, v, dtype, device, gen)
     fast, ref = backends()
+    if partials:
+        fast.use_partials(*partials)
     seqs = [(torch.randn(s, n, p + r, generator=gen).to(device, dtype),
              torch.randn(s, c, generator=gen).to(device, dtype),
              torch.randn(s, r, generator=gen).to(device, dtype)) for s in lens]

@@ -2,7 +2,7 @@
 interpreter, against the torch MLA backend, in fp32: the cases of tests/test_mla_gpu.py
 (prompts, a chunk after a prefix, decode steps; paged and not; heads below and past one
 program's 16, rope dims below a tl.dot's 16; a decode batch of one split, which writes its
-output without the combine); the backend sending its long requests through
+output without the combine; decode partials in planned buffers that clamp the splits); the backend sending its long requests through
 SDPA (allowed on the CPU for the test) and the others through the kernel in the same step;
 the prep kernel (latent norm, rope, cache store) against MLAttention's torch
 formulation; and the GEMVs of kv_b_proj's two halves against torch.bmm."""
@@ -31,6 +31,16 @@ assert decode_num_splits(2, 1, 8, MLA_WHOLE_FROM) > 1
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)
+# the decode partials from planned buffers (the model runner's): 2 requests of one head
+# block take 8 splits on 8 "SMs"; 5 slots clamp them to 2, 1 slot to one split
+assert decode_num_splits(2, 1, 8, MLA_WHOLE_FROM) == 8
+for slots, splits in ((5, 2), (1, 1)):
+    o, lse = torch.full((slots, 4, 16), float("nan")), torch.full((slots, 4), float("nan"))
+    errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [20, 37], [10, 20],
+                      partials=(o, lse))
+    assert max(errors) < 1e-5, (slots, errors)
+    # the steps wrote their partials there; one split writes the output itself, none
+    assert o.isnan().all() == (splits == 1) and lse.isnan().all() == (splits == 1)
 # the backend's own choice per request: SDPA (allowed on the CPU here) for the long ones,
 # fresh and after a prefix, the kernel for the others of the same step
 import moeserve.layers.attention_tiles as TL

@@ -6,12 +6,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeserve.config import EngineConfig
+from moeserve.layers import attention_tiles as AT
 from moeserve.models.spec import load_model_spec
 from moeserve.moe.kernels.configs import BLOCK_MS, align_scratch_len, max_blocks
 from moeserve.plan.buffers import a2a_dispatch_payload_bytes
 from moeserve.plan.budget import moe_tokens_per_rank
 from moeserve.plan.capacity import build_plan
 from moeserve.plan.capture import capture_multiple
+from moeserve.plan.memory import kv_heads_per_rank
 
 SPECS = {name: load_model_spec(f"preset:{name}")
          for name in ("tiny", "qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b", "olmoe-1b-7b")}
@@ -89,6 +91,34 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     if b.decode_batch_sizes:
         assert plan.buffer("graph.decode.input_ids").shape == (b.decode_graph,)
     assert plan.buffer("req_to_token").shape == (b.max_running_requests + 1, b.context_length)
+    check_decode_partials(plan)
+
+
+def check_decode_partials(plan) -> None:
+    """The decode attention's partials hold every decode batch the plan admits (or pads a
+    graph to) with the splits the rule takes on a device of up to PLANNED_SMS SMs, and no
+    more (a device with more SMs clamps its splits to them)."""
+    spec, lay, b = plan.spec, plan.layout, plan.budget
+    heads = spec.num_heads // lay.attn_tp
+    if spec.mla is None:
+        groups, width, whole = kv_heads_per_rank(spec, lay), spec.head_dim, AT.GQA_WHOLE_FROM
+    else:
+        groups = -(-heads // AT.MLA_DECODE_TILES[0])
+        width, whole = spec.mla.kv_lora_rank, AT.MLA_WHOLE_FROM
+    top = min(max([b.max_running_requests, *b.decode_batch_sizes]), 2 * AT.PLANNED_SMS)
+
+    def need(sms: int) -> int:
+        splits = [(bs, AT.decode_num_splits(bs, groups, sms, whole)) for bs in range(1, top + 1)]
+        return max([bs * s for bs, s in splits if s > 1], default=0)
+
+    names = {r.name for r in plan.buffers}
+    if not need(AT.PLANNED_SMS):
+        assert "attn.decode.part_o" not in names and "attn.decode.part_lse" not in names
+        return
+    slots = need(AT.PLANNED_SMS)
+    assert plan.buffer("attn.decode.part_o").shape == (slots, heads, width)
+    assert plan.buffer("attn.decode.part_lse").shape == (slots, heads)
+    assert all(need(sms) <= slots for sms in (8, 78, 114, 132, 148))
 
 
 @SETTINGS
@@ -184,3 +214,4 @@ def test_any_config_gives_a_plan_or_errors_never_a_traceback(cfg):
         assert m.weights_bytes_per_rank + m.static_buffer_bytes_per_rank + \
             m.kv_capacity_tokens * m.kv_bytes_per_token_per_rank <= m.static_budget_bytes
         assert math.prod(plan.buffer("kv_cache").shape) > 0
+

@@ -102,6 +102,35 @@ def decode_num_splits(batch_size: int, kv_heads: int, num_sms: int,
     return max(1, min(MAX_SPLITS, want))
 
 
+# The decode partials (one row per request and split, for the combine) come from the plan
+# (plan/buffers.attention_records), which is made from the config alone, before any device
+# is known: it holds the most request x split slots the rule above takes on a device of up
+# to PLANNED_SMS SMs (the H100 and H200 have 132, the B200 148). On a device with more, a
+# step's splits are clamped to the slots (clamp_splits): a little less parallel, never a
+# buffer sized from the device.
+PLANNED_SMS = 160
+
+
+def partial_slots(kv_heads: int, whole_from: float, max_batch: int) -> int:
+    """The most batch_size x splits that decode_num_splits takes over batches of 1..max_batch
+    that it splits, on PLANNED_SMS SMs; 0 when it splits none."""
+    top = min(max_batch, -(-int(whole_from * PLANNED_SMS) // max(1, kv_heads)))
+    most = 0
+    for bs in range(1, top + 1):
+        splits = decode_num_splits(bs, kv_heads, PLANNED_SMS, whole_from)
+        if splits > 1:
+            most = max(most, bs * splits)
+    return most
+
+
+def clamp_splits(splits: int, batch_size: int, slots: int) -> int:
+    """splits, or fewer so that batch_size x splits fits in the plan's slots (1: the kernel
+    writes the output itself and needs none)."""
+    if splits == 1 or batch_size * splits <= slots:
+        return splits
+    return max(1, slots // batch_size)
+
+
 def decode_tiles(batch_size: int) -> tuple[int, int, int]:
     return next(t for bound, t in DECODE_TILES if batch_size <= bound)
 

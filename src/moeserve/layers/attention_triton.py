@@ -19,6 +19,8 @@ lengths. The tiles and these thresholds are in attention_tiles.py.
 
 Per-step metadata (query offsets of an extend, the split buffers of a decode) is computed once
 per ForwardBatch and shared by the layers (the backend is one object for the whole model).
+The decode's partials are views of the plan's attn.decode.* buffers (plan/buffers.py), which
+the model runner gives the backend; its splits are clamped to fit them.
 """
 
 from __future__ import annotations
@@ -59,22 +61,45 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
             and head_dim % 8 == 0 and head_dim <= 256)
 
 
+Partials = tuple[torch.Tensor, torch.Tensor]  # the plan's attn.decode.part_o / part_lse
+
+
+def decode_splits(batch_size: int, groups: int, device: torch.device, whole_from: float,
+                  planned: Optional[Partials]) -> int:
+    """A decode step's splits of each request's keys (attention_tiles.decode_num_splits over
+    `groups` programs a request), clamped to the plan's partial slots when given."""
+    splits = T.decode_num_splits(batch_size, groups, num_sms(device), whole_from)
+    return splits if planned is None else T.clamp_splits(splits, batch_size, planned[0].shape[0])
+
+
+def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, width: int,
+                  device: torch.device) -> Partials:
+    """[bs, n, splits, width] and [bs, n, splits] fp32 partials: views of the plan's buffers
+    (the model runner gives them to the backend), or new tensors for a backend used on its
+    own (tests, benchmarks)."""
+    if planned is None:
+        f32 = dict(dtype=torch.float32, device=device)
+        return torch.empty(bs, n, splits, width, **f32), torch.empty(bs, n, splits, **f32)
+    o, lse = planned
+    assert bs * splits <= o.shape[0] and o.shape[1:] == (n, width), (bs, splits, o.shape)
+    return (o.view(-1)[: bs * n * splits * width].view(bs, n, splits, width),
+            lse.view(-1)[: bs * n * splits].view(bs, n, splits))
+
+
 class _StepMeta:
     """What every layer of one forward shares."""
 
-    def __init__(self, fb: ForwardBatch, q: torch.Tensor, num_kv_heads: int, num_sms: int):
+    def __init__(self, fb: ForwardBatch, q: torch.Tensor, num_kv_heads: int,
+                 planned: Optional[Partials]):
         self.fb = fb
         dev = q.device
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
-            self.splits = T.decode_num_splits(bs, num_kv_heads, num_sms, T.GQA_WHOLE_FROM)
+            self.splits = decode_splits(bs, num_kv_heads, dev, T.GQA_WHOLE_FROM, planned)
             # partials only where a combine reads them (one split: the output directly)
             self.part_o = self.part_lse = None
             if self.splits > 1:
-                self.part_o = torch.empty(bs, n, self.splits, d, dtype=torch.float32,
-                                          device=dev)
-                self.part_lse = torch.empty(bs, n, self.splits, dtype=torch.float32,
-                                            device=dev)
+                self.part_o, self.part_lse = partial_views(planned, bs, n, self.splits, d, dev)
         else:
             lens = fb.extend_seq_lens_cpu
             starts = query_starts(lens)
@@ -94,6 +119,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
+        self._partials: Optional[Partials] = None
+
+    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
+        self._partials = (part_o, part_lse)
 
     def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
@@ -111,7 +141,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _step_meta(self, q: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
                    ) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            self._meta = _StepMeta(fb, q, layer.num_kv_heads, num_sms(q.device))
+            self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._partials)
         return self._meta
 
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,

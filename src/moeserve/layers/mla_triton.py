@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
 from moeserve.layers.attention import AttentionBackend, query_starts
-from moeserve.layers.attention_triton import LOG2E, _pow2, _sdpa, _sdpa_takes, num_sms
+from moeserve.layers.attention_triton import (LOG2E, Partials, _pow2, _sdpa, _sdpa_takes,
+                                              decode_splits, partial_views)
 from moeserve.layers.mla import register_mla_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -52,11 +53,12 @@ class _StepMeta:
     of an extend, its requests that go through SDPA in the expanded form (mla_sdpa) and what
     the kernel keeps (their new tokens zeroed)."""
 
-    def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int, num_sms: int):
+    def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int,
+                 planned: Optional[Partials]):
         self.fb = fb
         if fb.mode is ForwardMode.DECODE:
-            self.splits = T.decode_num_splits(fb.batch_size, head_blocks, num_sms,
-                                              T.MLA_WHOLE_FROM)
+            self.splits = decode_splits(fb.batch_size, head_blocks, device, T.MLA_WHOLE_FROM,
+                                        planned)
             return
         lens = fb.extend_seq_lens_cpu
         starts = query_starts(lens)
@@ -82,6 +84,11 @@ class TritonMLABackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
+        self._partials: Optional[Partials] = None
+
+    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
+        self._partials = (part_o, part_lse)
 
     def warm_up(self, layer: "MLAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
@@ -98,7 +105,7 @@ class TritonMLABackend(AttentionBackend):
 
     def _step_meta(self, fb: ForwardBatch, device: torch.device, head_blocks: int) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            self._meta = _StepMeta(fb, device, head_blocks, num_sms(device))
+            self._meta = _StepMeta(fb, device, head_blocks, self._partials)
         return self._meta
 
     def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
@@ -168,8 +175,7 @@ class TritonMLABackend(AttentionBackend):
             if direct:  # stand-ins the kernel never touches
                 po, pl = o_lat_NTC.transpose(0, 1)[:, :, None], o_lat_NTC[0]
             else:
-                po = torch.empty(bs, n, splits, c, dtype=torch.float32, device=q_TNQ.device)
-                pl = torch.empty(bs, n, splits, dtype=torch.float32, device=q_TNQ.device)
+                po, pl = partial_views(self._partials, bs, n, splits, c, q_TNQ.device)
             pdl = pdl_args(q_TNQ.device)
             K.mla_decode_kernel[(bs, head_blocks, splits)](
                 q_lat_NTC, q_pe_TNR, cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,

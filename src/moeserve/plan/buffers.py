@@ -10,12 +10,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.layers import attention_tiles as AT
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.kernels.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
                                           padded_rows)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
-from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer
+from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
 
 ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1}
 A2A_INDEX_BYTES = 4  # top-k ids travel as int32
@@ -151,6 +152,34 @@ def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
         recs.append(BufferRecord("graph.decode.dp_token_counts", (layout.dp,), "int32", "dp",
                                  ("--dp-size",)))
     return recs
+
+
+def attention_records(spec: ModelSpec, layout: ParallelLayout,
+                      budget: TokenBudget) -> list[BufferRecord]:
+    """The decode attention's partial results (the triton backends, layers/attention_triton.py
+    and mla_triton.py): a row per (request, split of its keys), the most the split rule takes
+    (attention_tiles.partial_slots), for the combine; shared by every layer of a step. None
+    when the rule splits no batch the budget allows."""
+    heads = spec.num_heads // layout.attn_tp
+    if spec.mla is None:
+        groups, width, whole = kv_heads_per_rank(spec, layout), spec.head_dim, AT.GQA_WHOLE_FROM
+        per, unit = "KV heads/attn_tp", "head_dim"
+    else:
+        groups = -(-heads // AT.MLA_DECODE_TILES[0])
+        width, whole = spec.mla.kv_lora_rank, AT.MLA_WHOLE_FROM
+        per, unit = f"ceil(heads/attn_tp / {AT.MLA_DECODE_TILES[0]})", "kv_lora_rank"
+    # a decode graph's bucket may pad a batch past max running
+    batch = max([budget.max_running_requests, *budget.decode_batch_sizes])
+    slots = AT.partial_slots(groups, whole, batch)
+    if not slots:
+        return []
+    rule = (f"most batch x splits of the split rule over {per} on {AT.PLANNED_SMS} SMs, "
+            f"batch <= max(max running, largest decode graph)")
+    knobs = ("--tp-size", "--dp-size", "--max-running-requests")
+    return [BufferRecord("attn.decode.part_o", (slots, heads, width), "float32",
+                         f"({rule}) x heads/attn_tp x {unit}", knobs),
+            BufferRecord("attn.decode.part_lse", (slots, heads), "float32",
+                         f"({rule}) x heads/attn_tp", knobs)]
 
 
 PREFILL_GRAPH_KNOBS = ("--piecewise-cuda-graph-max-tokens", "--chunked-prefill-size",

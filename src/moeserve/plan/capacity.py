@@ -122,6 +122,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
         records += B.a2a_records(spec, layout, dtype, a2a_cap)
     records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst)
     records += B.decode_graph_records(spec, layout, budget)
+    records += B.attention_records(spec, layout, budget)
     records += B.prefill_graph_records(spec, layout, budget, dtype)
     records.append(B.req_to_token_record(budget))
     records.append(B.next_token_record(budget))

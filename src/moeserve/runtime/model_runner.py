@@ -84,6 +84,7 @@ class ModelRunner:
         self.device = state.device
         self.model = load_model(cfg, spec, state, plan, progress=progress)
         self.moe_workspace = self._moe_workspace()
+        self.attention_partials = self._attention_partials()
         self.kv_pool = create_kv_pool(plan, self.device)
         self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
@@ -110,6 +111,22 @@ class ModelRunner:
         for m in takers:
             m.use_workspace(ws)
         return ws
+
+    def _attention_partials(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The plan's attn.decode.* buffers (the decode attention's partials), given to the
+        attention backend when it takes them (the triton backends on a GPU); None otherwise,
+        or when the plan has none (no batch it allows is split)."""
+        backends = {id(m.backend): m.backend for m in self.model.modules()
+                    if isinstance(m, (PagedAttention, MLAttention))}
+        takers = [b for b in backends.values() if hasattr(b, "use_partials")]
+        names = {r.name for r in self.plan.buffers}
+        if not takers or self.device.type != "cuda" or "attn.decode.part_o" not in names:
+            return None
+        parts = (self.plan.buffer("attn.decode.part_o").empty(self.device),
+                 self.plan.buffer("attn.decode.part_lse").empty(self.device))
+        for backend in takers:
+            backend.use_partials(*parts)
+        return parts
 
     @torch.inference_mode()
     def warm_up_attention(self) -> list[int]:
