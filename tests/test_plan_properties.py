@@ -215,3 +215,10 @@ def test_any_config_gives_a_plan_or_errors_never_a_traceback(cfg):
             m.kv_capacity_tokens * m.kv_bytes_per_token_per_rank <= m.static_budget_bytes
         assert math.prod(plan.buffer("kv_cache").shape) > 0
 
+
+def test_an_empty_capture_list_is_an_error_with_its_fix():
+    """Found by the property above: `--cuda-graph-bs` given no sizes raised from max()."""
+    plan = build_plan(EngineConfig(model="preset:deepseek-v2-lite", cuda_graph_bs=()),
+                      SPECS["deepseek-v2-lite"])
+    assert not plan.ok and any("--cuda-graph-bs is empty" in e.message
+                               and "--disable-cuda-graph" in e.fix for e in plan.errors)

@@ -222,6 +222,9 @@ def config_errors(cfg: EngineConfig) -> list[tuple[str, str]]:
     if cfg.cuda_graph_bs is not None and any(b < 1 for b in cfg.cuda_graph_bs):
         errors.append((f"--cuda-graph-bs has sizes below 1: {list(cfg.cuda_graph_bs)}.",
                        "give positive batch sizes"))
+    if cfg.cuda_graph_bs is not None and not cfg.cuda_graph_bs:
+        errors.append(("--cuda-graph-bs is empty: no decode batch size to capture.",
+                       "give at least one batch size, or --disable-cuda-graph"))
     if not 0.0 < cfg.mem_fraction_static <= 1.0:
         errors.append((f"--mem-fraction-static must be in (0, 1], got {cfg.mem_fraction_static}.",
                        "set --mem-fraction-static 0.88"))
