@@ -173,13 +173,13 @@ def attention_records(spec: ModelSpec, layout: ParallelLayout,
     slots = AT.partial_slots(groups, whole, batch)
     if not slots:
         return []
-    rule = (f"most batch x splits of the split rule over {per} on {AT.PLANNED_SMS} SMs, "
-            f"batch <= max(max running, largest decode graph)")
+    rule = (f"S = max batch x splits over batches <= max(running, decode graphs) on "
+            f"{AT.PLANNED_SMS} SMs, {per} programs a request")
     knobs = ("--tp-size", "--dp-size", "--max-running-requests")
     return [BufferRecord("attn.decode.part_o", (slots, heads, width), "float32",
-                         f"({rule}) x heads/attn_tp x {unit}", knobs),
+                         f"S x heads/attn_tp x {unit}; {rule}", knobs),
             BufferRecord("attn.decode.part_lse", (slots, heads), "float32",
-                         f"({rule}) x heads/attn_tp", knobs)]
+                         f"S x heads/attn_tp; {rule}", knobs)]
 
 
 PREFILL_GRAPH_KNOBS = ("--piecewise-cuda-graph-max-tokens", "--chunked-prefill-size",
