@@ -408,7 +408,8 @@ def test_rope_with_a_kv_write_on_cpu_stores_through_the_pool():
 
 @needs_triton
 def test_skinny_tiles_stay_within_the_register_budget():
-    from moeserve.layers.skinny_tiles import MAX_ROWS, MMA_ROWS, TILE_BUDGET, beats_cublas, tiles_for
+    from moeserve.layers.skinny_tiles import (MAX_ROWS, MMA_ROWS, TILE_BUDGET, beats_cublas,
+                                              tiles_for)
 
     for m in (1, 2, 3, 4, 8, 16, 17, 100):
         for n, k in [(128, 2048), (2048, 4096), (5120, 2048), (1536, 2048), (37, 40)]:

@@ -2,10 +2,11 @@
 interpreter, against the torch MLA backend, in fp32: the cases of tests/test_mla_gpu.py
 (prompts, a chunk after a prefix, decode steps; paged and not; heads below and past one
 program's 16, rope dims below a tl.dot's 16; a decode batch of one split, which writes its
-output without the combine; decode partials in planned buffers that clamp the splits); the backend sending its long requests through
-SDPA (allowed on the CPU for the test) and the others through the kernel in the same step;
-the prep kernel (latent norm, rope, cache store) against MLAttention's torch
-formulation; and the GEMVs of kv_b_proj's two halves against torch.bmm."""
+output without the combine; decode partials in planned buffers that clamp the splits); the
+backend sending its long requests through SDPA (allowed on the CPU for the test) and the
+others through the kernel in the same step; the prep kernel (latent norm, rope, cache store)
+against MLAttention's torch formulation; and the GEMVs of kv_b_proj's two halves against
+torch.bmm."""
 
 from __future__ import annotations
 

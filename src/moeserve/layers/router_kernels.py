@@ -28,8 +28,8 @@ TOPK_ROWS, TOPK_WARPS = 16, 4  # past it, rows and warps a program
 
 
 def router_tile(rows: int, experts: int) -> dict:
-    """router_topk's tile (rows a program, H a step, warps, stages): the fastest of 14 that
-    probe/s19/router_tune.py timed (H200, session 19) at the sizes moe/router.py sends here."""
+    """router_topk's tile (rows a program, H a step, warps, stages): the fastest of 14 timed
+    on the H200 (RESULTS.md, session 19) at the sizes moe/router.py sends here."""
     if experts % 8 and rows < 8192:  # 60 experts, 512-4096 rows
         return {"ROWS": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
     if experts > 64:  # 128 experts, 16384 rows
@@ -37,6 +37,7 @@ def router_tile(rows: int, experts: int) -> dict:
     if experts <= 16 and rows >= 16384:  # 8 experts, 16384 rows
         return {"ROWS": 128, "BLOCK_H": 128, "num_warps": 8, "num_stages": 3}
     return {"ROWS": 64, "BLOCK_H": 128, "num_warps": 4, "num_stages": 3}
+
 
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
@@ -171,7 +172,8 @@ def router_topk(x_MH: torch.Tensor, w_EH: torch.Tensor, top_k: int, renormalize:
         _router_topk_kernel[(triton.cdiv(m, rows),)](
             x_MH, w_EH, ids, weights, x_MH.stride(0), m, e, h, num_valid, scale, TOP_K=top_k,
             ROWS=rows, BLOCK_E=max(16, _pow2(e)), BLOCK_K=_pow2(top_k),
-            EVEN_H=h % t["BLOCK_H"] == 0, IEEE=x_MH.dtype == torch.float32, ROUND_LOGITS=round_logits, RENORM=renormalize,
+            EVEN_H=h % t["BLOCK_H"] == 0, IEEE=x_MH.dtype == torch.float32,
+            ROUND_LOGITS=round_logits, RENORM=renormalize,
             ROUND_BF16=round_to == torch.bfloat16, ROUND_F16=round_to == torch.float16,
             **t, **pdl_args(x_MH.device))
     return ids, weights

@@ -61,7 +61,8 @@ BUDGET_KNOBS = ("--chunked-prefill-size", "--max-prefill-tokens", "--max-running
 GRAPH_KNOBS = ("--cuda-graph-max-bs", "--cuda-graph-bs", "--max-running-requests")
 
 
-def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int) -> list[BufferRecord]:
+def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str,
+                cap: int) -> list[BufferRecord]:
     """The all-to-all workspace: per peer `cap` token slots (cap is per rank, never times ep).
     Send and receive halves; the combine reuses them (its payload is smaller)."""
     payload = a2a_dispatch_payload_bytes(spec, dtype)

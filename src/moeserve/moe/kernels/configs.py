@@ -12,10 +12,10 @@ H200 tables share.
 BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
 own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
 tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 1 (a block
-of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32, with WS >= 128) and, for gate_up with TMA,
-"PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA of twice the width,
-in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon kernel of
-down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
+of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32, with WS >= 128) and, for
+gate_up with TMA, "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA
+of twice the width, in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon
+kernel of down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
 GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
 "PREFETCH": 1 (each K step loads the next chunk's tiles first). Older tables' decode entries
