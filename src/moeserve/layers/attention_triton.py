@@ -86,6 +86,17 @@ def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, wid
             lse.view(-1)[: bs * n * splits].view(bs, n, splits))
 
 
+class PlannedPartials:
+    """A backend whose decode partials come from the plan's attn.decode.* buffers, which the
+    model runner gives it (use_partials); without them it allocates its own."""
+
+    _partials: Optional[Partials] = None
+
+    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
+        self._partials = (part_o, part_lse)
+
+
 class _StepMeta:
     """What every layer of one forward shares."""
 
@@ -114,16 +125,11 @@ class _StepMeta:
 
 
 @register_attention_backend("triton")
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
-        self._partials: Optional[Partials] = None
-
-    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
-        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
-        self._partials = (part_o, part_lse)
 
     def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:

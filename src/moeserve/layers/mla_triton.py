@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from moeserve.layers import attention_tiles as T
 from moeserve.layers.attention import AttentionBackend, query_starts
-from moeserve.layers.attention_triton import (LOG2E, Partials, _pow2, _sdpa, _sdpa_takes,
-                                              decode_splits, partial_views)
+from moeserve.layers.attention_triton import (LOG2E, Partials, PlannedPartials, _pow2, _sdpa,
+                                              _sdpa_takes, decode_splits, partial_views)
 from moeserve.layers.mla import register_mla_backend
 from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -79,16 +79,11 @@ class _StepMeta:
 
 
 @register_mla_backend("triton")
-class TritonMLABackend(AttentionBackend):
+class TritonMLABackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._meta: Optional[_StepMeta] = None
-        self._partials: Optional[Partials] = None
-
-    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
-        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
-        self._partials = (part_o, part_lse)
 
     def warm_up(self, layer: "MLAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
