@@ -293,8 +293,10 @@ def check_topk_softmax(device: str) -> None:
 def check_router_topk(device: str, dtype: torch.dtype) -> None:
     """router_topk(x, w) against the logits in fp64 (rounded to dtype where the model rounds
     them) and select_experts: the same experts, weights within the dtype's tolerance. A row
-    may choose otherwise where two of its scores lie closer than the logits' rounding (the
-    kernel's fp32 sums run in another order): at most 2% of the rows in 16-bit dtypes."""
+    may choose otherwise only among scores the logits' rounding cannot tell apart: each expert
+    it takes has a reference logit within one rounding step of the reference's k-th (bf16
+    logits tie in about a fifth of the rows of 128 experts; the kernel's fp32 sums run in
+    another order). Weights are compared on the rows that choose the same experts."""
     from moeserve.layers.router_kernels import router_topk
 
     gen = torch.Generator().manual_seed(3)
@@ -308,8 +310,8 @@ def check_router_topk(device: str, dtype: torch.dtype) -> None:
             w = (torch.randn(e, h, generator=gen) * h ** -0.5).to(dtype)
             logits = F.linear(x.double(), w.double())
             if round_logits:
-                logits = logits.to(dtype)
-            want_ids, want_w = select_experts(logits.double(), cfg, None, num_valid=valid)
+                logits = logits.to(dtype).double()
+            want_ids, want_w = select_experts(logits, cfg, None, num_valid=valid)
             round_to = dtype if round_logits else torch.float32
             ids, got_w = router_topk(x.to(device), w.to(device), k, renorm, scale, valid,
                                      round_logits, round_to, tile)
@@ -318,15 +320,18 @@ def check_router_topk(device: str, dtype: torch.dtype) -> None:
             if round_to != torch.float32:
                 assert torch.equal(got_w, got_w.to(round_to).float())
             tol = 1e-6 if dtype == torch.float32 else TOL[dtype]
-            differ = 0
+            kth = logits[:valid].topk(k, 1).values[:, -1]
+            step = torch.finfo(round_to if round_logits else torch.float32).eps
+            slack = (kth.abs() * step).clamp_min(1e-6 if dtype == torch.float32 else 1e-4)
             for r in range(valid):
                 got = dict(zip(ids[r].tolist(), got_w[r].tolist()))
                 ref = dict(zip(want_ids[r].tolist(), want_w[r].tolist()))
+                assert len(got) == k and all(0 <= i < e for i in got), (r, got)
                 if got.keys() != ref.keys():
-                    differ += 1
+                    taken = logits[r, list(got)]
+                    assert (taken >= kth[r] - slack[r]).all(), (r, sorted(got), sorted(ref))
                     continue
                 assert max(abs(got[i] - ref[i]) for i in ref) <= tol * max(1.0, scale)
-            assert differ <= (0 if dtype == torch.float32 else valid // 50), (differ, valid)
 
 
 _INTERPRETER_SCRIPT = r"""
