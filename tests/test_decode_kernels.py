@@ -272,14 +272,17 @@ def check_topk_softmax(device: str) -> None:
     from moeserve.layers.router_kernels import topk_softmax
 
     gen = torch.Generator().manual_seed(2)
-    # 11 rows: one a program; 90: 16 a program, the last program part-full, padding rows
-    # (num_valid) inside a program
-    for (e, k, renorm, scale), (m, valid) in itertools.product(
-            [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)], [(11, 9), (90, 85)]):
+    # 11 rows: one a program; 90: the prefill tile of topk_tile, then each of the others, the
+    # last program part-full, padding rows (num_valid) inside a program
+    for (e, k, renorm, scale), (m, valid), tile in itertools.product(
+            [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)], [(11, 9), (90, 85)],
+            [None, (32, 8), (16, 4), (4, 1)]):
+        if tile and m < 90:
+            continue
         cfg = RoutingConfig(e, k, "softmax", "greedy", 1, 1, renorm, scale)
         logits = torch.randn(m, e, generator=gen).to(device)
         want_ids, want_w = select_experts(logits, cfg, None, num_valid=valid)
-        ids, w = topk_softmax(logits, k, renorm, scale, valid)
+        ids, w = topk_softmax(logits, k, renorm, scale, valid, tile=tile)
         assert (ids[valid:] == -1).all() and (w[valid:] == 0).all()
         for r in range(valid):  # same set of experts, same weight for each
             got = dict(zip(ids[r].tolist(), w[r].tolist()))
@@ -365,6 +368,18 @@ def test_decode_kernels_under_the_interpreter():
 
 
 # --- the torch paths and the tile table ---------------------------------------------------
+
+def test_topk_tile_follows_the_timings():
+    """topk_softmax's tiles by rows and experts (router_kernels.topk_tile): a row a warp at
+    decode sizes; past them what the H200 timed fastest (RESULTS.md, session 20)."""
+    from moeserve.layers.router_kernels import TOPK_ONE_ROW_MAX, topk_tile
+
+    assert topk_tile(TOPK_ONE_ROW_MAX, 128) == (1, 1)
+    assert topk_tile(512, 128) == topk_tile(2048, 128) == (4, 1)
+    assert topk_tile(4096, 128) == topk_tile(16384, 128) == (32, 8)
+    assert topk_tile(16384, 64) == topk_tile(512, 60) == (4, 1)
+    assert topk_tile(8192, 8) == (16, 4)
+
 
 def test_add_forward_on_cpu_is_add_then_norm():
     torch.manual_seed(3)

@@ -24,7 +24,19 @@ import triton.language as tl
 from moeserve.layers.pdl import pdl_args, pdl_gate
 
 TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a program
-TOPK_ROWS, TOPK_WARPS = 16, 4  # past it, rows and warps a program
+
+
+def topk_tile(rows: int, experts: int) -> tuple[int, int]:
+    """topk_softmax's rows a program and warps: one row a warp at decode sizes; past
+    TOPK_ONE_ROW_MAX rows the fastest of 8 tiles timed on the H200 at 512-16384 rows
+    (RESULTS.md, session 20; 16 rows of 4 warps before, 0.1-1.6 us slower)."""
+    if rows <= TOPK_ONE_ROW_MAX:
+        return 1, 1
+    if experts <= 16:  # Mixtral's 8: a row a warp took 2-3x as long from 8192 rows
+        return 16, 4
+    if experts > 64 and rows >= 4096:  # 128 experts: 6.75 against 7.21 us at 8192 rows
+        return 32, 8
+    return 4, 1  # 64 experts at 16384 rows: 6.51 against 8.06 us
 
 
 def router_tile(rows: int, experts: int) -> dict:
@@ -97,16 +109,15 @@ def _outputs(m: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                 num_valid: int, round_to: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router."""
+                 num_valid: int, round_to: torch.dtype = torch.float32,
+                 tile: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router;
+    tile (rows a program, warps) overrides topk_tile's."""
     m, e = logits_ME.shape
     assert logits_ME.stride(-1) == 1
     ids, weights = _outputs(m, top_k, logits_ME.device)
     if m:
-        # decode sizes: a row a warp; prefill: TOPK_ROWS rows a program of 4 warps (one row a
-        # program took 10.9 us at 8192 rows of 128 experts on the H200)
-        rows, warps = (1, 1) if m <= TOPK_ONE_ROW_MAX else (TOPK_ROWS, TOPK_WARPS)
+        rows, warps = tile or topk_tile(m, e)
         _topk_softmax_kernel[(triton.cdiv(m, rows),)](
             logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, TOP_K=top_k,
             ROWS=rows, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), RENORM=renormalize,
