@@ -27,12 +27,12 @@ TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a prog
 
 
 def topk_tile(rows: int, experts: int) -> tuple[int, int]:
-    """topk_softmax's rows a program and warps: one row a warp at decode sizes; past
-    TOPK_ONE_ROW_MAX rows the fastest of 8 tiles timed on the H200 at 512-16384 rows
-    (RESULTS.md, session 20; 16 rows of 4 warps before, 0.1-1.6 us slower)."""
+    """topk_softmax's rows a program and warps: one row a program of one warp at decode
+    sizes; past TOPK_ONE_ROW_MAX rows the fastest of 8 tiles timed on the H200 at 512-16384
+    rows (RESULTS.md, session 20; 16 rows of 4 warps before, 0.1-1.6 us slower)."""
     if rows <= TOPK_ONE_ROW_MAX:
         return 1, 1
-    if experts <= 16:  # Mixtral's 8: a row a warp took 2-3x as long from 8192 rows
+    if experts <= 16:  # Mixtral's 8: 4 rows of one warp took 2-3x as long from 8192 rows
         return 16, 4
     if experts > 64 and rows >= 4096:  # 128 experts: 6.75 against 7.21 us at 8192 rows
         return 32, 8
