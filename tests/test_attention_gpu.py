@@ -143,3 +143,38 @@ def test_triton_decode_replays_in_a_cuda_graph():
     want = create_attention_backend("torch").forward(q[:5], layer, plain)
     assert torch.isfinite(out).all()
     assert rel_err(out[:5], want) < TOL[dtype]
+
+
+def test_batch_one_decode_places_the_projection_early_and_gives_plain_bits(monkeypatch):
+    """At batch 1 the decode attention's kernels let the next kernel be placed before they
+    wait (attention_tiles.EARLY_PLACE_MAX_BATCH; layers/pdl.pdl_gate_early): captured in a
+    CUDA graph with the output projection (the skinny GEMV, whose first weight tile is read
+    before its gate) after it, the attention and the projection equal, bit for bit, the same
+    two launched the plain way (PDL off), and the attention matches torch."""
+    from moeserve.layers import attention_tiles as TL
+    from moeserve.layers.skinny_gemm import skinny_linear
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    assert TL.EARLY_PLACE_MAX_BATCH >= 1
+    torch.manual_seed(2)
+    dev, dtype, n, kh, d = "cuda", torch.bfloat16, 32, 4, 128
+    pool = KVCachePool(1, 4096, kh, d, dtype, dev, page_size=16)
+    rows = ReqToTokenPool(2, 1024, dev)
+    pool.kv_LSKD.normal_()
+    layer = PagedAttention(0, n, kh, d, d ** -0.5, create_attention_backend("triton"))
+    w_o = (torch.randn(2048, n * d, device=dev) * (n * d) ** -0.5).to(dtype)
+    q = torch.randn(1, n, d, device=dev, dtype=dtype)
+    k_new, v_new = (torch.randn(1, kh, d, device=dev, dtype=dtype) for _ in range(2))
+
+    def step(fb):
+        o = layer(q, k_new, v_new, fb)
+        return o, skinny_linear(o.reshape(1, n * d), w_o)
+
+    (out, proj), plain = replay_decode_graph(rows, pool, 1, q, step, [700])
+    monkeypatch.setenv("MOESERVE_PDL", "0")
+    want_out, want_proj = step(plain)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(proj, want_proj)
+    ref = create_attention_backend("torch").forward(q, layer, plain)
+    assert rel_err(out, ref) < TOL[dtype]

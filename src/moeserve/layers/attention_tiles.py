@@ -27,6 +27,16 @@ DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
     (8, (64, 4, 3)),
     (1 << 62, (128, 4, 2)),
 )
+# Decode batches of at most this many requests run the decode attention's two kernels with
+# layers/pdl.pdl_gate_early (each lets the next kernel be placed before it waits), so that the
+# output projection's programs are placed, and load their first weight tiles, while the
+# attention still runs. H200, 2026-11-23, decode_timeline.py (Qwen3-30B-A3B shape, context
+# 512, graph replays back to back, ms, two rounds): batch 1 2.574 / 2.574 -> 2.512 / 2.511;
+# batch 2 3.649 / 3.652 -> 3.672 / 3.682; batch 8 and 64 level. The rope kernel too, or the
+# norms too, lost that gain (2.611, 2.550 at batch 1); so did the projection's whole weight
+# slice before its gate (a [2, 4096] tile: 2.547). As shipped (batch 1 only), two more
+# rounds: 2.563 / 2.565 -> 2.501 / 2.501.
+EARLY_PLACE_MAX_BATCH = 1
 # (largest max_extend, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the extend kernel: the
 # first entry whose bound holds the step's longest extend wins; and whether the key blocks
 # before the diagonal skip the masks (without a window). Measured on an H200, 2026-11-22

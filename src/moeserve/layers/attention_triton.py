@@ -181,7 +181,7 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             po, pl = ((out_TND[:, :, None], out_TND[:, :, 0]) if direct  # untouched stand-ins
                       else (meta.part_o, meta.part_lse))
             block_n, warps, stages = T.decode_tiles(bs)
-            pdl = pdl_args(q_TND.device)
+            pdl = {**pdl_args(q_TND.device), "EARLY": bs <= T.EARLY_PLACE_MAX_BATCH}
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
                 out_TND, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),

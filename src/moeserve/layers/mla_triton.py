@@ -183,7 +183,7 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
                     po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                     pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
                     HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
-                    **pdl)
+                    EARLY=False, **pdl)
         elif max_extend:
             grid = (fb.req_pool_indices.shape[0], head_blocks, -(-max_extend // block_t))
             K.mla_extend_kernel[grid](

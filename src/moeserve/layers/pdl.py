@@ -20,6 +20,12 @@ had finished, before this kernel could be placed. Such reads go through L2
 (`cache_modifier=".cg"`), never a stale L1 line. The weight GEMVs load their first weight
 tiles there, so that the weight stream starts while the kernel before them finishes.
 
+`pdl_gate_early` lets the next kernel be placed before this one waits: that next kernel may
+then run ahead of this one's predecessor too, so it must read nothing but weights before
+its gate, and this kernel nothing at all before its own. Only the decode attention's kernels
+take it, at batch 1 (attention_tiles.EARLY_PLACE_MAX_BATCH): their next kernels are the
+combine (which reads nothing before its gate) and the output projection (its weights).
+
 MOESERVE_PDL=0 in the environment turns it off (for A/B measurements); it is also off on
 CPUs, under Triton's interpreter and on GPUs below compute capability 9.0.
 """
@@ -76,3 +82,12 @@ def pdl_gate(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_gate_early(PDL: tl.constexpr):
+    """pdl_gate's two steps the other way round: let the next kernel be placed, then wait for
+    the one before (the contract above says who may)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
