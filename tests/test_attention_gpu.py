@@ -147,7 +147,7 @@ def test_triton_decode_replays_in_a_cuda_graph():
 
 def test_batch_one_decode_places_the_projection_early_and_gives_plain_bits(monkeypatch):
     """At batch 1 the decode attention's kernels let the next kernel be placed before they
-    wait (attention_tiles.EARLY_PLACE_MAX_BATCH; layers/pdl.pdl_gate_early): captured in a
+    wait (attention_tiles.EARLY_PLACE_MAX_BATCH; layers/pdl.pdl_gate's EARLY): captured in a
     CUDA graph with the output projection (the skinny GEMV, whose first weight tile is read
     before its gate) after it, the attention and the projection equal, bit for bit, the same
     two launched the plain way (PDL off), and the attention matches torch."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.layers.pdl import pdl_gate, pdl_gate_early
+from moeserve.layers.pdl import pdl_gate
 
 NEG_INIT = tl.constexpr(-1.0e20)  # a global a kernel reads must be a constexpr
 
@@ -126,14 +126,6 @@ def store_decode(PartO, PartLse, Out, b, split, heads, h_mask, offs_d, d_mask, m
 
 
 @triton.jit
-def _gate(EARLY: tl.constexpr, PDL: tl.constexpr):
-    if EARLY:
-        pdl_gate_early(PDL)
-    else:
-        pdl_gate(PDL)
-
-
-@triton.jit
 def decode_partial_kernel(
         Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -145,8 +137,8 @@ def decode_partial_kernel(
     """DIRECT (one split, num_splits == 1): the program's normalised output is the
     attention's, written to Out in its dtype (what the combine would make of one split) and
     no partial is stored. EARLY: the next kernel may be placed before this one waits at its
-    gate (pdl_gate_early; nothing is read before it)."""
-    _gate(EARLY, PDL)
+    gate (layers/pdl.py; nothing is read before it)."""
+    pdl_gate(PDL, EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,7 +178,7 @@ def decode_combine_kernel(
         stride_xt, stride_xh, num_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         EARLY: tl.constexpr, PDL: tl.constexpr):
-    _gate(EARLY, PDL)
+    pdl_gate(PDL, EARLY)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

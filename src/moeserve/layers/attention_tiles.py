@@ -28,7 +28,7 @@ DECODE_TILES: tuple[tuple[int, tuple[int, int, int]], ...] = (
     (1 << 62, (128, 4, 2)),
 )
 # Decode batches of at most this many requests run the decode attention's two kernels with
-# layers/pdl.pdl_gate_early (each lets the next kernel be placed before it waits), so that the
+# layers/pdl.pdl_gate's EARLY (each lets the next kernel be placed before it waits), so that the
 # output projection's programs are placed, and load their first weight tiles, while the
 # attention still runs. H200, 2026-11-23, decode_timeline.py (Qwen3-30B-A3B shape, context
 # 512, graph replays back to back, ms, two rounds): batch 1 2.574 / 2.574 -> 2.512 / 2.511;

@@ -20,9 +20,9 @@ had finished, before this kernel could be placed. Such reads go through L2
 (`cache_modifier=".cg"`), never a stale L1 line. The weight GEMVs load their first weight
 tiles there, so that the weight stream starts while the kernel before them finishes.
 
-`pdl_gate_early` lets the next kernel be placed before this one waits: that next kernel may
-then run ahead of this one's predecessor too, so it must read nothing but weights before
-its gate, and this kernel nothing at all before its own. Only the decode attention's kernels
+`pdl_gate(PDL, EARLY=True)` lets the next kernel be placed before this one waits: that next
+kernel may then run ahead of this one's predecessor too, so it must read nothing but weights
+before its gate, and this kernel nothing at all before its own. Only the decode attention's kernels
 take it, at batch 1 (attention_tiles.EARLY_PLACE_MAX_BATCH): their next kernels are the
 combine (which reads nothing before its gate) and the output projection (its weights).
 
@@ -77,17 +77,13 @@ def pdl_args(device: torch.device) -> dict:
 
 
 @triton.jit
-def pdl_gate(PDL: tl.constexpr):
-    """Wait for the kernel before this one, then let the next one be placed."""
+def pdl_gate(PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """Wait for the kernel before this one, then let the next one be placed. EARLY: the two
+    steps the other way round (the contract above says which kernels may)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_gate_early(PDL: tl.constexpr):
-    """pdl_gate's two steps the other way round: let the next kernel be placed, then wait for
-    the one before (the contract above says who may)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
