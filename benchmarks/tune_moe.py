@@ -3,16 +3,19 @@ write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them
 
     PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
         [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
-        [--half-tail-only | --retune {gate_up,down}]
+        [--half-tail-only | --atomic-sum-only | --retune {gate_up,down}]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
 per used expert, every gate_up candidate and every down candidate timed alone (median of
 triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
 the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
 with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1%
-faster (alternating, best of 3). --half-tail-only does that last step alone on the entries
-already in --out; --retune GEMM re-tunes only that GEMM of them, and keeps the shipped
-tiles unless the new winner is 1% faster against them, alternating. Candidates are the same
+faster (alternating, best of 3). Last, from ATOMIC_SUM_MIN_TOKENS tokens, down and the
+top-k sum are timed together against down adding its rows into the output with atomics
+("ATOMIC_SUM", no top-k sum pass), kept at least 1% faster. --half-tail-only and
+--atomic-sum-only do one of those steps alone on the entries already in --out; --retune GEMM
+re-tunes only that GEMM of them, and keeps the shipped tiles unless the new winner is 1%
+faster against them, alternating. Candidates are the same
 for every shape, so each compiles once per run. A size that runs out of --time-budget keeps
 the defaults. On sm90, down's candidates include the warp-specialised kernel ("WS").
 
@@ -47,6 +50,10 @@ TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
 DECODE_MAX_TOKENS = 8
+# ATOMIC_SUM is tried from this many tokens (prefill sizes): its adds land in a varying order,
+# so a step's bits may differ between runs, and decode steps, which CUDA graphs replay up to
+# --cuda-graph-max-bs (256) rows, keep the top-k pass that gives a graph eager's bits
+ATOMIC_SUM_MIN_TOKENS = 1024
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels, gate_up's with and without PREFETCH; no
 # num_stages: their loops' loads feed FMAs, and Triton compiles the same code at 1, 2 and 3
 # stages (sm90 PTX compared, session 15)
@@ -139,15 +146,23 @@ def routed(n: int, k: int, e: int, h: int) -> tuple[torch.Tensor, ...]:
 
 
 def gemm_fns(x, ids, weights, w13, w2, k: int, bm: int, up: Optional[dict] = None):
-    """(gate_up(cfg), down(cfg)) timed callables on bm-row blocks; down's input is gate_up's
-    output under `up` (or a first candidate's)."""
+    """(gate_up(cfg), down(cfg), summed(cfg)) timed callables on bm-row blocks; down's input
+    is gate_up's output under `up` (or a first candidate's); summed is down with the top-k
+    sum as fused_experts runs them (the pass after it, or in its tiles under ATOMIC_SUM)."""
     from moeserve.moe.kernels.align import align_triton
-    from moeserve.moe.kernels.fused_moe import down, gate_up
+    from moeserve.moe.kernels.fused_moe import down, down_summed, gate_up, topk_sum
 
-    blocks = align_triton(ids, 0, w13.shape[0], bm)
+    e = w13.shape[0]
+    blocks = align_triton(ids, 0, e, bm)
     up_fn = lambda c: gate_up(x, w13, blocks, k, "silu", c)
     h_buf = up_fn(up or candidates(bm, "gate_up", False)[0])
-    return up_fn, lambda c: down(h_buf, w2, blocks, weights, ids.numel(), c)
+    down_fn = lambda c: down(h_buf, w2, blocks, weights, ids.numel(), c)
+
+    def summed(c: dict) -> torch.Tensor:
+        if c.get("ATOMIC_SUM"):
+            return down_summed(h_buf, w2, blocks, weights, ids.shape[0], k, c)
+        return topk_sum(down_fn(c), ids, 0, e)
+    return up_fn, down_fn, summed
 
 
 def with_half_tail(name: str, fn, timed: tuple[float, dict], block_m: int
@@ -177,10 +192,10 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
     pairs = n * k
     best = None
     for bm in block_ms(pairs / min(e, pairs)):
-        up_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm)
+        up_fn = gemm_fns(x, ids, weights, w13, w2, k, bm)[0]
         best_up = best_of("gate_up", up_fn, candidates(bm, "gate_up", full))
         t_up, up = with_half_tail("gate_up", up_fn, best_up, bm)
-        _, down_fn = gemm_fns(x, ids, weights, w13, w2, k, bm, up)
+        down_fn = gemm_fns(x, ids, weights, w13, w2, k, bm, up)[1]
         best_down = best_of("down", down_fn, candidates(bm, "down", full))
         t_down, dn = with_half_tail("down", down_fn, best_down, bm)
         print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, down "
@@ -189,7 +204,7 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
     if n <= DECODE_MAX_TOKENS:
         return with_decode(n, k, w13, w2, best[1])
-    return best[1]
+    return with_atomic_sum(n, k, w13, w2, best[1], (x, ids, weights))
 
 
 def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> dict:
@@ -200,10 +215,24 @@ def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
     e, h = w13.shape[0], w13.shape[2]
     x, ids, weights = routed(n, k, e, h)
     bm = cfg["BLOCK_M"]
-    up_fn, down_fn = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
+    up_fn, down_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
     _, up = with_half_tail("gate_up", up_fn, (0.0, cfg["gate_up"]), bm)
     _, dn = with_half_tail("down", down_fn, (0.0, cfg["down"]), bm)
     return {**cfg, "gate_up": up, "down": dn}
+
+
+def with_atomic_sum(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict,
+                    routing: Optional[tuple] = None) -> dict:
+    """A tuned entry with down's ATOMIC_SUM re-decided: down and the top-k sum timed together
+    (alternating, best of 3), the atomics kept when at least 1% faster (GEMV entries and
+    sizes below ATOMIC_SUM_MIN_TOKENS as they are)."""
+    if "decode" in cfg or n < ATOMIC_SUM_MIN_TOKENS:
+        return cfg
+    x, ids, weights = routing or routed(n, k, w13.shape[0], w13.shape[2])
+    fn = gemm_fns(x, ids, weights, w13, w2, k, cfg["BLOCK_M"], cfg["gate_up"])[2]
+    base = {c: v for c, v in cfg["down"].items() if c != "ATOMIC_SUM"}
+    _, dn = a_or_b(f"down + top-k sum N={n}", fn, base, {**base, "ATOMIC_SUM": 1})
+    return {**cfg, "down": dn}
 
 
 def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict
@@ -218,7 +247,10 @@ def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
     bm = cfg["BLOCK_M"]
     fn = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])[gemm == "down"]
     best = with_half_tail(gemm, fn, best_of(gemm, fn, candidates(bm, gemm, False)), bm)
-    return {**cfg, gemm: a_or_b(f"{gemm} N={n}", fn, cfg[gemm], best[1])[1]}
+    # (down timed alone: its ATOMIC_SUM, a choice about the pass after it, carries over)
+    shipped = {c: v for c, v in cfg[gemm].items() if c != "ATOMIC_SUM"}
+    kept = a_or_b(f"{gemm} N={n}", fn, shipped, best[1])[1]
+    return {**cfg, gemm: {**kept, **({"ATOMIC_SUM": 1} if cfg[gemm].get("ATOMIC_SUM") else {})}}
 
 
 def graph_us(fns: list) -> float:
@@ -275,6 +307,8 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=float("inf"))
     ap.add_argument("--half-tail-only", action="store_true",
                     help="only re-decide HALF_TAIL on the entries already in --out")
+    ap.add_argument("--atomic-sum-only", action="store_true",
+                    help="only re-decide down's ATOMIC_SUM on the entries already in --out")
     ap.add_argument("--retune", choices=("gate_up", "down"), default=None,
                     help="only re-tune this GEMM of the entries already in --out, keeping "
                          "the shipped tiles unless the new ones time 1%% faster")
@@ -301,12 +335,14 @@ def main() -> None:
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
             table = json.loads(path.read_text()) if path.is_file() else {}
-            if args.half_tail_only or args.retune:
+            if args.half_tail_only or args.atomic_sum_only or args.retune:
                 if str(n) not in table:
                     print(f"  no entry for N={n} to re-check", flush=True)
                     continue
                 if args.half_tail_only:
                     table[str(n)] = recheck_half_tail(n, k, *weights[(e, h, i)], table[str(n)])
+                elif args.atomic_sum_only:
+                    table[str(n)] = with_atomic_sum(n, k, *weights[(e, h, i)], table[str(n)])
                 else:
                     table[str(n)] = retune(args.retune, n, k, *weights[(e, h, i)],
                                            table[str(n)])

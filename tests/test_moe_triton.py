@@ -185,6 +185,12 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
         configs.load_tuned.cache_clear()
         with pytest.raises(ValueError, match="sets WS where it cannot run"):
             get(4096)
+    summed = configs.default_config(4096, 8, 128)  # ATOMIC_SUM: down's only
+    summed["gate_up"]["ATOMIC_SUM"] = 1
+    (tmp_path / name).write_text(json.dumps({"4096": summed}))
+    configs.load_tuned.cache_clear()
+    with pytest.raises(ValueError, match="sets ATOMIC_SUM for gate_up"):
+        get(4096)
     for where in ("gate_up", "down", "decode.down"):  # PREFETCH: the decode gate_up's only
         pf = configs.default_config(1, 8, 128)
         (pf["decode"]["down"] if where == "decode.down" else pf[where])["PREFETCH"] = 1
@@ -334,6 +340,23 @@ for n, tma_on, block_m in [(3, 0, 32), (60, 1, 32), (60, 0, 64)]:
                           {"BLOCK_M": block_m, "gate_up": half, "down": half})
         err = rel_err(y, ref(x, ids, w))
         assert err <= 1e-4, ("half tail", n, block_m, mode, err)
+# down adding each pair's row into its token's row (ATOMIC_SUM: no top-k sum pass), on EP
+# ranks, with -1 ids, half tiles; a row with no pair of this rank stays 0
+for n, (ep, rank), block_m, half_tail in [(9, (1, 0), 16, 0), (60, (2, 1), 32, 1),
+                                          (300, (2, 0), 64, 0)]:
+    spec = make_spec(e=8, k=2, h=48, i=40)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=9)
+    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=9)
+    summed = {**tma, "TMA": 0, "HALF_TAIL": half_tail, "ATOMIC_SUM": 1}
+    for mode in ("uniform", "skewed", "padded"):
+        x = torch.randn(n, spec.hidden_size)
+        ids, w = routing(n, 2, 8, mode, seed=n + 3)
+        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
+                          {"BLOCK_M": block_m, "gate_up": tma, "down": summed})
+        err = rel_err(y, ref(x, ids, w))
+        assert err <= 1e-4, ("atomic sum", n, ep, block_m, mode, err)
+        if mode == "padded":
+            assert (y[-1] == 0).all()
 try:
     fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
                   {"BLOCK_M": 16, "gate_up": half, "down": half})
@@ -570,6 +593,49 @@ def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m,
         w.copy_(new_w)
         graph.replay()
         torch.testing.assert_close(y, fused_experts(*args, ws), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ws", [0, 1])
+@pytest.mark.parametrize("block_m,half_tail", [(64, 0), (128, 1)])
+def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
+    """down adding its rows into the output ("ATOMIC_SUM", bf16 atomics; by the Gluon kernel
+    on sm90 with WS, else Triton's) against down + the top-k pass and the reference: on an EP
+    rank, with -1 ids and rows of no owned pair (which stay 0); in a CUDA graph on new
+    routings (the order of the adds varies, so within rounding rather than bit for bit)."""
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    spec = make_spec(e=16, k=4, h=512, i=192)
+    fast, ref = _gpu_pair("triton", spec, 2, 1, seed=block_m + ws)
+    gemm = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+            "TMA": 1, "HALF_TAIL": half_tail}
+    plain = {"BLOCK_M": block_m, "gate_up": gemm, "down": {**gemm, "WS": ws}}
+    summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
+    for n, mode in [(3, "uniform"), (300, "skewed"), (2000, "padded")]:
+        x = torch.randn(n, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = routing(n, 4, 16, mode, seed=n, device="cuda")
+        args = (x, fast.w13, fast.w2, ids, w, fast.first_expert, "silu")
+        y = fused_experts(*args, summed)
+        assert y.shape == (n, spec.hidden_size) and y.dtype == torch.bfloat16
+        assert rel_err(y, fused_experts(*args, plain)) <= 1e-2, (n, mode)
+        assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
+        mine = ((ids >= fast.first_expert) & (ids < fast.first_expert + 8)).any(1)
+        assert (y[~mine] == 0).all() and mine.any()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_experts(*args, summed)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_experts(*args, summed)
+    for mode in ROUTINGS:
+        new_ids, new_w = routing(2000, 4, 16, mode, seed=12, device="cuda")
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        assert rel_err(y, fused_experts(*args, plain)) <= 1e-2, mode
 
 
 @pytest.mark.gpu

@@ -15,7 +15,10 @@ tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 
 of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32, with WS >= 128) and, for
 gate_up with TMA, "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA
 of twice the width, in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon
-kernel of down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere). An entry with a "decode"
+kernel of down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere) and "ATOMIC_SUM": 1
+(down adds each pair's row into its token's row of the output with atomics, in place of the
+top-k sum pass: fused_moe.down_summed; the tuner tries it from 1024 tokens, so that decode
+steps keep bits that do not vary between runs). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
 GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
 "PREFETCH": 1 (each K step loads the next chunk's tiles first). Older tables' decode entries
@@ -141,6 +144,9 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
                          "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
                          "tile of 64 rows a warpgroup); drop it or re-run "
                          "benchmarks/tune_moe.py")
+    if cfg["gate_up"].get("ATOMIC_SUM"):
+        raise ValueError(f"MoE tile config in {where} sets ATOMIC_SUM for gate_up: only down "
+                         "sums the top-k; drop it or re-run benchmarks/tune_moe.py")
     elsewhere = [g for g in ("gate_up", "down") if cfg[g].get("PREFETCH")]
     elsewhere += ["decode.down"] if cfg.get("decode", {}).get("down", {}).get("PREFETCH") else []
     if elsewhere:

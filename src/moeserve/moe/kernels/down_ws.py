@@ -1,8 +1,8 @@
 """The down GEMM of fused_moe.py as a persistent, warp-specialised Gluon kernel for sm90.
 
-Same contract and the same bits as fused_moe.down: y_PH[p] = weight_p * (h[row of p] . w2[e])
-for every row of every used block, written at the pair's own slot. What differs is how the
-work is scheduled, in three partitions of one program per SM:
+Same contract and the same bits as fused_moe's Triton down kernel: y_PH[p] = weight_p *
+(h[row of p] . w2[e]) for every row of every used block, written at the pair's own slot.
+What differs is how the work is scheduled, in three partitions of one program per SM:
 
     tiles      t = program, program + programs, ...: (block t // num_n, BLOCK_N columns)
     loader     2 warps: TMA loads of h's rows [BLOCK_M, BLOCK_K] (contiguous in block order)
@@ -20,6 +20,9 @@ Triton's own kernel (fused_moe._down_kernel) issues loads and MMAs from the same
 CTA barrier at each K step, waits for its first loads at every tile and writes each tile out
 before the next starts: at K = 768 (Qwen3-30B-A3B) that was a third of a tile's time.
 
+With "ATOMIC_SUM", the store warps add each row into its token's row of the [N, H] output
+(fused_moe.down_summed) rather than writing it at the pair's slot.
+
 With "HALF_TAIL" (BLOCK_M >= 128), a block of at most BLOCK_M / 2 rows (an expert's last)
 loads only those rows of h and takes MMAs of half the rows, as fused_moe.py's kernels do.
 
@@ -27,7 +30,7 @@ Config: "WS": 1 in a down entry (BLOCK_M >= 64; shared memory: STAGES x (BLOCK_M
 x BLOCK_K x 2 bytes plus the BLOCK_M x BLOCK_N bf16 tile, at most 227 KB). `usable` says
 whether a call qualifies (a CUDA device of compute capability 9.x, bf16, hidden % BLOCK_N == 0
 so that a tile never crosses two experts in the [E * H, I] view of w2, 16-byte aligned
-rows); fused_moe.down takes the Triton kernel when it does not.
+rows); fused_moe takes the Triton kernel when it does not.
 """
 
 from __future__ import annotations
@@ -187,12 +190,13 @@ if gluon is not None:
     @gluon.jit
     def _store_out(out_smem, out_ready, out_free, w_smem, w_ready, y_ptr, sorted_ptr,
                    block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles, num_n,
-                   hidden, CHUNK: gl.constexpr, chunk_layout: gl.constexpr,
-                   w_layout: gl.constexpr):
+                   hidden, top_k, CHUNK: gl.constexpr, chunk_layout: gl.constexpr,
+                   w_layout: gl.constexpr, ATOMIC_SUM: gl.constexpr):
         """Per tile: its pairs' top-k weights into w_smem for the MMA warps (the dependent
         loads happen here, off their path), then the finished tile from out_smem to the
         pairs' rows of y, CHUNK rows at a time (one warp writes one pair's BLOCK_N columns,
-        16 bytes a thread), while the MMA warps go on with the next tile."""
+        16 bytes a thread), while the MMA warps go on with the next tile. ATOMIC_SUM: each
+        row is added into its token's row of the [N, H] output (16-byte bf16 atomics)."""
         BLOCK_M: gl.constexpr = out_smem.type.shape[0]
         BLOCK_N: gl.constexpr = out_smem.type.shape[1]
         offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_layout))
@@ -216,18 +220,25 @@ if gluon is not None:
                     ok = r < rows
                     pair = gl.load(sorted_ptr + blk * BLOCK_M + r, mask=ok, other=0)
                     vals = out_smem.slice(c * CHUNK, CHUNK, dim=0).load(chunk_layout)
-                    gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], vals,
-                             mask=ok[:, None])
+                    if ATOMIC_SUM:
+                        token = (pair // top_k).to(gl.int64)
+                        gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], vals,
+                                      mask=ok[:, None] & (cols < hidden)[None, :],
+                                      sem="relaxed")
+                    else:
+                        gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :],
+                                 vals, mask=ok[:, None])
                 mbarrier.arrive(out_free)
                 done += 1
 
     @gluon.jit
     def _down_ws_kernel(a_desc, a_half_desc, b_desc, y_ptr, sorted_ptr, block_expert_ptr,
-                        block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter,
+                        block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k,
                         STAGES: gl.constexpr, HALF_TAIL: gl.constexpr,
                         ACC_LAYOUT: gl.constexpr, HALF_LAYOUT: gl.constexpr, CHUNK: gl.constexpr,
                         CHUNK_LAYOUT: gl.constexpr, OUT_SMEM_LAYOUT: gl.constexpr,
-                        W_LAYOUT: gl.constexpr, W_SMEM_LAYOUT: gl.constexpr):
+                        W_LAYOUT: gl.constexpr, W_SMEM_LAYOUT: gl.constexpr,
+                        ATOMIC_SUM: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -260,13 +271,14 @@ if gluon is not None:
                        HALF_TAIL)),
             (_store_out, (out_smem, out_ready, out_free, w_smem, w_ready, y_ptr, sorted_ptr,
                           block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
-                          num_n, hidden, CHUNK, CHUNK_LAYOUT, W_LAYOUT)),
+                          num_n, hidden, top_k, CHUNK, CHUNK_LAYOUT, W_LAYOUT, ATOMIC_SUM)),
         ], [2, 2], [LOADER_REGS, STORE_REGS])
 
 
 def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_weights_P,
-            cfg: dict[str, Any]) -> None:
-    """fused_moe.down's GEMM into y (caller checked `usable`)."""
+            cfg: dict[str, Any], sum_top_k: int = 0) -> None:
+    """fused_moe.down's GEMM into y (caller checked `usable`); sum_top_k > 0: y is the zeroed
+    [N, H] output and each pair's row is added into its token's (fused_moe.down_summed)."""
     num_local, hidden, inter = w2.shape
     bm, bn, bk = blocks.block_m, cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
@@ -284,12 +296,13 @@ def down_ws(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, blocks, topk_wei
     maxnreg = min(255, 65536 // (32 * (warps + 4))) // 8 * 8
     _down_ws_kernel[(min(sms, tiles),)](
         a_desc, a_half_desc, b_desc, y, blocks.sorted_pairs, blocks.block_expert,
-        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter,
+        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter, max(sum_top_k, 1),
         STAGES=cfg["num_stages"], HALF_TAIL=bool(cfg.get("HALF_TAIL")),
         ACC_LAYOUT=_mma_layout(bm, bn, warps), HALF_LAYOUT=_mma_layout(bm // 2, bn, warps),
         CHUNK=STORE_CHUNK,
         CHUNK_LAYOUT=gl.BlockedLayout([1, bn // 32], [1, 32], [2, 1], [1, 0]),
         OUT_SMEM_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
         W_LAYOUT=gl.BlockedLayout([1], [32], [2], [0]),
-        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(1, 1, 1, [0]), num_warps=warps,
+        W_SMEM_LAYOUT=gl.SwizzledSharedLayout(1, 1, 1, [0]), ATOMIC_SUM=sum_top_k > 0,
+        num_warps=warps,
         maxnreg=maxnreg)

@@ -20,9 +20,13 @@ tiles: the tuner sets it per GEMM and size only where it measured faster.
 A program whose block belongs to no expert returns before loading anything, so only the
 experts that some pair uses are read. The grid is sized from max_blocks(P), a bound that
 depends on shapes alone: nothing is read back to the host and the whole thing can be captured
-in a CUDA graph. The top-k sum is a separate, deterministic pass over y_PH rather than atomics
-into a zeroed fp32 buffer: same number of launches, no memset, no cast pass, and every run of
-the same input gives the same bits.
+in a CUDA graph. The top-k sum is a separate pass over y_PH, in fp32 with one rounding, and
+every run of the same input gives the same bits; with "ATOMIC_SUM" in down's config
+(down_summed) down's tiles add their rows into a zeroed [N, H] output with atomics of the
+model's dtype instead: no [P, H] round trip through HBM (at 8192 tokens of Qwen3-30B-A3B the
+pass reads 268 MB, 74 us on an H200), but each add rounds, and in an order that varies, so
+runs of the same input may differ in the last bits. The tuner sets it where it measured
+faster.
 """
 
 from __future__ import annotations
@@ -162,10 +166,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
 
 @triton.jit
 def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0, rows, pid_n,
-               hidden, inter, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, TMA: tl.constexpr):
+               hidden, inter, top_k, M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+               ATOMIC_SUM: tl.constexpr):
     """The first M rows of the block at row0 against BLOCK_N rows of w2, each row scaled by
-    its pair's top-k weight and written at the pair's slot."""
+    its pair's top-k weight and written at the pair's slot (ATOMIC_SUM: added into its
+    token's row of the zeroed [N, H] output)."""
     offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -187,16 +193,21 @@ def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0,
         b_ptrs += BLOCK_K
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     y = (acc * weight[:, None]).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y,
-             mask=row_ok[:, None] & n_ok[None, :])
+    ok = row_ok[:, None] & n_ok[None, :]
+    if ATOMIC_SUM:
+        token = (pair // top_k).to(tl.int64)
+        tl.atomic_add(y_ptr + token[:, None] * hidden + offs_n[None, :], y, mask=ok,
+                      sem="relaxed")
+    else:
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y, mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "GROUP_M"])
+@triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
-                 topk_weights_ptr, num_blocks, hidden, inter, GROUP_M,
+                 topk_weights_ptr, num_blocks, hidden, inter, top_k, GROUP_M,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -205,10 +216,12 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
     rows = tl.load(block_rows_ptr + pid_m)
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, pid_m * BLOCK_M,
-                   rows, pid_n, hidden, inter, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                   rows, pid_n, hidden, inter, top_k, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
+                   TMA, ATOMIC_SUM)
     else:
         _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, pid_m * BLOCK_M,
-                   rows, pid_n, hidden, inter, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                   rows, pid_n, hidden, inter, top_k, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
+                   ATOMIC_SUM)
 
 
 @triton.jit(do_not_specialize=["top_k", "first_expert", "num_local"])
@@ -280,20 +293,38 @@ def gate_up(x_NH, w13, blocks, top_k: int, act: str, cfg: dict[str, Any],
 
 def down(h, w2, blocks, topk_weights_P: torch.Tensor, num_pairs: int,
          cfg: dict[str, Any], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_PH: each pair's weighted output at its own slot (the top-k sum is topk_sum's)."""
+    y = take(out, num_pairs, "down", w2.shape[1], dtype=h.dtype, device=h.device)
+    if blocks.num_blocks:
+        _down_launch(h, w2, blocks, topk_weights_P, y, 1, cfg, atomic=False)
+    return y
+
+
+def down_summed(h, w2, blocks, topk_weights_P: torch.Tensor, num_rows: int, top_k: int,
+                cfg: dict[str, Any]) -> torch.Tensor:
+    """out_NH: down with the top-k sum done by its tiles, each adding its rows into their
+    tokens' rows of a zeroed output with bf16 (or the dtype's) atomics: no [P, H] buffer and
+    no pass that reads it back, at the price of a sum rounded at every add, in an order that
+    varies from run to run (the bits may differ between runs of the same input)."""
+    out = torch.zeros(num_rows, w2.shape[1], dtype=h.dtype, device=h.device)
+    if blocks.num_blocks:
+        _down_launch(h, w2, blocks, topk_weights_P, out, top_k, cfg, atomic=True)
+    return out
+
+
+def _down_launch(h, w2, blocks, topk_weights_P, dst, top_k: int, cfg: dict[str, Any],
+                 atomic: bool) -> None:
     num_local, hidden, inter = w2.shape
-    y = take(out, num_pairs, "down", hidden, dtype=h.dtype, device=h.device)
-    if blocks.num_blocks == 0:
-        return y
     if cfg.get("WS") and down_ws.usable(w2, h, cfg, blocks.block_m):
-        down_ws.down_ws(h, w2, y, blocks, topk_weights_P, cfg)
-        return y
+        down_ws.down_ws(h, w2, dst, blocks, topk_weights_P, cfg, top_k if atomic else 0)
+        return
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     w_arg, tma = _weights_arg(w2, cfg)
-    _down_kernel[grid](h, w_arg, y, blocks.sorted_pairs, blocks.block_expert, blocks.block_rows,
-                       topk_weights_P, blocks.num_blocks, hidden, inter, cfg["GROUP_M"],
-                       EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
-                       **_launch_opts(cfg, blocks.block_m), **pdl_args(h.device))
-    return y
+    _down_kernel[grid](h, w_arg, dst, blocks.sorted_pairs, blocks.block_expert,
+                       blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter,
+                       top_k, cfg["GROUP_M"], EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma,
+                       ATOMIC_SUM=atomic, **_launch_opts(cfg, blocks.block_m),
+                       **pdl_args(h.device))
 
 
 def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tensor:
@@ -326,5 +357,7 @@ def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                               config["decode"], ws and ws.act)
     blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"], ws)
     h = gate_up(x_NH, w13, blocks, k, act, config["gate_up"], ws and ws.act)
+    if config["down"].get("ATOMIC_SUM"):
+        return down_summed(h, w2, blocks, weights, n, k, config["down"])
     y = down(h, w2, blocks, weights, n * k, config["down"], ws and ws.down)
     return topk_sum(y, ids, first_expert, num_local)
