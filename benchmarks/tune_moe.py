@@ -15,9 +15,9 @@ top-k sum are timed together against down adding its rows into the output with a
 ("ATOMIC_SUM", no top-k sum pass), kept at least 1% faster. --half-tail-only and
 --atomic-sum-only do one of those steps alone on the entries already in --out; --retune GEMM
 re-tunes only that GEMM of them, and keeps the shipped tiles unless the new winner is 1%
-faster against them, alternating. Candidates are the same
-for every shape, so each compiles once per run. A size that runs out of --time-budget keeps
-the defaults. On sm90, down's candidates include the warp-specialised kernel ("WS").
+faster against them, alternating. Candidates are the same for every shape, so each compiles
+once per run. A size that runs out of --time-budget keeps the defaults. On sm90, down's
+candidates include the warp-specialised kernel ("WS").
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
 alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths

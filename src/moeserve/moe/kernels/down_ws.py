@@ -220,7 +220,7 @@ if gluon is not None:
                     ok = r < rows
                     pair = gl.load(sorted_ptr + blk * BLOCK_M + r, mask=ok, other=0)
                     vals = out_smem.slice(c * CHUNK, CHUNK, dim=0).load(chunk_layout)
-                    if ATOMIC_SUM:
+                    if ATOMIC_SUM:  # (cols < hidden always holds: the mask's full shape)
                         token = (pair // top_k).to(gl.int64)
                         gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], vals,
                                       mask=ok[:, None] & (cols < hidden)[None, :],
