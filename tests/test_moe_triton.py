@@ -326,37 +326,31 @@ for (n, (ep, rank), h), paired in itertools.product([(9, (1, 0), 48), (40, (2, 1
                        "down": {**tma, "BLOCK_N": 32}})
     err = rel_err(y, ref(x, ids, w))
     assert err <= 1e-4, ("tma", n, ep, paired, err)
+
+
+# fused_experts under cfg against the reference (E 8, top-2, H 48, I 40) on each routing; a
+# row whose ids are all -1 (padded) gets 0
+def check_grouped(what, n, ep, rank, cfg, seed):
+    spec = make_spec(e=8, k=2, h=48, i=40)
+    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=seed)
+    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=seed)
+    for mode in ("uniform", "skewed", "padded"):
+        x = torch.randn(n, spec.hidden_size)
+        ids, w = routing(n, 2, 8, mode, seed=n + seed)
+        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu", cfg)
+        err = rel_err(y, ref(x, ids, w))
+        assert err <= 1e-4, (what, n, ep, cfg["BLOCK_M"], mode, err)
+        if mode == "padded":
+            assert (y[-1] == 0).all(), what
+    return tri, x, ids, w
+
+
 # half tiles for an expert's last block when it holds at most BLOCK_M / 2 rows; by pointer
 # loads and by TMA; 1-3 rows an expert give only such tails, 60 some full blocks beside them
 for n, tma_on, block_m in [(3, 0, 32), (60, 1, 32), (60, 0, 64)]:
-    spec = make_spec(e=8, k=2, h=48, i=40)
-    ref = make_experts("reference", spec, 1, 0, torch.float32, "cpu", seed=8)
-    tri = make_experts("triton", spec, 1, 0, torch.float32, "cpu", seed=8)
     half = {**tma, "TMA": tma_on, "HALF_TAIL": 1}
-    for mode in ("uniform", "skewed", "padded"):
-        x = torch.randn(n, spec.hidden_size)
-        ids, w = routing(n, 2, 8, mode, seed=n + 2)
-        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
-                          {"BLOCK_M": block_m, "gate_up": half, "down": half})
-        err = rel_err(y, ref(x, ids, w))
-        assert err <= 1e-4, ("half tail", n, block_m, mode, err)
-# down adding each pair's row into its token's row (ATOMIC_SUM: no top-k sum pass), on EP
-# ranks, with -1 ids, half tiles; a row with no pair of this rank stays 0
-for n, (ep, rank), block_m, half_tail in [(9, (1, 0), 16, 0), (60, (2, 1), 32, 1),
-                                          (300, (2, 0), 64, 0)]:
-    spec = make_spec(e=8, k=2, h=48, i=40)
-    ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=9)
-    tri = make_experts("triton", spec, ep, rank, torch.float32, "cpu", seed=9)
-    summed = {**tma, "TMA": 0, "HALF_TAIL": half_tail, "ATOMIC_SUM": 1}
-    for mode in ("uniform", "skewed", "padded"):
-        x = torch.randn(n, spec.hidden_size)
-        ids, w = routing(n, 2, 8, mode, seed=n + 3)
-        y = fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
-                          {"BLOCK_M": block_m, "gate_up": tma, "down": summed})
-        err = rel_err(y, ref(x, ids, w))
-        assert err <= 1e-4, ("atomic sum", n, ep, block_m, mode, err)
-        if mode == "padded":
-            assert (y[-1] == 0).all()
+    tri, x, ids, w = check_grouped("half tail", n, 1, 0,
+                                   {"BLOCK_M": block_m, "gate_up": half, "down": half}, seed=8)
 try:
     fused_experts(x, tri.w13, tri.w2, ids, w, tri.first_expert, "silu",
                   {"BLOCK_M": 16, "gate_up": half, "down": half})
@@ -364,6 +358,13 @@ except ValueError as exc:
     assert "HALF_TAIL needs BLOCK_M >= 32" in str(exc), exc
 else:
     raise AssertionError("a half tile of 8 rows was launched")
+# down adding each pair's row into its token's row (ATOMIC_SUM: no top-k sum pass), on EP
+# ranks, with -1 ids, half tiles
+for n, (ep, rank), block_m, half_tail in [(9, (1, 0), 16, 0), (60, (2, 1), 32, 1),
+                                          (300, (2, 0), 64, 0)]:
+    summed = {**tma, "TMA": 0, "HALF_TAIL": half_tail, "ATOMIC_SUM": 1}
+    check_grouped("atomic sum", n, ep, rank, {"BLOCK_M": block_m, "gate_up": tma,
+                                              "down": summed}, seed=9)
 # the intermediates in a plan-sized workspace (as the model runner hands them over): the same
 # bits as allocating them, and a workspace one row short refused with the record's name
 from moeserve.moe.kernels.align_torch import Workspace
@@ -452,6 +453,31 @@ def test_triton_align_equals_torch_align_on_gpu(n):
                 assert torch.equal(got.block_rows, want.block_rows)
 
 
+def _captured(fn):
+    """(graph, its output): fn() captured in a CUDA graph, after a call on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _replayed_on_new_routings(graph, ids, w, num_experts: int, seed: int):
+    """Yields each routing mode after copying a new routing of it into ids and w (the graph's
+    inputs) and replaying the graph."""
+    for mode in ROUTINGS:
+        new_ids, new_w = routing(ids.shape[0], ids.shape[1], num_experts, mode, seed=seed,
+                                 device="cuda")
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        yield mode
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", ["triton", "grouped_mm"])
@@ -463,14 +489,7 @@ def test_fast_runner_replays_in_a_cuda_graph(name):
     x = torch.randn(48, spec.hidden_size, device="cuda").bfloat16()
     ids, w = routing(48, 4, 16, "uniform", seed=1, device="cuda")
     fast(x, ids, w)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fast(x, ids, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fast(x, ids, w)
+    graph, y = _captured(lambda: fast(x, ids, w))
     for mode in ROUTINGS:
         new_ids, new_w = routing(48, 4, 16, mode, seed=9, device="cuda")
         x.copy_(torch.randn_like(x))
@@ -579,19 +598,8 @@ def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m,
         y = fused_experts(*args, ws)
         assert rel_err(y, fused_experts(*args, plain)) <= 1e-3, (n, mode)
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_experts(*args, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fused_experts(*args, ws)
-    for mode in ROUTINGS:
-        new_ids, new_w = routing(2000, k, e, mode, seed=11, device="cuda")
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        graph.replay()
+    graph, y = _captured(lambda: fused_experts(*args, ws))
+    for _ in _replayed_on_new_routings(graph, ids, w, e, seed=11):
         torch.testing.assert_close(y, fused_experts(*args, ws), rtol=0, atol=0)
 
 
@@ -622,19 +630,8 @@ def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
         mine = ((ids >= fast.first_expert) & (ids < fast.first_expert + 8)).any(1)
         assert (y[~mine] == 0).all() and mine.any()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_experts(*args, summed)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fused_experts(*args, summed)
-    for mode in ROUTINGS:
-        new_ids, new_w = routing(2000, 4, 16, mode, seed=12, device="cuda")
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        graph.replay()
+    graph, y = _captured(lambda: fused_experts(*args, summed))
+    for mode in _replayed_on_new_routings(graph, ids, w, 16, seed=12):
         assert rel_err(y, fused_experts(*args, plain)) <= 1e-2, mode
 
 
