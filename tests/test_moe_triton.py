@@ -201,6 +201,33 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
     configs.load_tuned.cache_clear()
 
 
+def test_rows_writing_pairs_end_where_the_table_sums_the_top_k_in_down(tmp_path, monkeypatch):
+    """The most rows of a step whose nearest tuned entry writes every pair's row (no
+    ATOMIC_SUM): what the plan sizes moe.runner.down for."""
+    plain = configs.default_config(4096, 8, 128)
+    summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
+    name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "GPU X")
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    rows = lambda n: configs.rows_writing_pairs(n, 128, 2048, 768, "bfloat16", "GPU X")
+
+    def table(**entries):
+        (tmp_path / name).write_text(json.dumps({k[1:]: v for k, v in entries.items()}))
+        configs.load_tuned.cache_clear()
+
+    assert rows(5000) == 5000  # no table for the device
+    assert configs.rows_writing_pairs(5000, 128, 2048, 768, "bfloat16", None) == 5000
+    table(_512=plain, _1024=summed, _4096=summed)
+    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "GPU X")
+    assert rows(16384) == rows(725) == 724 and rows(700) == 700
+    assert "ATOMIC_SUM" not in get(724)["down"] and get(725)["down"]["ATOMIC_SUM"]
+    table(_512=plain, _1024=summed, _2048=plain, _4096=summed)
+    assert rows(16384) == 2896 and rows(2000) == 2000 and rows(1000) == 724
+    assert "ATOMIC_SUM" not in get(2896)["down"] and get(2897)["down"]["ATOMIC_SUM"]
+    table(_512=summed, _8192=plain)
+    assert rows(16384) == 16384 and rows(1000) == 0
+    configs.load_tuned.cache_clear()
+
+
 def test_default_config_takes_the_gemv_path_only_where_pairs_rarely_share_experts():
     assert "decode" in configs.default_config(1, 2, 8)  # one row: ids distinct
     assert "decode" in configs.default_config(2, 8, 128)  # 16 pairs over 128 experts

@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 from moeserve.config import EngineConfig
 from moeserve.layers import attention_tiles as AT
 from moeserve.models.spec import load_model_spec
-from moeserve.moe.kernels.configs import BLOCK_MS, align_scratch_len, max_blocks
+from moeserve.moe.kernels.configs import (BLOCK_MS, align_scratch_len, max_blocks,
+                                          rows_writing_pairs)
 from moeserve.plan.buffers import a2a_dispatch_payload_bytes
 from moeserve.plan.budget import moe_tokens_per_rank
-from moeserve.plan.capacity import build_plan
+from moeserve.plan.capacity import build_plan, local_gpu_name
 from moeserve.plan.capture import capture_multiple
 from moeserve.plan.memory import kv_heads_per_rank
 
@@ -86,7 +87,12 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     assert plan.buffer("moe.runner.act").shape[0] == grouped
     assert plan.buffer("moe.runner.sorted_pairs").shape == (grouped,)
     assert plan.buffer("moe.runner.block_expert").shape[0] >= max_blocks(all_pairs, 16, e_local)
-    assert plan.buffer("moe.runner.down").shape == (all_pairs, plan.spec.hidden_size)
+    # every pair's row, up to the largest step whose tile config writes them (all steps where
+    # the GPU has no tile table, or none on this machine)
+    spec, i_local = plan.spec, plan.spec.moe_intermediate_size // lay.moe_tp
+    down_rows = rows_writing_pairs(reach, e_local, spec.hidden_size, i_local, plan.dtype,
+                                   local_gpu_name(cfg))
+    assert plan.buffer("moe.runner.down").shape == (down_rows * spec.top_k, spec.hidden_size)
     assert plan.buffer("moe.runner.align").shape == (align_scratch_len(all_pairs, e_local),)
     if b.decode_batch_sizes:
         assert plan.buffer("graph.decode.input_ids").shape == (b.decode_graph,)
@@ -222,3 +228,25 @@ def test_an_empty_capture_list_is_an_error_with_its_fix():
                       SPECS["deepseek-v2-lite"])
     assert not plan.ok and any("--cuda-graph-bs is empty" in e.message
                                and "--disable-cuda-graph" in e.fix for e in plan.errors)
+
+
+def test_moe_down_workspace_follows_the_gpu_tile_tables(monkeypatch):
+    """On a GPU whose tables sum the top-k in down from some step size on (ATOMIC_SUM), the
+    [P, H] workspace holds only the steps below it, and the KV cache gets the bytes."""
+    from moeserve.plan import capacity
+
+    spec = SPECS["qwen3-30b-a3b"]
+    cfg = EngineConfig(model="preset:qwen3-30b-a3b", gpu_memory_gb=141)
+    monkeypatch.setattr(capacity, "local_gpu_name", lambda cfg: None)
+    full = build_plan(cfg, spec)
+    monkeypatch.setattr(capacity, "local_gpu_name", lambda cfg: "NVIDIA H200")
+    h200 = build_plan(cfg, spec)
+    rows = full.buffer("moe.router.topk_ids").shape[0]
+    assert rows > 1024 and full.buffer("moe.runner.down").shape == (rows * 8, 2048)
+    down = h200.buffer("moe.runner.down")
+    # the shipped H200 table: entries 512 (top-k pass) and 1024 (ATOMIC_SUM) meet at 724
+    assert down.shape == (724 * 8, 2048) and "NVIDIA H200" in down.formula
+    saved = (rows - 724) * 8 * 2048 * 2
+    assert (full.memory.static_buffer_bytes_per_rank - h200.memory.static_buffer_bytes_per_rank
+            == saved)
+    assert h200.memory.kv_capacity_tokens > full.memory.kv_capacity_tokens

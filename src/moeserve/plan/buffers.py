@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from moeserve.layers import attention_tiles as AT
 from moeserve.models.spec import ModelSpec
 from moeserve.moe.kernels.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
-                                          padded_rows)
+                                          padded_rows, rows_writing_pairs)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
@@ -84,7 +84,9 @@ def moe_runner_rows(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget
 
 
 def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dtype: str,
-                cap: int) -> list[BufferRecord]:
+                cap: int, device_name: Optional[str] = None) -> list[BufferRecord]:
+    """device_name: the GPU the runner will run on (None: unknown); its tuned tile tables say
+    which steps write every pair's row to moe.runner.down (configs.rows_writing_pairs)."""
     h, k = spec.hidden_size, spec.top_k
     i_local = spec.moe_intermediate_size // layout.moe_tp
     k_local = min(k, spec.num_experts // layout.ep)
@@ -99,6 +101,9 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
     grouped = padded_rows(all_pairs, e_local)
     blocks = max(max_blocks(all_pairs, m, e_local) for m in BLOCK_MS)
     af = f"{rows_formula} x K"
+    down_rows = rows_writing_pairs(rows, e_local, h, i_local, dtype, device_name)
+    df = af if down_rows == rows else (
+        f"{down_rows} x K ({device_name}'s tile tables: larger steps sum the top-k in down)")
     gf = f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep) x BLOCK_M, P = {af}"
     knobs = BUDGET_KNOBS
     recs = [
@@ -111,7 +116,7 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
                        f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep), P = {af}", knobs)
           for name in ("block_expert", "block_rows")),
         BufferRecord("moe.runner.act", (grouped, i_local), dtype, f"({gf}) x I/moe_tp", knobs),
-        BufferRecord("moe.runner.down", (all_pairs, h), dtype, f"{af} x H", knobs),
+        BufferRecord("moe.runner.down", (down_rows * k, h), dtype, f"{df} x H", knobs),
         BufferRecord("moe.runner.align", (align_scratch_len(all_pairs, e_local),), "int32",
                      f"(1 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
     ]

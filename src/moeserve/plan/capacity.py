@@ -98,6 +98,20 @@ def local_gpu_memory_bytes() -> Optional[int]:
     return None
 
 
+def local_gpu_name(cfg: EngineConfig) -> Optional[str]:
+    """The name of the GPU the engine will run on (the MoE tile tables' key), None on a CPU."""
+    if cfg.device == "cpu":
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.cuda.current_device())
+    except Exception:  # no usable CUDA: no device tables
+        return None
+    return None
+
+
 def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityPlan:
     """The whole plan. Never raises on a bad config: problems come back in `errors`."""
     spec = spec or load_model_spec(cfg.model)
@@ -120,7 +134,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if layout.a2a:
         a2a_cap = cfg.moe_a2a_max_tokens_per_rank or worst
         records += B.a2a_records(spec, layout, dtype, a2a_cap)
-    records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst)
+    records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst, local_gpu_name(cfg))
     records += B.decode_graph_records(spec, layout, budget)
     records += B.attention_records(spec, layout, budget)
     records += B.prefill_graph_records(spec, layout, budget, dtype)

@@ -198,6 +198,26 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
                           hopper=capability is not None and capability[0] == 9)
 
 
+def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
+                       device_name: Optional[str]) -> int:
+    """The most rows (at most max_rows) of a step whose config writes every pair's row to a
+    [P, H] buffer (the plan's moe.runner.down): a step whose tuned entry has down sum the
+    top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name or "")
+    if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
+        return max_rows
+    keys = sorted(table)
+    below = [k for k in keys if k < max_rows and not table[k]["down"].get("ATOMIC_SUM")]
+    if not below:
+        return 0
+    # the last row count whose nearest entry is that key (nearest is monotone in rows)
+    lo, hi = below[-1], max_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if nearest(table, mid) is table[below[-1]] else (lo, mid)
+    return lo
+
+
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                   dtype: Any, device_name: str,
                   capability: Optional[tuple[int, int]] = None) -> list[int]:
