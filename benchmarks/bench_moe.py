@@ -205,7 +205,7 @@ def fmt_row(r: dict) -> str:
     err = f"{r['err_vs_hf']:.1e}" if r.get("err_vs_hf") is not None else "-"
     return (f"| {r['model']} | {r['tokens']} | {r['touched']:.1f} | {r['MB']:.1f} | "
             f"{r['floor_us']:.1f} | {r['triton_us']:.1f} | {r['triton_experts_us']:.1f} | "
-            f"{r['GBps']:.0f} | {r['pct_copy']:.0f}% | {r['TFLOPs']:.1f} | {r['pct_gemm']:.0f}% | "
+            f"{r['GBps']:.0f} | {r['pct_copy']:.1f}% | {r['TFLOPs']:.1f} | {r['pct_gemm']:.1f}% | "
             f"{r['grouped_mm_us']:.1f} | {hf} | {r['grouped_mm_us'] / r['triton_us']:.2f}x | "
             f"{vs_hf} | {err} |")
 
