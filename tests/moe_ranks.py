@@ -38,7 +38,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2_attn_tp2": dict(tp=4, dp=2, ep=2),
     "dense_tp1_dp2_attn_tp2": dict(tp=4, dp=2, ep=4, dense_tp=1),
     "a2a_sp4": dict(tp=4, ep=4, a2a=True),
-    "a2a_dp2_sp2": dict(tp=4, dp=2, ep=4, a2a=True),
+    # the combine's sum in peer order (--enable-deterministic-inference)
+    "a2a_dp2_sp2": dict(tp=4, dp=2, ep=4, a2a=True, deterministic=True),
 }
 HOT_EXPERT = 5
 

@@ -77,6 +77,36 @@ def test_padding_rows_contribute_nothing():
     assert torch.equal(y[:9], clean)
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_layer_hands_deterministic_inference_to_its_expert_runner(flag):
+    spec = tiny_spec("qwen3")
+    plan = build_plan(engine_config().replace(enable_deterministic_inference=flag), spec)
+    state = single_process_state(ParallelLayout.from_config(plan.config))
+    assert MoELayer(spec, state, plan, experts="grouped_mm").experts.deterministic is flag
+
+
+def test_all_to_all_sum_by_source_adds_in_peer_order():
+    """The combine's sum over the peers a token visited: in peer order (deterministic
+    inference) bit for bit the sum taken block by block, and the one-launch sum's value;
+    empty slots (source m) are dropped."""
+    from moeserve.moe.dispatch.all_to_all import sum_by_source
+
+    g = torch.Generator().manual_seed(3)
+    m, peers, r, h = 9, 4, 6, 16
+    source = torch.full((peers, r), m, dtype=torch.long)
+    for q in range(peers):  # each peer block: distinct rows, then empty slots
+        rows = torch.randperm(m, generator=g)[: int(torch.randint(0, r + 1, (1,), generator=g))]
+        source[q, : rows.numel()] = rows
+    back = torch.randn(peers * r, h, generator=g).bfloat16()
+    want = torch.zeros(m + 1, h)
+    for q in range(peers):
+        for s in range(r):
+            want[source[q, s]] += back[q * r + s].float()
+    got = sum_by_source(back, source.view(-1), m, peers, in_order=True)
+    assert got.shape == (m, h) and torch.equal(got, want[:m])
+    torch.testing.assert_close(sum_by_source(back, source.view(-1), m, peers, False), got)
+
+
 def test_reference_experts_with_minus_one_and_duplicate_ids():
     spec, _, state = _single("qwen2")
     weights = full_weights(spec, seed=53)

@@ -119,10 +119,14 @@ def test_align_torch_all_rows_on_one_expert_fill_whole_blocks():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("ep,rank", [(1, 0), (2, 1)])
 @pytest.mark.parametrize("mode", ROUTINGS)
-def test_grouped_mm_runner_matches_reference_on_cpu(dtype, tol, ep, rank, mode):
+@pytest.mark.parametrize("in_order", [False, True])
+def test_grouped_mm_runner_matches_reference_on_cpu(dtype, tol, ep, rank, mode, in_order):
+    """in_order: the top-k sum of --enable-deterministic-inference (rows back in pair order,
+    summed over k) in place of index_add_."""
     spec = make_spec()
     ref = make_experts("reference", spec, ep, rank, torch.float32, "cpu", seed=7)
     gmm = make_experts("grouped_mm", spec, ep, rank, dtype, "cpu", seed=7)
+    gmm.deterministic = in_order
     ref.w13.data.copy_(gmm.w13.float())
     ref.w2.data.copy_(gmm.w2.float())
     x = torch.randn(37, spec.hidden_size).to(dtype)
@@ -226,6 +230,32 @@ def test_rows_writing_pairs_end_where_the_table_sums_the_top_k_in_down(tmp_path,
     table(_512=summed, _8192=plain)
     assert rows(16384) == 16384 and rows(1000) == 0
     configs.load_tuned.cache_clear()
+
+
+def test_deterministic_runner_writes_every_pair_where_the_table_sums_atomically(
+        tmp_path, monkeypatch):
+    """--enable-deterministic-inference: the fused runner takes the tuned entry without its
+    ATOMIC_SUM (down writes each pair's row, the top-k pass sums them in order), and the
+    rest of the entry as tuned."""
+    from moeserve.moe.experts import triton_fused
+
+    plain = configs.default_config(4096, 4, 16)
+    summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
+    spec = make_spec(e=16, k=4, h=256, i=192)
+    name = configs.config_file_name(16, 256, 192, torch.bfloat16, "GPU X")
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(triton_fused, "_device", lambda device: ("GPU X", (9, 0)))
+    (tmp_path / name).write_text(json.dumps({"512": plain, "1024": summed}))
+    configs.load_tuned.cache_clear()
+    try:
+        runs = [make_experts("triton", spec, 1, 0, torch.bfloat16, "cpu", 0) for _ in (0, 1)]
+        runs[1].deterministic = True
+        cpu = torch.device("cpu")
+        assert runs[0].config_for(2000, cpu) == summed
+        assert runs[1].config_for(2000, cpu) == plain
+        assert runs[1].config_for(300, cpu) == runs[0].config_for(300, cpu) == plain
+    finally:
+        configs.load_tuned.cache_clear()
 
 
 def test_default_config_takes_the_gemv_path_only_where_pairs_rarely_share_experts():
@@ -660,6 +690,40 @@ def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
     graph, y = _captured(lambda: fused_experts(*args, summed))
     for mode in _replayed_on_new_routings(graph, ids, w, 16, seed=12):
         assert rel_err(y, fused_experts(*args, plain)) <= 1e-2, mode
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path, monkeypatch):
+    """On this GPU, under a tuned table whose entry sums the top-k in down with atomics: the
+    runner of --enable-deterministic-inference gives the bits of down + the top-k pass on
+    every run; the default runner takes the atomic sum, within rounding of them."""
+    from moeserve.moe.kernels.fused_moe import fused_experts
+
+    spec = make_spec(e=16, k=4, h=512, i=192)
+    gemm = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+            "TMA": 1}
+    plain = {"BLOCK_M": 64, "gate_up": gemm, "down": {**gemm, "WS": 1}}
+    summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
+    device = torch.cuda.get_device_name()
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    (tmp_path / configs.config_file_name(16, 512, 192, torch.bfloat16, device)).write_text(
+        json.dumps({"1024": summed}))
+    configs.load_tuned.cache_clear()
+    try:
+        fast, _ = _gpu_pair("triton", spec, 1, 0, seed=5)
+        fixed, _ = _gpu_pair("triton", spec, 1, 0, seed=5)
+        fixed.deterministic = True
+        x = torch.randn(3000, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = routing(3000, 4, 16, "uniform", seed=6, device="cuda")
+        assert fast.config_for(3000, x.device) == summed
+        assert fixed.config_for(3000, x.device) == plain
+        want = fused_experts(x, fixed.w13, fixed.w2, ids, w, 0, "silu", plain)
+        for _ in range(3):
+            assert torch.equal(fixed(x, ids, w), want)
+        assert rel_err(fast(x, ids, w), want) <= 1e-2
+    finally:
+        configs.load_tuned.cache_clear()
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from moeserve.moe.kernels.configs import (BLOCK_MS, align_scratch_len, max_block
                                           rows_writing_pairs)
 from moeserve.plan.buffers import a2a_dispatch_payload_bytes
 from moeserve.plan.budget import moe_tokens_per_rank
-from moeserve.plan.capacity import build_plan, local_gpu_name
+from moeserve.plan.capacity import build_plan, down_sum_tables
 from moeserve.plan.capture import capture_multiple
 from moeserve.plan.memory import kv_heads_per_rank
 
@@ -52,6 +52,7 @@ def valid_configs(draw):
         cuda_graph_bs=graph_bs, disable_cuda_graph=draw(st.booleans()),
         piecewise_cuda_graph_max_tokens=draw(st.one_of(st.none(), st.integers(1, 20000))),
         disable_piecewise_cuda_graph=draw(st.booleans()),
+        enable_deterministic_inference=draw(st.booleans()),
         context_length=draw(st.one_of(st.none(), st.integers(16, 2048))),
         gpu_memory_gb=draw(st.sampled_from([24.0, 80.0, 141.0, 1000.0])),
         page_size=draw(st.sampled_from([1, 16, 64])),
@@ -91,7 +92,7 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     # the GPU has no tile table, or none on this machine)
     spec, i_local = plan.spec, plan.spec.moe_intermediate_size // lay.moe_tp
     down_rows = rows_writing_pairs(reach, e_local, spec.hidden_size, i_local, plan.dtype,
-                                   local_gpu_name(cfg))
+                                   down_sum_tables(cfg))
     assert plan.buffer("moe.runner.down").shape == (down_rows * spec.top_k, spec.hidden_size)
     assert plan.buffer("moe.runner.align").shape == (align_scratch_len(all_pairs, e_local),)
     if b.decode_batch_sizes:
@@ -250,3 +251,6 @@ def test_moe_down_workspace_follows_the_gpu_tile_tables(monkeypatch):
     assert (full.memory.static_buffer_bytes_per_rank - h200.memory.static_buffer_bytes_per_rank
             == saved)
     assert h200.memory.kv_capacity_tokens > full.memory.kv_capacity_tokens
+    # deterministic inference sums every step's top-k in order: every pair's row again
+    fixed = build_plan(cfg.replace(enable_deterministic_inference=True), spec)
+    assert fixed.buffer("moe.runner.down").shape == (rows * 8, 2048)

@@ -84,7 +84,8 @@ def test_cli_is_generated_from_the_config_with_sglang_spellings():
         "--mem-fraction-static", "0.5", "--page-size", "16", "--cuda-graph-max-bs", "32",
         "--cuda-graph-bs", "4", "8", "--disable-cuda-graph", "--piecewise-cuda-graph-max-tokens",
         "256", "--disable-piecewise-cuda-graph", "--speculative-num-draft-tokens", "3",
-        "--context-length", "128", "--gpu-memory-gb", "24", "--moe-a2a-max-tokens-per-rank", "7"])
+        "--context-length", "128", "--gpu-memory-gb", "24", "--moe-a2a-max-tokens-per-rank", "7",
+        "--enable-deterministic-inference"])
     cfg = config_from_args(args)
     assert cfg == EngineConfig(
         model="preset:tiny", load_format="dummy", dtype="float32", tp_size=4, dp_size=2,
@@ -93,7 +94,7 @@ def test_cli_is_generated_from_the_config_with_sglang_spellings():
         max_total_tokens=9999, mem_fraction_static=0.5, page_size=16, cuda_graph_max_bs=32,
         cuda_graph_bs=(4, 8), disable_cuda_graph=True, piecewise_cuda_graph_max_tokens=256,
         disable_piecewise_cuda_graph=True, speculative_num_draft_tokens=3, context_length=128,
-        gpu_memory_gb=24.0, moe_a2a_max_tokens_per_rank=7)
+        gpu_memory_gb=24.0, moe_a2a_max_tokens_per_rank=7, enable_deterministic_inference=True)
     assert cfg.attn_dp_size == 2 and cfg.chunk_tokens_per_dp_rank == 256
     assert config_from_args(build_parser().parse_args(["plan", "--tp-size", "2"])).tp_size == 2
     with pytest.raises(SystemExit):

@@ -102,6 +102,11 @@ class EngineConfig:
                                   "reference); auto picks by device.", "--attention-backend",
                                   choices=ATTENTION_BACKENDS)
     disable_radix_cache: bool = knob(False, "Turn off the prefix cache.", "--disable-radix-cache")
+    enable_deterministic_inference: bool = knob(
+        False, "The same output bits for the same requests run after run, batched the same "
+        "way: the MoE top-k sums add in a fixed order (no atomic adds), which costs some "
+        "prefill speed. It does not make a request's output independent of its batch.",
+        "--enable-deterministic-inference")
     disable_overlap_schedule: bool = knob(
         False, "Read each step's tokens back before the next step is scheduled (by default "
         "the host prepares step N+1 while the device runs step N).",

@@ -57,6 +57,7 @@ class MoELayer(nn.Module):
         self.scattered = layer_scatters(lay, moe=True)
         self.gate = Router(spec, dtype)
         self.experts = create_experts(experts, spec, state, dtype)
+        self.experts.deterministic = plan.config.enable_deterministic_inference
         self.dispatcher = dispatcher or create_dispatcher(spec, state, plan, dtype)
         self.shared_prefix = shared_prefix or shared_expert_prefix(spec)
         self.shared_expert: Optional[DenseMLP] = None

@@ -112,6 +112,13 @@ def local_gpu_name(cfg: EngineConfig) -> Optional[str]:
     return None
 
 
+def down_sum_tables(cfg: EngineConfig) -> Optional[str]:
+    """The GPU whose tile tables may have the MoE down kernel sum the top-k with atomic adds
+    (configs.rows_writing_pairs): the local GPU's, none on a CPU, and none with
+    --enable-deterministic-inference, under which every step writes every pair's row."""
+    return None if cfg.enable_deterministic_inference else local_gpu_name(cfg)
+
+
 def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityPlan:
     """The whole plan. Never raises on a bad config: problems come back in `errors`."""
     spec = spec or load_model_spec(cfg.model)
@@ -134,7 +141,8 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if layout.a2a:
         a2a_cap = cfg.moe_a2a_max_tokens_per_rank or worst
         records += B.a2a_records(spec, layout, dtype, a2a_cap)
-    records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst, local_gpu_name(cfg))
+    records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst,
+                             down_sum_tables(cfg))
     records += B.decode_graph_records(spec, layout, budget)
     records += B.attention_records(spec, layout, budget)
     records += B.prefill_graph_records(spec, layout, budget, dtype)

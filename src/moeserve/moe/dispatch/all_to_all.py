@@ -13,7 +13,8 @@ p: its hidden state, all K ids and all K weights (the payload the plan sizes). U
 ids -1. The receiving experts compute the weighted sum over the ids they own, so a token with
 two experts (or a duplicate id) on one rank is sent once and computed for both. Combine sends
 each slot's [H] result back through the same workspace and sums a token's results over the
-ranks it visited, in the caller's row order.
+ranks it visited, in the caller's row order: one index_add_ (atomic adds on CUDA), or with
+--enable-deterministic-inference one per peer block, in peer order (sum_by_source).
 """
 
 from __future__ import annotations
@@ -117,8 +118,20 @@ class AllToAllDispatcher(Dispatcher):
         recv = self._block(self.recv_buf, r, hb)
         all_to_all_fixed(recv, send, self.axis)
         back_SH = recv.view(self.dtype).view(p * r, self.hidden)
-        # a token's results from every peer it visited, summed in its own row; empty slots
-        # land in the extra row m
-        out_MH = torch.zeros(m + 1, self.hidden, dtype=torch.float32, device=y_NH.device)
-        out_MH.index_add_(0, handle.source_S, back_SH.float())
-        return out_MH[:m].to(self.dtype)
+        in_order = self.plan.config.enable_deterministic_inference
+        return sum_by_source(back_SH, handle.source_S, m, p, in_order).to(self.dtype)
+
+
+def sum_by_source(back_SH: torch.Tensor, source_S: torch.Tensor, m: int, peers: int,
+                  in_order: bool) -> torch.Tensor:
+    """[m, H] fp32: each row the sum of the slots whose source is that row (empty slots
+    name row m and are dropped). A token has at most one slot in each of the `peers` equal
+    blocks, so in_order adds block by block: each add meets rows no other add of its launch
+    touches, and the launches come in peer order, so the sum's order is fixed."""
+    out_MH = torch.zeros(m + 1, back_SH.shape[1], dtype=torch.float32, device=back_SH.device)
+    if not in_order:
+        return out_MH.index_add_(0, source_S, back_SH.float())[:m]
+    r = back_SH.shape[0] // peers
+    for q in range(peers):
+        out_MH.index_add_(0, source_S[q * r: (q + 1) * r], back_SH[q * r: (q + 1) * r].float())
+    return out_MH[:m]

@@ -10,7 +10,9 @@ the dispatcher's combine reduces (once, with the expert-parallel exchange).
 
 forward(x_NH, topk_ids_NK, topk_weights_NK) -> y_NH: for each row, the sum over the ids this
 rank owns of weight x expert(x) (a duplicate id counts twice, as in the HF blocks); ids of
-other ranks and -1 contribute nothing.
+other ranks and -1 contribute nothing. With `deterministic` set (MoELayer sets it from
+--enable-deterministic-inference) each row's sum is added in a fixed order, never by atomic
+adds, so the same input gives the same bits on every run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Experts(nn.Module, ABC):
+    deterministic = False  # see the module's docstring
+
     def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype) -> None:
         super().__init__()
         lay = state.layout

@@ -4,7 +4,9 @@ Per step: align the (token, k) pairs by local expert into BLOCK_M-row blocks, a 
 for gate_up with the activation-and-multiply fused, a grouped GEMM for down with the top-k
 weight applied, and the sum over top-k. Only the experts that some pair uses are read; no
 host synchronisation, so a step can be captured in a CUDA graph. Tile configs come from the
-tuned JSON of this (E_local, H, I_local, dtype, device), else from defaults (kernels/configs.py).
+tuned JSON of this (E_local, H, I_local, dtype, device), else from defaults (kernels/configs.py);
+with `deterministic` a tuned down that sums the top-k by atomic adds (ATOMIC_SUM) writes every
+pair's row for the in-order top-k pass instead.
 Its intermediates live in the plan's `moe.runner.*` buffers, allocated once by the model runner
 and shared by every layer (kernels/align_torch.py: Workspace); a step larger than they are is
 refused with the plan's name for it.
@@ -56,8 +58,12 @@ class TritonFusedExperts(Experts):
     def config_for(self, num_tokens: int, device: torch.device) -> dict[str, Any]:
         key = (num_tokens, str(device))
         if key not in self._configs:
-            self._configs[key] = get_config(num_tokens, self.top_k, self.num_local, self.hidden,
-                                            self.i_local, self.w13.dtype, *_device(device))
+            cfg = get_config(num_tokens, self.top_k, self.num_local, self.hidden, self.i_local,
+                             self.w13.dtype, *_device(device))
+            if self.deterministic and cfg.get("down", {}).get("ATOMIC_SUM"):
+                down = {k: v for k, v in cfg["down"].items() if k != "ATOMIC_SUM"}
+                cfg = {**cfg, "down": down}
+            self._configs[key] = cfg
         return self._configs[key]
 
     def warm_up(self, max_rows: int, device: torch.device) -> list[int]:
