@@ -235,6 +235,9 @@ def part_hf(args: argparse.Namespace) -> dict[str, Any]:
     model.generation_config.eos_token_id = None
     out: dict[str, Any] = {"transformers": transformers.__version__, "decode_ms": {},
                            "errors": {}}
+    # what generate runs when no experts implementation is asked for (5.17: grouped_mm where
+    # torch has it, else eager)
+    out["default"] = getattr(model.config, "_experts_implementation", None)
     for impl in ("eager", "grouped_mm", "batched_mm"):
         try:
             model.set_experts_implementation(impl)
@@ -333,9 +336,18 @@ def section(res: dict[str, Any], command: str) -> str:
             cells = [f"{v[b]:.1f}" + ("" if ctxs.get(impl, {}).get(b) == a["ctx"] else
                                       f" (context {ctxs.get(impl, {}).get(b)})")
                      if b in v else "-" for b in ("1", "8")]
-            lines.append(f"| {impl} | {cells[0]} | {cells[1]} |")
+            shipped = " (the default)" if impl == hf.get("default") else ""
+            lines.append(f"| {impl}{shipped} | {cells[0]} | {cells[1]} |")
         for what, err in hf.get("errors", {}).items():
             lines.append(f"| {what} | {err[:80]} | |")
+        default_ms = hf["decode_ms"].get(hf.get("default"), {}).get("1")
+        ms = ours.get("decode_ms", {}).get("1")
+        if default_ms and ms:
+            lines += ["", f"`generate` as shipped (no experts implementation asked for) runs "
+                      f"{hf['default']}: {default_ms:.1f} ms/token at batch 1, "
+                      f"{default_ms / ms:.1f}x our step; its fastest, "
+                      f"{min(v['1'] for v in hf['decode_ms'].values() if '1' in v):.1f} "
+                      f"ms/token, is the table's \"best\"."]
     if ours.get("bench"):
         lines += ["", f"`moeserve bench` (bench.run_bench on the same engine): max(2 x "
                   f"concurrency, 8) prompts of {a['input_len']} random tokens, "
