@@ -14,7 +14,8 @@ the GPU's memory):
             `moeserve bench` (bench.run_bench on the same Engine) at several concurrencies
   hf        transformers' generate on the same shape (random bf16 weights), each experts
             implementation ("eager", "grouped_mm", "batched_mm"), batch 1 and 8: decode
-            ms/token = (time of 1 + n new tokens - time of 1 new token) / n
+            ms/token = (time of 1 + n new tokens - time of 1 new token) / n, the median
+            of HF_REPS such differences
 The roofline of a decode step: dense weights (attention, router, LM head) + the expected
 touched experts E (1 - (1 - k/E)^B) of each MoE layer + the KV bytes read, over the measured
 copy bandwidth.
@@ -36,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 MODEL = "preset:qwen3-30b-a3b"
+HF_REPS = 5  # transformers' decode time: the median of this many measurements
 
 
 # --- the floor --------------------------------------------------------------------------------
@@ -263,8 +265,11 @@ def part_hf(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def hf_decode_ms(model: Any, vocab: int, batch: int, ctx: int, n: int) -> float:
-    """(time of generate with 1 + n new tokens - time with 1) / n, in ms."""
+def hf_decode_ms(model: Any, vocab: int, batch: int, ctx: int, n: int, reps: int = HF_REPS
+                 ) -> float:
+    """(time of generate with 1 + n new tokens - time with 1) / n, in ms: the median of reps
+    such differences (generate at batch 1 waits on the host, whose speed wanders: one
+    difference each moved 50-63 ms/token between two runs on one H200 machine)."""
     ids = torch.randint(0, vocab, (batch, ctx), device="cuda")
 
     def gen(new: int) -> float:
@@ -277,7 +282,7 @@ def hf_decode_ms(model: Any, vocab: int, batch: int, ctx: int, n: int) -> float:
         return time.perf_counter() - t
 
     gen(2)
-    return (gen(1 + n) - gen(1)) / n * 1e3
+    return statistics.median((gen(1 + n) - gen(1)) / n * 1e3 for _ in range(reps))
 
 
 PARTS = {"ceilings": part_ceilings, "ours": part_ours, "hf": part_hf}
