@@ -6,8 +6,8 @@ group); offsets are the int32 cumulative counts per expert. torch._grouped_mm (t
 that are multiples of 16 bytes: w13 and w2 are passed as transposed views ([E, H, 2I] with
 stride 1 along H), which holds when H and I_local are multiples of 8 in bf16. Rows past the
 last offset are left unwritten by the GEMM, so they are masked before the top-k sum. The sum
-is index_add_ (atomic adds on CUDA), or with `deterministic` the rows put back in pair order
-and summed over k.
+is index_add_ (atomic adds on CUDA), or with `deterministic` k gathers of each row's j-th
+pair, added in j order (no [P, H] buffer more).
 On CUDA it runs bf16 on sm_90+; on a CPU it runs any float dtype (used by the CPU tests).
 No host synchronisation: it can be captured in a CUDA graph.
 """
@@ -40,10 +40,12 @@ class GroupedMMExperts(Experts):
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
         weight = torch.where(own, topk_weights_NK.reshape(-1).float(), 0.0)[order]
         y = torch.where(own[order, None], y.float() * weight[:, None], 0.0)
-        if self.deterministic:
-            y_PH = torch.empty_like(y)
-            y_PH[order] = y
-            return y_PH.view(n, k, self.hidden).sum(dim=1).to(x_NH.dtype)
         out_NH = torch.zeros(n, self.hidden, dtype=torch.float32, device=x_NH.device)
-        out_NH.index_add_(0, token, y)
+        if self.deterministic:  # k gathers of the rows' j-th pairs, added in j order
+            slot = torch.empty_like(order).scatter_(
+                0, order, torch.arange(n * k, device=order.device)).view(n, k)
+            for j in range(k):
+                out_NH += y[slot[:, j]]
+        else:
+            out_NH.index_add_(0, token, y)
         return out_NH.to(x_NH.dtype)
