@@ -697,7 +697,8 @@ def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
 def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path, monkeypatch):
     """On this GPU, under a tuned table whose entry sums the top-k in down with atomics: the
     runner of --enable-deterministic-inference gives the bits of down + the top-k pass on
-    every run; the default runner takes the atomic sum, within rounding of them."""
+    every run; the default runner takes the atomic sum, within rounding of them. The
+    grouped_mm runner's in-order sum gives the same bits on every run too."""
     from moeserve.moe.kernels.fused_moe import fused_experts
 
     spec = make_spec(e=16, k=4, h=512, i=192)
@@ -724,6 +725,12 @@ def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path, monkeypatc
         assert rel_err(fast(x, ids, w), want) <= 1e-2
     finally:
         configs.load_tuned.cache_clear()
+    # the grouped_mm runner's in-order sum (index_add_'s atomics otherwise)
+    gmm, ref = _gpu_pair("grouped_mm", spec, 1, 0, seed=5)
+    gmm.deterministic = True
+    first = gmm(x, ids, w)
+    assert all(torch.equal(gmm(x, ids, w), first) for _ in range(3))
+    assert rel_err(first, ref(x.float(), ids, w)) <= 1e-2
 
 
 @pytest.mark.gpu
