@@ -7,7 +7,7 @@ that are multiples of 16 bytes: w13 and w2 are passed as transposed views ([E, H
 stride 1 along H), which holds when H and I_local are multiples of 8 in bf16. Rows past the
 last offset are left unwritten by the GEMM, so they are masked before the top-k sum. The sum
 is index_add_ (atomic adds on CUDA), or with `deterministic` k gathers of each row's j-th
-pair, added in j order (no [P, H] buffer more).
+pair, added in j order (no second [P, H] buffer).
 On CUDA it runs bf16 on sm_90+; on a CPU it runs any float dtype (used by the CPU tests).
 No host synchronisation: it can be captured in a CUDA graph.
 """
