@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, prepare_batch
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, prepare_batch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,7 +47,7 @@ def replay_decode_graph(rows, pool, bucket: int, q: torch.Tensor,
     request row, the dummy slot, length 1), then replayed twice (q redrawn each time) with its
     first len(lens) rows made requests of those lengths. Returns (the graph's output, a plain
     ForwardBatch of the real rows, to compute what they should be)."""
-    from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
+    from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
 
     i64 = dict(dtype=torch.int64, device=q.device)
     loc = torch.full((bucket,), DUMMY_SLOT, **i64)

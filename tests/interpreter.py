@@ -22,9 +22,12 @@ if hasattr(ti, "_patch_lang_tensor"):
 
 def run_interpreted(script: str, timeout: float = 280) -> None:
     """Run PRELUDE + script; it must print "interpreter ok" and exit 0."""
-    root = Path(__file__).resolve().parent.parent
+    tests = Path(__file__).resolve().parent
+    # the scripts import test modules of any package folder, as pytest's own sys.path has them
+    paths = [tests.parent / "src", tests] + sorted(p for p in tests.iterdir() if p.is_dir()
+                                                   and p.name != "__pycache__")
     env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+           "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
     proc = subprocess.run([sys.executable, "-c", PRELUDE + script], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-4000:]

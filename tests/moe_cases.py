@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec, spec_from_hf_config
+from moeserve.config.spec import ModelSpec, spec_from_hf_config
 from moeserve.parallel.groups import Axis, ParallelState
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.moe.experts.base import Experts, register_experts
+from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
 from moeserve.moe.router import RoutingConfig, select_experts
 
 H, I_MOE, E = 48, 16, 8
@@ -197,7 +197,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return (y.double() - ref.double()).abs().max().item() / max(scale, 1e-30)
 
 
-@register_experts("identity_for_tests")
+@EXPERT_RUNNERS.register("identity_for_tests")
 class IdentityExperts(Experts):
     """expert(x) = x for every expert: dispatch + combine must return sum_k w_k x. Only moe_tp
     rank 0 contributes, so the moe_tp partial sums add up to one identity."""

@@ -18,10 +18,10 @@ from moe_cases import (H, IdentityExperts, SPEC_KINDS, T_MAX, dense_weights, eng
                        rel_err, tiny_spec)
 from moeserve.layers.mlp import DenseMLP
 from moeserve.moe.layer import MoELayer
-from moeserve.parallel.communicator import LayerCommunicator
+from moeserve.layers.communicator import LayerCommunicator
 from moeserve.parallel.groups import init_parallel_state
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.parallel.step import StepTooLarge, begin_step
+from moeserve.batch.step import StepTooLarge, begin_step
 from moeserve.plan.capacity import build_plan
 
 LAYOUTS: dict[str, dict[str, Any]] = {

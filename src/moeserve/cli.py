@@ -9,7 +9,7 @@ import sys
 from typing import Any, Optional
 
 from moeserve.config import add_config_arguments, config_from_args
-from moeserve.models.spec import ModelSpecError
+from moeserve.config.spec import ModelSpecError
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -10,21 +10,22 @@ Backends share one small contract (AttentionBackend) and are chosen by name from
 "torch" is the reference that runs anywhere: per request it gathers the request's K/V through
 req_to_token and computes causal softmax attention in fp32. It serves extend (new tokens after
 an already cached prefix) and decode alike. It reads the host copies of the lengths, so a CUDA
-graph cannot replay it. The GPU backend, "triton" (attention_triton.py), registers itself when
-first asked for.
+graph cannot replay it. The GPU backend is "triton" (attention_triton.py); layers/backends.py
+creates either by name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from itertools import accumulate
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
 
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
-from moeserve.runtime.kv_cache import KVWrite
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
+from moeserve.batch.kv_cache import KVWrite
+from moeserve.config.registry import Registry
 
 # False: the rope never stores K/V, PagedAttention.forward always does (a switch for tests)
 FUSE_ROPE_KV_STORE = True
@@ -54,27 +55,10 @@ class AttentionBackend(ABC):
         return []
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend")
 
 
-def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]],
-                                                     type[AttentionBackend]]:
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        ATTENTION_BACKENDS[name] = cls
-        return cls
-    return deco
-
-
-def create_attention_backend(name: str = "torch") -> AttentionBackend:
-    if name == "triton":  # imported here: CPU-only installs never import the GPU backend
-        import moeserve.layers.attention_triton  # noqa: F401  (registers it)
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: "
-                         f"{', '.join(sorted(ATTENTION_BACKENDS))}")
-    return ATTENTION_BACKENDS[name]()
-
-
-@register_attention_backend("torch")
+@ATTENTION_BACKENDS.register("torch")
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
                 fb: ForwardBatch) -> torch.Tensor:

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers import attention_tiles as T
-from moeserve.layers.attention import AttentionBackend, query_starts, register_attention_backend
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.kernels.attention import tiles as T
+from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, query_starts
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from moeserve.layers.attention import PagedAttention
@@ -124,7 +124,7 @@ class _StepMeta:
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
 
-@register_attention_backend("triton")
+@ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
@@ -154,8 +154,8 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out` [T, N, D]: where to write (a prefill graph's static buffer); rows of no
         request are left as they are."""
-        from moeserve.layers import attention_kernels as K
-        from moeserve.layers.pdl import pdl_args
+        from moeserve.kernels.attention import kernels as K
+        from moeserve.kernels.launch.pdl import pdl_args
 
         out_TND = torch.empty_like(q_TND) if out is None else out
         t, n, d = q_TND.shape
@@ -247,7 +247,7 @@ def launch_extend(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """The extend kernel over a batch's new tokens (query rows of request b from q_starts[b];
     its keys through table row rows[b]); `tiles` and `split` default to the shipped ones
     (benchmarks/bench_extend_attention.py measures the alternatives)."""
-    from moeserve.layers import attention_kernels as K
+    from moeserve.kernels.attention import kernels as K
 
     block_m, block_n, warps, stages = tiles or T.extend_tiles(max_extend)
     d = q_TND.shape[2]

@@ -11,7 +11,7 @@ Weights load from a full checkpoint tensor or a safetensors slice: each rank rea
 rows/columns (`read_rows`), so a rank never materialises another rank's shard.
 
 `linear` is F.linear, except for the few rows of a decode step on a GPU: those go through the
-skinny-GEMM kernel (layers/skinny_gemm.py), which streams the weight at the memory's rate.
+skinny-GEMM kernel (kernels/skinny/gemm.py), which streams the weight at the memory's rate.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeserve.layers.fast_path import fused
-from moeserve.layers.skinny_tiles import MOST_ROWS, beats_cublas
+from moeserve.kernels import ops as K
+from moeserve.kernels.skinny.tiles import MOST_ROWS, beats_cublas
 from moeserve.parallel.groups import Axis
 
 SKINNY_MAX_ROWS = MOST_ROWS  # up to this many rows a GPU projection is a GEMV (skinny_tiles)
@@ -79,8 +79,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                                           or residual.dtype != (out_dtype or x.dtype)))
             or not 0 < x.numel() <= max_rows * x.shape[-1]):
         return None
-    kernel = fused("skinny_linear", x.device)
-    return None if kernel is None else kernel(x, weight, bias, out_dtype, residual=residual)
+    ops = K.skinny(x.device)
+    return None if ops is None else ops.skinny_linear(x, weight, bias, out_dtype, residual=residual)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -37,21 +37,22 @@ absorbs it and attends in the latent space: every head reads the cached rows the
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend
-from moeserve.layers.fast_path import fused
+from moeserve.config.registry import Registry
+from moeserve.layers.attention import AttentionBackend
+from moeserve.kernels import ops as K
 from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                     RowParallelLinear)
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import MLASpec, ModelSpec
+from moeserve.config.spec import MLASpec, ModelSpec
 from moeserve.parallel.groups import ParallelState
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
 
 def mla_softmax_scale(mla: MLASpec, rope_scaling: Optional[dict[str, Any]],
@@ -80,31 +81,10 @@ def rope_interleaved(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
 
 # --- backends ---------------------------------------------------------------------------------
 
-MLA_BACKENDS: dict[str, type[AttentionBackend]] = {}
+MLA_BACKENDS: Registry[type[AttentionBackend]] = Registry("MLA backend")
 
 
-def register_mla_backend(name: str) -> Callable[[type[AttentionBackend]],
-                                               type[AttentionBackend]]:
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        MLA_BACKENDS[name] = cls
-        return cls
-    return deco
-
-
-def mla_backend_for(backend: AttentionBackend) -> AttentionBackend:
-    """The MLA backend of the same name as `backend` (the one --attention-backend chose)."""
-    name = next((n for n, cls in ATTENTION_BACKENDS.items() if type(backend) is cls),
-                type(backend).__name__)
-    if name == "triton":  # imported here: CPU-only installs never import the GPU backend
-        import moeserve.layers.mla_triton  # noqa: F401  (registers it)
-    if name not in MLA_BACKENDS:
-        raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) implementation; "
-                         f"MLA backends: {', '.join(sorted(MLA_BACKENDS))}: pass "
-                         "--attention-backend torch (or auto)")
-    return MLA_BACKENDS[name]()
-
-
-@register_mla_backend("torch")
+@MLA_BACKENDS.register("torch")
 class TorchMLABackend(AttentionBackend):
     def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention",
                 fb: ForwardBatch) -> torch.Tensor:
@@ -191,12 +171,12 @@ class MLAttention(nn.Module):
         if m.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_TNQ = q.view(t, n, m.qk_head_dim)
-        kernel = fused("mla_prep", h_TH.device) if t else None
-        roped = None if kernel is None else kernel(
+        ops = K.mla(h_TH.device) if t else None
+        roped = None if ops is None else ops.mla_prep(
             positions_T, q_TNQ, kv_TW, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
             self.rotary.inv_freq(h_TH.device), self.rotary.attention_factor, fb.out_cache_loc,
             fb.kv_pool.latent_cache(self.layer_id), m.qk_nope_head_dim, self.interleaved_rope)
-        if roped is not None:  # one launch on a GPU (layers/mla_kernels.py)
+        if roped is not None:  # one launch on a GPU (kernels/mla/kernels.py)
             q_TNQ = roped
         else:
             q_TNQ = self._prep(positions_T, q_TNQ, kv_TW, fb)

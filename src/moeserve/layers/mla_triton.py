@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers import attention_tiles as T
+from moeserve.kernels.attention import tiles as T
 from moeserve.layers.attention import AttentionBackend, query_starts
 from moeserve.layers.attention_triton import (LOG2E, Partials, PlannedPartials, _pow2, _sdpa,
                                               _sdpa_takes, decode_splits, partial_views)
-from moeserve.layers.mla import register_mla_backend
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from moeserve.layers.mla import MLA_BACKENDS
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from moeserve.layers.mla import MLAttention
@@ -78,7 +78,7 @@ class _StepMeta:
             self.kernel_max = max(left)
 
 
-@register_mla_backend("triton")
+@MLA_BACKENDS.register("triton")
 class TritonMLABackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
@@ -137,9 +137,9 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
                   max_extend: int) -> torch.Tensor:
         """The kernels' attention (decode, or the extend of `extend_lens` new tokens per
         request, at most max_extend) -> [T, N, V], a transposed view."""
-        from moeserve.layers import attention_kernels as AK
-        from moeserve.layers import mla_kernels as K
-        from moeserve.layers.pdl import pdl_args
+        from moeserve.kernels.attention import kernels as AK
+        from moeserve.kernels.mla import kernels as K
+        from moeserve.kernels.launch.pdl import pdl_args
 
         m, n = layer.mla, layer.heads_local
         p, r, c = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank

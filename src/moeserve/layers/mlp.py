@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.fast_path import fused
+from moeserve.kernels import ops as K
 from moeserve.layers.linear import linear
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.weights import WeightError, copy_into, empty_param, expect_shape, read
-from moeserve.parallel.communicator import gather_world_rows, layer_scatters, reduce_world_rows
+from moeserve.config.spec import ModelSpec
+from moeserve.layers.weights import WeightError, copy_into, empty_param, expect_shape, read
+from moeserve.layers.communicator import gather_world_rows, layer_scatters, reduce_world_rows
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -36,7 +36,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
 }
 
-# hidden_act -> the activation code of the Triton kernels (moe/kernels/act.py)
+# hidden_act -> the activation code of the Triton kernels (kernels/elementwise/act.py)
 KERNEL_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh"}
 
@@ -88,8 +88,8 @@ class DenseMLP(nn.Module):
         """This rank's share of the MLP output (the whole output when replicated), plus
         `add_to` when given (in the down projection's launch on a decode step's rows)."""
         gate_up = linear(x_NH, self.gate_up.weight)
-        act_and_mul = fused("act_and_mul", gate_up.device) if self.kernel_act else None
-        h = act_and_mul(gate_up, self.kernel_act) if act_and_mul else None
+        ops = K.elementwise(gate_up.device) if self.kernel_act else None
+        h = ops.act_and_mul(gate_up, self.kernel_act) if ops is not None else None
         if h is None:
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
         return linear(h, self.down.weight, residual=add_to)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeserve.layers.fast_path import fused
+from moeserve.kernels import ops as K
 from moeserve.layers.linear import check_shape, copy_into, read_all, read_rows
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = fused("rms_norm", x.device) if x.dim() in (2, 3) and x.stride(-1) == 1 else None
-        out = kernel(x, self.weight, self.eps) if kernel is not None else None
-        if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
+        ops = K.elementwise(x.device)
+        out = (ops.rms_norm(x, self.weight, self.eps)
+               if ops is not None and x.dim() in (2, 3) and x.stride(-1) == 1 else None)
+        if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
             return out
         x32 = x.float()
         return _rms(x32, x32.pow(2).mean(-1, keepdim=True), self.eps, self.weight, x.dtype)
@@ -45,11 +46,11 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual) for [R, D] rows; the sum is rounded to its dtype
         before the norm reads it, on every path."""
-        kernel = (fused("add_rms_norm", x.device)
-                  if x.dim() == 2 and x.shape == residual.shape and x.stride(-1) == 1
-                  and residual.stride(-1) == 1 else None)
-        out = kernel(x, residual, self.weight, self.eps) if kernel is not None else None
-        if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
+        ops = K.elementwise(x.device)
+        out = (ops.add_rms_norm(x, residual, self.weight, self.eps)
+               if ops is not None and x.dim() == 2 and x.shape == residual.shape
+               and x.stride(-1) == 1 and residual.stride(-1) == 1 else None)
+        if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
             return out
         total = x + residual
         return self(total), total

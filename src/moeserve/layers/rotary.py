@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from moeserve.layers.fast_path import fused
+from moeserve.kernels import ops as K
 
 if TYPE_CHECKING:
-    from moeserve.runtime.kv_cache import KVWrite
+    from moeserve.batch.kv_cache import KVWrite
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -125,15 +125,15 @@ class RotaryEmbedding(nn.Module):
         """norms: per-head RMSNorm modules (q_norm, k_norm) to apply first (Qwen3-MoE).
         kv_write: the layer's K/V store; when given, the rotated k and v are in the KV cache
         on return, written by the rope kernel in its launch or else by the pool's set_kv."""
-        kernel = fused("rotary", q_TND.device)
-        if (kernel is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
+        ops = K.elementwise(q_TND.device)
+        if (ops is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
                 and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1
                 and q_TND.dtype == k_TKD.dtype):
             extra = () if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
-            out = kernel(positions_T, q_TND, k_TKD, self.inv_freq(q_TND.device),
-                         self.attention_factor,
-                         *extra, kv_cache=None if kv_write is None else kv_write.kernel_args())
-            if out is not None:  # one launch on a GPU (layers/fused_kernels.py)
+            out = ops.rotary(positions_T, q_TND, k_TKD, self.inv_freq(q_TND.device),
+                             self.attention_factor,
+                             *extra, kv_cache=None if kv_write is None else kv_write.kernel_args())
+            if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
                 return out
         if norms is not None:
             q_TND, k_TKD = norms[0](q_TND), norms[1](k_TKD)

@@ -28,9 +28,10 @@ from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import ModelSpec, ModelSpecError
+from moeserve.config.spec import ModelSpec, ModelSpecError
 from moeserve.parallel.groups import ParallelState
-from moeserve.runtime.forward_batch import ForwardBatch
+from moeserve.batch.forward_batch import ForwardBatch
+from moeserve.config.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,19 @@ class DecoderLayer(nn.Module):
         if self.comm.scattered:
             return self.comm.gather_rows(r + y, step), None
         return y, r  # gather_rows is the identity here
+
+
+# config.json's `architectures` name -> the model class (models/build.py imports them all)
+ARCHITECTURES: Registry[type["MoECausalLM"]] = Registry("architecture")
+
+
+def register_model(architecture: str) -> Callable[[type], type]:
+    """Registers a model class under its Hugging Face architecture name, which the class
+    keeps as `architecture`."""
+    def register(cls: type) -> type:
+        cls.architecture = architecture
+        return ARCHITECTURES.register(architecture)(cls)
+    return register
 
 
 MLPFactory = Callable[[int], nn.Module]  # layer id -> MoELayer or DenseMLP

@@ -25,11 +25,12 @@ from typing import Any, Callable
 from torch import nn
 
 from moeserve.layers.attention import AttentionBackend
-from moeserve.layers.mla import MLAttention, mla_backend_for
+from moeserve.layers.backends import mla_backend_for
+from moeserve.layers.mla import MLAttention
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import MoECausalLM
-from moeserve.models.registry import register_model
-from moeserve.models.spec import ModelSpecError
+from moeserve.models.decoder import register_model
+from moeserve.config.spec import ModelSpecError
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\..+")
 

@@ -8,8 +8,8 @@ import re
 from typing import Any
 
 from moeserve.models.decoder import AttentionOptions, MoECausalLM
-from moeserve.models.registry import register_model
-from moeserve.models.spec import ModelSpec
+from moeserve.models.decoder import register_model
+from moeserve.config.spec import ModelSpec
 
 _W_TO_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _PROJ_TO_W = {v: k for k, v in _W_TO_PROJ.items()}

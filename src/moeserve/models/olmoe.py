@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.models.decoder import AttentionOptions, MoECausalLM
-from moeserve.models.registry import register_model
-from moeserve.models.spec import ModelSpec, ModelSpecError
+from moeserve.models.decoder import register_model
+from moeserve.config.spec import ModelSpec, ModelSpecError
 
 
 @register_model("OlmoeForCausalLM")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.models.decoder import AttentionOptions, MoECausalLM, refuse_sliding_window
-from moeserve.models.registry import register_model
-from moeserve.models.spec import ModelSpec
+from moeserve.models.decoder import register_model
+from moeserve.config.spec import ModelSpec
 
 
 @register_model("Qwen3MoeForCausalLM")

@@ -3,7 +3,7 @@
     y_MH = MoELayer(spec, state, plan, dtype, layer_id)(x_MH, step)
 
 x_MH are this rank's MoE rows (after the layer communicator's scatter, see
-parallel/communicator.py); the output has the same rows.
+layers/communicator.py); the output has the same rows.
 
 Parameters: gate.weight [E, H] (replicated), gate.e_score_correction_bias [E] (sigmoid scoring),
 experts.w13 / experts.w2 (experts/base.py), and with shared experts shared_expert.gate_up.weight,
@@ -24,16 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.fast_path import fused
+from moeserve.kernels import ops as K
 from moeserve.layers.mlp import DenseMLP, _Proj
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.dispatch.base import Dispatcher, create_dispatcher
-from moeserve.moe.experts.base import PROJECTIONS, create_experts
+from moeserve.config.spec import ModelSpec
+from moeserve.moe.dispatch import Dispatcher, create_dispatcher
+from moeserve.moe.experts import create_experts
+from moeserve.moe.experts.base import PROJECTIONS
 from moeserve.moe.router import Router
-from moeserve.moe.weights import WeightError, copy_into, expect_shape, read
-from moeserve.parallel.communicator import layer_scatters
+from moeserve.layers.weights import WeightError, copy_into, expect_shape, read
+from moeserve.layers.communicator import layer_scatters
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
 
 _EXPERT_NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -95,8 +96,8 @@ class MoELayer(nn.Module):
             return self.shared_expert.partial(x_NH, add_to=y_NH)
         shared_NH = self.shared_expert.partial(x_NH)
         # Qwen2-MoE: y + sigmoid(x . gate) * shared, one launch on a GPU
-        kernel = fused("shared_gate_add", x_NH.device)
-        out = kernel and kernel(y_NH, x_NH, self.shared_expert_gate.weight[0], shared_NH)
+        ops = K.elementwise(x_NH.device)
+        out = ops and ops.shared_gate_add(y_NH, x_NH, self.shared_expert_gate.weight[0], shared_NH)
         if out is not None:
             return out
         return y_NH + torch.sigmoid(F.linear(x_NH, self.shared_expert_gate.weight)) * shared_NH

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.fast_path import fused
+from moeserve.kernels import ops as K
 from moeserve.layers.linear import linear, skinny
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
+from moeserve.config.spec import ModelSpec
+from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 
 SCORINGS = ("softmax", "sigmoid")
 FP32_SKINNY_ROWS = 64
@@ -176,7 +176,7 @@ class Router(nn.Module):
 
     def _fused(self, x_MH: torch.Tensor, num_valid: int
                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The softmax + greedy router on a GPU (layers/router_kernels.py): the logits GEMM
+        """The softmax + greedy router on a GPU (kernels/moe/router.py): the logits GEMM
         and the top-k in one launch where router_gemm_suits, else the logits, then the top-k's
         launch. None where neither kernel runs."""
         cfg = self.cfg
@@ -186,15 +186,15 @@ class Router(nn.Module):
         if (router_gemm_suits(x_MH.shape[0], cfg.num_experts) and cfg.num_experts <= 256
                 and x_MH.dtype in (torch.bfloat16, torch.float16)
                 and self.weight.dtype == x_MH.dtype and x_MH.stride(-1) == 1):
-            kernel = fused("router_topk", x_MH.device)
-            out = kernel and kernel(x_MH, self.weight, *args, not self.fp32_logits, round_to)
+            ops = K.router(x_MH.device)
+            out = ops and ops.router_topk(x_MH, self.weight, *args, not self.fp32_logits, round_to)
             if out is not None:
                 return out
-        kernel = fused("topk_softmax", x_MH.device)
-        if kernel is None:
+        ops = K.router(x_MH.device)
+        if ops is None:
             return None
         logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
-        return kernel(logits, *args, round_to)
+        return ops.topk_softmax(logits, *args, round_to)
 
     def checkpoint_names(self) -> list[str]:
         names = ["weight"]

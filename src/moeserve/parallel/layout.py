@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
+from moeserve.config.spec import ModelSpec
 
 
 @dataclass(frozen=True)

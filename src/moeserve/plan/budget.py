@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
+from moeserve.config.spec import ModelSpec
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.capture import decode_batch_sizes, prefill_token_sizes
 

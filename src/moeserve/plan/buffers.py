@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from moeserve.layers import attention_tiles as AT
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.kernels.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
+from moeserve.kernels.attention import tiles as AT
+from moeserve.config.spec import ModelSpec
+from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
                                           padded_rows, rows_writing_pairs)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank

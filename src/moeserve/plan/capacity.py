@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from moeserve.config import EngineConfig, config_errors
-from moeserve.models.spec import ModelSpec, load_model_spec
+from moeserve.config.spec import ModelSpec, load_model_spec
+from moeserve.kernels.launch.choice import KernelSet, select_kernels
 from moeserve.parallel.layout import ParallelLayout, Problem, layout_problems
 from moeserve.plan import buffers as B
 from moeserve.plan.budget import MODES, TokenBudget, moe_tokens_per_rank, token_budget
@@ -42,6 +43,8 @@ class CapacityPlan:
     buffers: tuple[B.BufferRecord, ...]
     memory: Optional[MemoryPlan]
     errors: tuple[Problem, ...] = field(default=())
+    # the kernels a rank on this machine's device selects (kernels/launch/choice.py)
+    kernels: Optional[KernelSet] = None
 
     @property
     def ok(self) -> bool:
@@ -84,6 +87,7 @@ class CapacityPlan:
                        "prefill_token_sizes": list(b.prefill_token_sizes) if b else []},
             "memory": None if self.memory is None else self.memory.to_json(),
             "errors": [{"message": e.message, "fix": e.fix} for e in self.errors],
+            "kernels": None if self.kernels is None else self.kernels.describe(),
         }
 
 
@@ -110,6 +114,16 @@ def local_gpu_name(cfg: EngineConfig) -> Optional[str]:
     except Exception:  # no usable CUDA: no device tables
         return None
     return None
+
+
+def local_kernels(cfg: EngineConfig) -> KernelSet:
+    """The kernels a rank would select on this machine's first device."""
+    if cfg.device == "cpu" or local_gpu_name(cfg) is None:
+        return select_kernels("cpu", pdl=not cfg.disable_pdl)
+    import torch
+
+    return select_kernels(torch.device("cuda", torch.cuda.current_device()),
+                          pdl=not cfg.disable_pdl)
 
 
 def down_sum_tables(cfg: EngineConfig) -> Optional[str]:
@@ -153,7 +167,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     problems += mem_problems
     records += B.kv_records(spec, layout, budget, dtype, kv_tokens)
     return CapacityPlan(cfg, spec, layout, dtype, budget, moe_tokens, a2a_cap, tuple(records),
-                        memory, tuple(problems))
+                        memory, tuple(problems), local_kernels(cfg))
 
 
 def _budget_problems(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
+from moeserve.config.spec import ModelSpec
 from moeserve.parallel.layout import ParallelLayout
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -60,6 +60,8 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
             f"{cfg.mem_fraction_static}); weights {m.weights_bytes_per_rank / GB:.2f} GB, "
             f"static buffers {m.static_buffer_bytes_per_rank / GB:.2f} GB, KV "
             f"{m.kv_bytes_per_token_per_rank} B/token -> {m.kv_capacity_tokens} tokens")
+    if plan.kernels is not None:
+        console.print(f"kernels on this machine: {plan.kernels.describe()}")
     if plan.errors:
         console.print(f"[bold red]{len(plan.errors)} error(s):[/bold red]")
         for e in plan.errors:

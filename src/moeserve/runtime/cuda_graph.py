@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from moeserve.layers import fast_path
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
+from moeserve.kernels import ops as K
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
+from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
 if TYPE_CHECKING:
     from moeserve.config import EngineConfig
     from moeserve.parallel.groups import ParallelState
-    from moeserve.parallel.step import StepContext
+    from moeserve.batch.step import StepContext
     from moeserve.plan.capacity import CapacityPlan
     from moeserve.runtime.scheduler import ScheduledBatch
 
@@ -138,9 +138,9 @@ class DecodeGraphBuffers:
 
     def unpack(self, bs: int) -> None:
         """The staged rows into the model's inputs (captured at the head of each graph)."""
-        fused = fast_path.fused("unpack_decode_inputs", self.staging.device)
-        if fused is not None:
-            fused(self.staging, self.next_tokens, self.input_ids[:bs], self.positions[:bs],
+        ops = K.elementwise(self.staging.device)
+        if ops is not None:
+            ops.unpack_decode_inputs(self.staging, self.next_tokens, self.input_ids[:bs], self.positions[:bs],
                   self.prefix_lens[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs])
             return
         s = self.staging[:bs]
@@ -188,7 +188,7 @@ class DecodeGraphRunner:
                next_tokens: torch.Tensor) -> Optional["DecodeGraphRunner"]:
         """Capture every bucket, or return None (decode then runs eagerly) when graphs are
         off or the model cannot be captured. Every rank calls this, in the same order."""
-        from moeserve.parallel.step import step_from_counts
+        from moeserve.batch.step import step_from_counts
 
         assert plan.budget is not None and plan.layout is not None
         buckets = plan.budget.decode_batch_sizes

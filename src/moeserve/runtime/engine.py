@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch.multiprocessing as mp
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import load_model_spec
-from moeserve.net import free_port
+from moeserve.config.spec import load_model_spec
+from moeserve.parallel.net import free_port
 from moeserve.plan.capacity import CapacityPlan, build_plan
-from moeserve.runtime.devices import runtime_config
+from moeserve.parallel.devices import runtime_config
 from moeserve.runtime.output import RequestState
 from moeserve.runtime.request import RequestInput, TokenOutput
 from moeserve.runtime.sampling import SamplingParams
@@ -73,7 +73,7 @@ class Engine:
         self.cfg = runtime_config(cfg)
         self.plan = make_plan(self.cfg)
         self.spec = self.plan.spec
-        from moeserve.tokenizer import checkpoint_eos_ids, load_tokenizer
+        from moeserve.runtime.tokenizer import checkpoint_eos_ids, load_tokenizer
 
         self.tokenizer = (None if self.cfg.skip_tokenizer_init
                           else load_tokenizer(self.cfg.model, self.spec))
@@ -101,7 +101,7 @@ class Engine:
             self._inbox: Any = queue.Queue()
             self._outbox: Any = queue.Queue()
             from moeserve.parallel.groups import single_process_state
-            from moeserve.runtime.devices import rank_device
+            from moeserve.parallel.devices import rank_device
 
             state = single_process_state(self.plan.layout, rank_device(self.cfg, 0))
             worker = RankWorker(self.cfg, self.spec, self.plan, state, self.eos_token_ids)

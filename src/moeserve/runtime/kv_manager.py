@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from moeserve.runtime.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
 from moeserve.runtime.radix_cache import RadixCache
 from moeserve.runtime.request import Req
 

@@ -26,21 +26,22 @@ from moeserve.config import EngineConfig
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.mla import MLAttention
 from moeserve.moe.experts.base import Experts
-from moeserve.models.spec import ModelSpec
+from moeserve.config.spec import ModelSpec
+from moeserve.kernels.launch.choice import install, select_kernels
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
 from moeserve.runtime.prefill_graph import PrefillGraphRunner
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.runtime.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
+from moeserve.batch.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
                                        create_kv_pool)
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
-PREFILL_WARM_UP_MAX = 1024  # past 2 x ROPE_PROGRAMS (layers/fused_kernels.py): one head block
+PREFILL_WARM_UP_MAX = 1024  # past 2 x ROPE_PROGRAMS (kernels/elementwise/fused.py): one head block
 
 @dataclass
 class StepResult:
@@ -64,9 +65,8 @@ class LaunchedStep:
 def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
                  ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.cuda.Event]]:
     """Each tensor's copy to the host, queued without waiting, and on a GPU the event to wait
-    for before reading them: recorded after the copies. (Recorded before them, as it was from
-    session 6 to 10, it let the host read the pinned tensors before the copies had landed:
-    the tokens reported, and without the overlap schedule fed back, were then stale ones.)"""
+    for before reading them: recorded after the copies (an event recorded before them would
+    let the host read the pinned tensors before the copies have landed)."""
     copies = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
     done = None
     if device.type == "cuda":
@@ -78,10 +78,13 @@ def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
                  state: ParallelState, *, progress: Optional[bool] = None) -> None:
-        from moeserve.models.registry import load_model
+        from moeserve.models.build import load_model
 
         self.cfg, self.spec, self.plan, self.state = cfg, spec, plan, state
         self.device = state.device
+        self.kernels = select_kernels(self.device, pdl=not cfg.disable_pdl)
+        install(self.kernels)
+        log.info("kernels %s", self.kernels.describe())
         self.model = load_model(cfg, spec, state, plan, progress=progress)
         self.moe_workspace = self._moe_workspace()
         self.attention_partials = self._attention_partials()
@@ -105,7 +108,7 @@ class ModelRunner:
         takers = [m for m in self.model.modules() if hasattr(m, "use_workspace")]
         if not takers or self.device.type != "cuda":
             return None
-        from moeserve.moe.kernels.align_torch import Workspace
+        from moeserve.kernels.moe.align_torch import Workspace
 
         ws = Workspace.from_plan(self.plan, self.device)
         for m in takers:
@@ -172,7 +175,7 @@ class ModelRunner:
         token count pick it by powers of two: the rope's head blocks) and 127 (Triton
         specialises integer arguments on divisibility by 16). Every rank runs the same sizes
         in the same order, so their collectives pair up. Returns the sizes run."""
-        from moeserve.parallel.step import step_from_counts
+        from moeserve.batch.step import step_from_counts
 
         plan, table = self.plan, self.req_pool.table
         if plan.budget is None or plan.layout is None:

@@ -13,10 +13,10 @@ import sys
 import torch.multiprocessing as mp
 
 from moeserve.config import EngineConfig
-from moeserve.runtime.devices import runtime_config
+from moeserve.parallel.devices import runtime_config
 from moeserve.runtime.engine import EngineError, make_plan
 from moeserve.runtime.worker import rank_main
-from moeserve.tokenizer import checkpoint_eos_ids
+from moeserve.runtime.tokenizer import checkpoint_eos_ids
 
 
 def run_follower_node(cfg: EngineConfig) -> int:

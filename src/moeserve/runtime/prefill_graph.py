@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from moeserve.runtime.cuda_graph import graph_blockers
-from moeserve.runtime.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.runtime.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
+from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
+from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
 if TYPE_CHECKING:
     from moeserve.config import EngineConfig
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     AttentionLayer = PagedAttention | MLAttention  # what a forward is cut at
     from moeserve.parallel.groups import ParallelState
-    from moeserve.parallel.step import StepContext
+    from moeserve.batch.step import StepContext
     from moeserve.plan.capacity import CapacityPlan
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class PrefillGraphRunner:
         """Capture every size, or return None (those forwards then run eagerly) when prefill
         graphs are off or the model cannot be captured. Every rank calls this, in the same
         order."""
-        from moeserve.parallel.step import step_from_counts
+        from moeserve.batch.step import step_from_counts
 
         assert plan.budget is not None and plan.layout is not None
         sizes = plan.budget.prefill_token_sizes

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from moeserve.plan.budget import TokenBudget
-from moeserve.runtime.forward_batch import ForwardMode
+from moeserve.batch.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.request import Req, ReqState, RequestInput, TokenOutput
 from moeserve.runtime.sampling import Finish

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
+from moeserve.config.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState, init_parallel_state
-from moeserve.parallel.step import StepTooLarge, step_from_counts
+from moeserve.batch.step import StepTooLarge, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
-from moeserve.runtime.forward_batch import ForwardMode
+from moeserve.batch.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
@@ -204,7 +204,7 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
     """Entry point of a worker process: join the process group, build the rank, serve."""
     parent_pid = os.getppid()
     try:
-        from moeserve.runtime.devices import rank_device
+        from moeserve.parallel.devices import rank_device
 
         device = rank_device(cfg, rank)
         backend = "nccl" if device.type == "cuda" else "gloo"

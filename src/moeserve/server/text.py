@@ -11,7 +11,7 @@ import functools
 import re
 from typing import Any, Optional, Sequence
 
-from moeserve.tokenizer import Tokenizer, TokenizerError, compile_chat_template
+from moeserve.runtime.tokenizer import Tokenizer, TokenizerError, compile_chat_template
 from moeserve.server.errors import bad_request
 
 DEFAULT_CHAT_TEMPLATE = (  # newlines as expressions: trim_blocks eats those after a tag

@@ -31,7 +31,7 @@ PROMPT_LENS, NEW_TOKENS = (1, 9, 33, 70, 17), (20, 9, 14, 3, 25)
 
 def write_config(folder: Path, case: str) -> Path:
     """The case's config.json in `folder` (a model path for the Engine)."""
-    from moeserve.models.presets import PRESETS
+    from moeserve.config.presets import PRESETS
 
     preset, extra = CASES[case]
     (folder / "config.json").write_text(json.dumps({**PRESETS[preset], **SMALL, **extra}))

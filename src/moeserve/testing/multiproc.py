@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from moeserve.net import free_port
+from moeserve.parallel.net import free_port
 
 
 class RankFailure(RuntimeError):

@@ -20,12 +20,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.models.spec import load_model_spec
+from moeserve.config.spec import load_model_spec
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.step import begin_step
+from moeserve.batch.step import begin_step
 from moeserve.plan.capacity import CapacityPlan, build_plan
-from moeserve.runtime.forward_batch import ForwardMode, prepare_batch
-from moeserve.runtime.kv_cache import ReqToTokenPool, create_kv_pool
+from moeserve.batch.forward_batch import ForwardMode, prepare_batch
+from moeserve.batch.kv_cache import ReqToTokenPool, create_kv_pool
 
 HF_CLASSES = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -84,7 +84,7 @@ def tiny_config(folder: str | Path, **overrides: Any) -> EngineConfig:
 
 def load_tiny(cfg: EngineConfig, state: ParallelState) -> tuple[torch.nn.Module, CapacityPlan]:
     from moeserve.models.loader import load_weights
-    from moeserve.models.registry import build_model
+    from moeserve.models.build import build_model
 
     spec = load_model_spec(cfg.model)
     plan = build_plan(cfg, spec)
@@ -126,7 +126,7 @@ class TinyRunner:
 
     def idle(self) -> torch.Tensor:
         """A zero-token forward: this rank still joins the step's collectives."""
-        from moeserve.runtime.forward_batch import ForwardBatch
+        from moeserve.batch.forward_batch import ForwardBatch
 
         fb = ForwardBatch.idle(self.rows.table, self.kv)
         step = begin_step(0, self.state, self.plan)

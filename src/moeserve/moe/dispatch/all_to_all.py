@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.moe.dispatch.base import (DispatchedTokens, Dispatcher, pack_tokens, payload_bytes,
-                                        register_dispatcher, unpack_tokens)
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
+                                        payload_bytes, unpack_tokens)
 from moeserve.parallel.collectives import all_to_all_fixed
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class AllToAllHandle:
     source_S: torch.Tensor  # [ep * R] int64: the row each slot carries, M for an empty slot
 
 
-@register_dispatcher("all_to_all")
+@DISPATCHERS.register("all_to_all")
 class AllToAllDispatcher(Dispatcher):
     reduces_partial_sums = False
     graph_safe = True  # no host synchronisation: shapes from the plan and R only

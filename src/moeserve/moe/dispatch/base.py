@@ -1,4 +1,5 @@
-"""The dispatcher contract, and the registry of its implementations.
+"""The dispatcher contract, and the registry of its implementations (moe/dispatch/__init__.py
+imports them all and creates them).
 
     tokens, handle = dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
     y_NH = experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)   # weighted
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, TypeVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from moeserve.models.spec import ModelSpec
+from moeserve.config.registry import Registry
+
+from moeserve.config.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
 
 
@@ -34,7 +37,6 @@ class DispatchedTokens:
 
 
 class Dispatcher(ABC):
-    name: ClassVar[str]
     # True when combine sums partial outputs over the tp world for rows that include every row
     # the caller gave: a block sharded over the world (a shared expert) may then add its partial
     # sums to the expert output before combine and ride the same reduction.
@@ -50,6 +52,10 @@ class Dispatcher(ABC):
         self.plan = plan
         self.dtype = dtype
 
+    @property
+    def name(self) -> str:
+        return DISPATCHERS.name_of(type(self))
+
     @abstractmethod
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -61,38 +67,7 @@ class Dispatcher(ABC):
         """The experts' weighted outputs back in the caller's layout: [M, H]."""
 
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {}
-D = TypeVar("D", bound=type[Dispatcher])
-
-
-def register_dispatcher(name: str) -> Callable[[D], D]:
-    def register(cls: D) -> D:
-        if name in DISPATCHERS:
-            raise ValueError(f"dispatcher {name!r} is registered twice")
-        cls.name = name
-        DISPATCHERS[name] = cls
-        return cls
-    return register
-
-
-def default_dispatcher(layout: ParallelLayout) -> str:
-    if layout.tp == 1:
-        return "local"
-    return "all_to_all" if layout.a2a else "gather"
-
-
-def create_dispatcher(spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
-                      dtype: torch.dtype = torch.float32, name: Optional[str] = None
-                      ) -> Dispatcher:
-    """The dispatcher for the layout (local on one rank; all_to_all with
-    --moe-a2a-backend all_to_all; gather otherwise). One dispatcher can serve every MoE layer
-    of a model: layers run one after another, and the all-to-all workspace is per rank."""
-    import moeserve.moe.dispatch  # noqa: F401  (registers the implementations)
-
-    name = name or default_dispatcher(state.layout)
-    if name not in DISPATCHERS:
-        raise ValueError(f"unknown MoE dispatcher {name!r}; known: {', '.join(DISPATCHERS)}")
-    return DISPATCHERS[name](spec, state, plan, dtype)
+DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")
 
 
 # --- the token payload: one byte row per token, as the plan's a2a records size it ----------

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.moe.dispatch.base import (DispatchedTokens, Dispatcher, pack_tokens,
-                                        register_dispatcher, unpack_tokens)
-from moeserve.parallel.communicator import (gather_world_rows, layer_scatters,
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
+                                        unpack_tokens)
+from moeserve.layers.communicator import (gather_world_rows, layer_scatters,
                                             reduce_world_rows, rows_distinct)
-from moeserve.parallel.step import StepContext
+from moeserve.batch.step import StepContext
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +28,7 @@ class GatherHandle:
     num_tokens: int  # M: this rank's rows
 
 
-@register_dispatcher("gather")
+@DISPATCHERS.register("gather")
 class GatherDispatcher(Dispatcher):
     reduces_partial_sums = True
     graph_safe = True  # shapes come from the step only

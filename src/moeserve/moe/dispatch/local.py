@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.moe.dispatch.base import DispatchedTokens, Dispatcher, register_dispatcher
-from moeserve.parallel.step import StepContext
+from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, Dispatcher
+from moeserve.batch.step import StepContext
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,7 +15,7 @@ class LocalHandle:
     num_tokens: int
 
 
-@register_dispatcher("local")
+@DISPATCHERS.register("local")
 class LocalDispatcher(Dispatcher):
     reduces_partial_sums = True
     graph_safe = True  # shapes come from the step only

@@ -1,5 +1,6 @@
 """Expert runners: the local experts' weights and the grouped gated MLP over the tokens that
-reach them. One abstract base, a registry, `create_experts`.
+reach them. One abstract base and the registry of runners (moe/experts/__init__.py imports
+them all and creates them).
 
 Weights (N rows, H hidden, I_local = I / moe_tp, E_local = E / ep):
     w13 [E_local, 2 I_local, H]   gate rows, then up rows, of this rank's moe_tp shard
@@ -18,14 +19,16 @@ adds, so the same input gives the same bits on every run.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from moeserve.config.registry import Registry
+
 from moeserve.layers.mlp import activation
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.weights import copy_into, empty_param, expect_shape, read
+from moeserve.config.spec import ModelSpec
+from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 from moeserve.parallel.groups import ParallelState
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -92,23 +95,4 @@ class Experts(nn.Module, ABC):
             raise ValueError(f"unknown expert projection {proj!r}; experts read {PROJECTIONS}")
 
 
-EXPERTS: dict[str, type[Experts]] = {}
-X = TypeVar("X", bound=type[Experts])
-
-
-def register_experts(name: str) -> Callable[[X], X]:
-    def register(cls: X) -> X:
-        if name in EXPERTS:
-            raise ValueError(f"expert runner {name!r} is registered twice")
-        EXPERTS[name] = cls
-        return cls
-    return register
-
-
-def create_experts(name: str, spec: ModelSpec, state: ParallelState,
-                   dtype: torch.dtype = torch.float32) -> Experts:
-    import moeserve.moe.experts  # noqa: F401  (registers the implementations)
-
-    if name not in EXPERTS:
-        raise ValueError(f"unknown expert runner {name!r}; known: {', '.join(EXPERTS)}")
-    return EXPERTS[name](spec, state, dtype)
+EXPERT_RUNNERS: Registry[type[Experts]] = Registry("expert runner")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.moe.experts.base import Experts, register_experts
-from moeserve.moe.kernels.align_torch import local_keys
+from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
+from moeserve.kernels.moe.align_torch import local_keys
 
 
-@register_experts("grouped_mm")
+@EXPERT_RUNNERS.register("grouped_mm")
 class GroupedMMExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.moe.experts.base import Experts, register_experts
+from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
 
 
 # above this many elements of [E_local, N, 2I + H] intermediates an eager GPU forward takes the
@@ -27,7 +27,7 @@ from moeserve.moe.experts.base import Experts, register_experts
 DENSE_MAX_ELEMENTS = 1 << 28
 
 
-@register_experts("reference")
+@EXPERT_RUNNERS.register("reference")
 class ReferenceExperts(Experts):
     graph_safe = True  # a captured forward takes the dense path: no host synchronisation
 

@@ -16,15 +16,15 @@ triton is imported on the first forward, so that `import moeserve` works without
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 
 from moeserve.layers.mlp import KERNEL_ACTS
-from moeserve.models.spec import ModelSpec
-from moeserve.moe.experts.base import Experts, register_experts
-from moeserve.moe.kernels.configs import get_config, warm_up_sizes
+from moeserve.config.spec import ModelSpec
+from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
+from moeserve.kernels.moe.configs import get_config, warm_up_sizes
+from moeserve.kernels.launch.choice import interpreting
 from moeserve.parallel.groups import ParallelState
 
 
@@ -35,7 +35,7 @@ def _device(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
     return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
 
 
-@register_experts("triton")
+@EXPERT_RUNNERS.register("triton")
 class TritonFusedExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
 
@@ -80,12 +80,12 @@ class TritonFusedExperts(Experts):
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        if not x_NH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not x_NH.is_cuda and not interpreting():
             raise ValueError("the triton expert runner needs CUDA tensors; on a CPU use "
                              "--moe-runner-backend reference")
         if x_NH.shape[0] == 0:
             return x_NH.new_zeros(0, self.hidden)
-        from moeserve.moe.kernels.fused_moe import fused_experts
+        from moeserve.kernels.moe.fused_moe import fused_experts
 
         cfg = self.config_for(x_NH.shape[0], x_NH.device)
         return fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,

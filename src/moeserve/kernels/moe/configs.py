@@ -1,0 +1,233 @@
+"""Tile configs of the fused MoE kernels: tuned JSON shipped in kernels/moe/configs/, else defaults.
+
+One file per (E_local, H, I_local, dtype, device name), written by benchmarks/tune_moe.py:
+
+    E=128,H=2048,I=768,dtype=bfloat16,device=NVIDIA_H200.json
+    {"1": {"BLOCK_M": 16, "gate_up": {...}, "down": {...}}, "16": {...}, ...}
+
+keyed by token count (rows reaching the runner). A step of N rows takes the entry whose key is
+nearest to N on a log scale; a shape or device with no file takes `default_config(...)`,
+whose large tiles on a Hopper device (compute capability 9.x) are those the shipped H100 and
+H200 tables share.
+BLOCK_M is shared by both GEMMs (it is the alignment of the grouped rows); each GEMM has its
+own BLOCK_N, BLOCK_K, GROUP_M, num_warps and num_stages, and optionally "TMA": 1 (its weight
+tiles through a TMA descriptor on sm90+; pointer loads elsewhere), "HALF_TAIL": 1 (a block
+of at most BLOCK_M / 2 rows computes a half tile; BLOCK_M >= 32, with WS >= 128) and, for
+gate_up with TMA, "PAIRED": 1 (BLOCK_N rows of each half of w13 in one TMA tile and one MMA
+of twice the width, in place of two MMAs) and, for down, "WS": 1 (the warp-specialised Gluon
+kernel of down_ws.py on sm90, BLOCK_M >= 64; the Triton kernel elsewhere) and "ATOMIC_SUM": 1
+(down adds each pair's row into its token's row of the output with atomics, in place of the
+top-k sum pass: fused_moe.down_summed; the tuner tries it from 1024 tokens, so that decode
+steps keep bits that do not vary between runs). An entry with a "decode"
+key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
+GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
+"PREFETCH": 1 (each K step loads the next chunk's tiles first). Older tables' decode entries
+carry a num_stages, which changes nothing there (decode_moe._opts).
+Pure Python: no triton import.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+BLOCK_MS = (16, 32, 64, 128)  # the BLOCK_M a config may take (the plan's workspaces assume it)
+MIN_TILE_M = 16  # the fewest rows of an MMA tile (tl.dot)
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_key(device_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
+
+
+def config_file_name(num_local: int, hidden: int, inter: int, dtype: Any,
+                     device_name: str) -> str:
+    return (f"E={num_local},H={hidden},I={inter},dtype={dtype_name(dtype)},"
+            f"device={device_key(device_name)}.json")
+
+
+def _gemm(block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> dict[str, int]:
+    return dict(zip(GEMM_KEYS, (block_n, block_k, group_m, warps, stages)))
+
+
+def _gemv(block_n: int, block_k: int, warps: int) -> dict[str, int]:
+    return dict(zip(DECODE_KEYS, (block_n, block_k, warps)))
+
+
+def decode_suits(num_tokens: int, top_k: int, num_local: int) -> bool:
+    """The GEMV path without a tuned table: one row (its ids are distinct, so no expert is
+    read twice), or so few pairs that two rarely share an expert (about P / 2E of them do)."""
+    return num_tokens == 1 or num_tokens * top_k * 8 <= num_local
+
+
+def default_config(num_tokens: int, top_k: int, num_local: int,
+                   hopper: bool = False) -> dict[str, Any]:
+    """By the mean rows per used expert: small tiles that spread the weight stream over many
+    programs when few rows share an expert (memory-bound), large MMA tiles when many do.
+    hopper (a device of compute capability 9.x): from 48 rows an expert, the tiles that every
+    shipped H100 and H200 table chose there: weights by TMA, w13's halves PAIRED, and from
+    192 rows down's warp-specialised kernel ("WS")."""
+    pairs = max(1, num_tokens * top_k)
+    rows = pairs / min(num_local, pairs)
+    if hopper and rows > 48:
+        return _hopper_config(rows)
+    if rows <= 16:
+        cfg = {"BLOCK_M": 16, "gate_up": _gemm(64, 128, 1, 4, 4),
+               "down": _gemm(64, 128, 1, 4, 4)}
+        if decode_suits(num_tokens, top_k, num_local):
+            cfg["decode"] = {"gate_up": _gemv(16, 256, 4), "down": _gemv(16, 256, 4)}
+        return cfg
+    if rows <= 48:
+        return {"BLOCK_M": 32, "gate_up": _gemm(64, 128, 1, 4, 4),
+                "down": _gemm(64, 128, 1, 4, 4)}
+    if rows <= 192:
+        return {"BLOCK_M": 64, "gate_up": _gemm(64, 64, 8, 4, 4),
+                "down": _gemm(128, 64, 8, 4, 4)}
+    return {"BLOCK_M": 128, "gate_up": _gemm(128, 64, 8, 8, 3),
+            "down": _gemm(128, 64, 8, 8, 4)}
+
+
+def _hopper_config(rows: float) -> dict[str, Any]:
+    tma, paired = {"TMA": 1}, {"TMA": 1, "PAIRED": 1}
+    if rows <= 192:
+        return {"BLOCK_M": 64, "gate_up": {**_gemm(64, 64, 8, 4, 4), **paired},
+                "down": {**_gemm(128, 64, 8, 8, 3), **tma}}
+    return {"BLOCK_M": 128, "gate_up": {**_gemm(128, 64, 8, 8, 4), **paired},
+            "down": {**_gemm(256, 64, 8, 8, 3), **tma, "WS": 1}}
+
+
+@functools.lru_cache(maxsize=None)
+def load_tuned(num_local: int, hidden: int, inter: int, dtype: str,
+               device_name: str) -> Optional[dict[int, dict[str, Any]]]:
+    path = CONFIG_DIR / config_file_name(num_local, hidden, inter, dtype, device_name)
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())
+    return {int(k): validate(v, str(path)) for k, v in table.items()}
+
+
+def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    missing = [k for k in ("BLOCK_M", "gate_up", "down") if k not in cfg]
+    missing += [f"{g}.{k}" for g in ("gate_up", "down") if g in cfg
+                for k in GEMM_KEYS if k not in cfg[g]]
+    if "decode" in cfg:
+        missing += [f"decode.{g}.{k}" for g in ("gate_up", "down")
+                    for k in DECODE_KEYS if k not in cfg["decode"].get(g, {})]
+    if missing:
+        raise ValueError(f"MoE tile config in {where} lacks {', '.join(missing)}; "
+                         "re-run benchmarks/tune_moe.py")
+    if cfg["BLOCK_M"] not in BLOCK_MS:
+        raise ValueError(f"MoE tile config in {where} has BLOCK_M {cfg['BLOCK_M']}, not one of "
+                         f"{BLOCK_MS} (the plan sizes the runner's workspace for those); "
+                         "re-run benchmarks/tune_moe.py")
+    half = [g for g in ("gate_up", "down") if cfg[g].get("HALF_TAIL")]
+    if half and cfg["BLOCK_M"] < 2 * MIN_TILE_M:
+        raise ValueError(f"MoE tile config in {where} sets HALF_TAIL for {', '.join(half)} with "
+                         f"BLOCK_M {cfg['BLOCK_M']}: a half tile needs BLOCK_M >= "
+                         f"{2 * MIN_TILE_M}; drop HALF_TAIL or re-run benchmarks/tune_moe.py")
+    if cfg["down"].get("PAIRED") or (cfg["gate_up"].get("PAIRED")
+                                     and not cfg["gate_up"].get("TMA")):
+        raise ValueError(f"MoE tile config in {where} sets PAIRED where it has no meaning: "
+                         "only gate_up with TMA pairs the two halves of w13; drop it or "
+                         "re-run benchmarks/tune_moe.py")
+    if cfg["gate_up"].get("WS") or (cfg["down"].get("WS") and cfg["BLOCK_M"] < 64):
+        raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
+                         "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
+                         "tile of 64 rows a warpgroup); drop it or re-run "
+                         "benchmarks/tune_moe.py")
+    if cfg["gate_up"].get("ATOMIC_SUM"):
+        raise ValueError(f"MoE tile config in {where} sets ATOMIC_SUM for gate_up: only down "
+                         "sums the top-k; drop it or re-run benchmarks/tune_moe.py")
+    elsewhere = [g for g in ("gate_up", "down") if cfg[g].get("PREFETCH")]
+    elsewhere += ["decode.down"] if cfg.get("decode", {}).get("down", {}).get("PREFETCH") else []
+    if elsewhere:
+        raise ValueError(f"MoE tile config in {where} sets PREFETCH for {', '.join(elsewhere)}: "
+                         "only the decode gate_up GEMV takes it; drop it or re-run "
+                         "benchmarks/tune_moe.py")
+    return cfg
+
+
+def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
+    """Blocks of block_m rows that the pairs of one step can fill at most: each expert's last
+    block may be partly empty."""
+    if num_pairs == 0:
+        return 0
+    return min(num_pairs, -(-num_pairs // block_m) + num_local)
+
+
+# pairs a program of align's large path counts and scatters; a round of its one program
+ALIGN_CHUNK = 1024
+
+
+def align_scratch_len(num_pairs: int, num_local: int) -> int:
+    """int32 words align.py takes: counts per (padded) expert, and each chunk of ALIGN_CHUNK
+    pairs' start within every expert's segment (the one-program path uses the first E_PAD
+    words, its cursors)."""
+    e_pad = max(16, 1 << max(num_local - 1, 0).bit_length())
+    return (1 + -(-num_pairs // ALIGN_CHUNK)) * e_pad
+
+
+def padded_rows(num_pairs: int, num_local: int) -> int:
+    """The most grouped rows (blocks x BLOCK_M) a step of num_pairs pairs takes, any BLOCK_M."""
+    return max(max_blocks(num_pairs, m, num_local) * m for m in BLOCK_MS)
+
+
+def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]:
+    target = math.log2(max(num_tokens, 1))
+    return table[min(table, key=lambda k: (abs(math.log2(max(k, 1)) - target), k))]
+
+
+def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+               dtype: Any, device_name: str,
+               capability: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """The tuned entry for this shape and device, else the defaults (for the device's compute
+    capability when given)."""
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name)
+    if table:
+        return nearest(table, num_tokens)
+    return default_config(num_tokens, top_k, num_local,
+                          hopper=capability is not None and capability[0] == 9)
+
+
+def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
+                       device_name: Optional[str]) -> int:
+    """The most rows (at most max_rows) of a step whose config writes every pair's row to a
+    [P, H] buffer (the plan's moe.runner.down): a step whose tuned entry has down sum the
+    top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name or "")
+    if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
+        return max_rows
+    keys = sorted(table)
+    below = [k for k in keys if k < max_rows and not table[k]["down"].get("ATOMIC_SUM")]
+    if not below:
+        return 0
+    # the last row count whose nearest entry is that key (nearest is monotone in rows)
+    lo, hi = below[-1], max_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if nearest(table, mid) is table[below[-1]] else (lo, mid)
+    return lo
+
+
+def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                  dtype: Any, device_name: str,
+                  capability: Optional[tuple[int, int]] = None) -> list[int]:
+    """One token count per distinct config that a step of 1..max_tokens rows can take (the
+    smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
+    once at each compiles every config before the first request needs it."""
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name) or {}
+    sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
+    first: dict[str, int] = {}
+    for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
+        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability)
+        first.setdefault(json.dumps(cfg, sort_keys=True), n)
+    return sorted(first.values())

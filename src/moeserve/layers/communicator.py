@@ -1,0 +1,106 @@
+"""The layout changes around the MoE / MLP block of a decoder layer.
+
+The decoder layer runs (x_TH: the DP rank's T tokens, replicated over its attn_tp ranks):
+
+    h = input_norm(x)
+    a = attention(h)                        # partial sums over attn_tp (row-parallel o_proj)
+    a = comm.reduce_attn_output(a, step)    # -> this rank's rows
+    r = comm.local_rows(x, step) + a
+    y = mlp_or_moe(post_norm(r), step)      # MoELayer or DenseMLP, on those rows
+    x = comm.gather_rows(r + y, step)       # -> [T, H] again
+
+A layer either keeps its rows replicated over attn_tp (all-reduce after attention) or
+scatters them (reduce-scatter after attention, all-gather after the block: the same bytes as
+the all-reduce, and the block sees 1/attn_tp of the rows). `layer_scatters` decides, per kind
+of layer:
+
+  MoE layer    scatters with the all-to-all backend (SP) and under DP attention (each rank
+               then brings distinct rows to the gather across the world);
+  dense layer  scatters when it is replicated (--moe-dense-tp-size 1) and under DP attention.
+
+With attn_tp == 1 nothing is scattered (each rank has its own rows already). The rule keeps
+every rank's rows distinct whenever rows from several DP ranks are exchanged.
+
+`gather_world_rows` / `reduce_world_rows` are the exchange a block sharded over the whole tp
+world needs (gather dispatcher, TP-sharded dense MLPs and shared experts): all-gather every
+rank's rows, compute partial sums, reduce-scatter back; or, when every rank already holds the
+same rows (one DP rank, not scattered), no gather and an all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.parallel import collectives as C
+from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.layout import ParallelLayout
+from moeserve.batch.step import StepContext
+
+
+def layer_scatters(layout: ParallelLayout, *, moe: bool) -> bool:
+    """Whether the block of a MoE (moe=True) or dense layer works on scattered rows."""
+    if layout.attn_tp == 1:
+        return False
+    if moe:
+        return layout.a2a or layout.dp > 1
+    return layout.dense_tp == 1 or layout.dp > 1
+
+
+class LayerCommunicator:
+    """The comm ops of one decoder layer; build one per layer with moe=(layer is a MoE layer)."""
+
+    def __init__(self, state: ParallelState, *, moe: bool) -> None:
+        self.state = state
+        self.moe = moe
+        self.scattered = layer_scatters(state.layout, moe=moe)
+
+    def reduce_attn_output(self, a_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Sum the attention partial sums over attn_tp: [T, H] replicated (reduced in place),
+        or this rank's scattered rows [M, H]."""
+        axis = self.state.attn_tp
+        if not self.scattered:
+            return C.all_reduce(a_TH, axis)
+        sizes = step.scatter_sizes(step.dp_rank)
+        return C.reduce_scatter_uneven(a_TH, sizes, axis)
+
+    def local_rows(self, x_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """This rank's rows of a replicated [T, H] tensor (the residual)."""
+        start, end = step.row_range(self.scattered)
+        return x_TH[start:end]
+
+    def gather_rows(self, y_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Back to the DP rank's [T, H], replicated over attn_tp."""
+        if not self.scattered:
+            return y_MH
+        return C.all_gather_uneven(y_MH, step.scatter_sizes(step.dp_rank), self.state.attn_tp)
+
+
+def rows_distinct(state: ParallelState, scattered: bool) -> bool:
+    """Whether the ranks hold different rows (True) or all hold the same rows (False)."""
+    lay = state.layout
+    if scattered or lay.attn_tp == 1:
+        return True
+    if lay.dp > 1:  # layer_scatters never asks for this: it would reduce rows twice
+        raise ValueError(f"rows replicated over attn_tp={lay.attn_tp} cannot be exchanged "
+                         f"across dp={lay.dp} DP ranks; the block must scatter them")
+    return False
+
+
+def gather_world_rows(x_MH: torch.Tensor, step: StepContext, state: ParallelState,
+                      scattered: bool) -> torch.Tensor:
+    """Every rank's rows, in rank order [N, ...]; the rows themselves when all ranks hold the
+    same rows."""
+    if state.world.size == 1 or not rows_distinct(state, scattered):
+        return x_MH
+    return C.all_gather_uneven(x_MH, step.rows_per_rank(scattered), state.world)
+
+
+def reduce_world_rows(y_NH: torch.Tensor, step: StepContext, state: ParallelState,
+                      scattered: bool) -> torch.Tensor:
+    """Sum partial sums over the world and keep this rank's rows (inverse of
+    gather_world_rows)."""
+    if state.world.size == 1:
+        return y_NH
+    if not rows_distinct(state, scattered):
+        return C.all_reduce(y_NH, state.world)
+    return C.reduce_scatter_uneven(y_NH, step.rows_per_rank(scattered), state.world)

@@ -1,0 +1,183 @@
+"""Scheduler properties with a deterministic stand-in for the model (no torch model needed):
+the next token is a function of the whole sequence so far, as a greedy model's is."""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moeserve.config import EngineConfig
+from moeserve.config.spec import load_model_spec
+from moeserve.plan.budget import token_budget
+from moeserve.batch.forward_batch import ForwardMode
+from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
+from moeserve.runtime.kv_manager import KVManager
+from moeserve.runtime.request import RequestInput
+from moeserve.runtime.sampling import SamplingParams
+from moeserve.runtime.scheduler import Scheduler
+
+VOCAB = 97
+SPEC = load_model_spec("preset:tiny")
+
+
+def oracle(seq):
+    h = 7
+    for t in seq:
+        h = (h * 31 + t) % 1_000_003
+    return h % VOCAB
+
+
+def make(kv_tokens, page_size=1, prefix_cache=True, **cfg):
+    cfg = EngineConfig(model="preset:tiny", page_size=page_size, **cfg)
+    budget = token_budget(cfg, SPEC)
+    pool = KVCachePool(1, kv_tokens, 1, 2, dtype=__import__("torch").float32,
+                       page_size=page_size)
+    rows = ReqToTokenPool(budget.max_running_requests + 1, budget.context_length)
+    return Scheduler(budget, KVManager(pool, rows, prefix_cache)), budget
+
+
+def run(sched, budget, arrivals, max_steps=5000, overlap=False):
+    """Drive the scheduler: `arrivals` maps a step to the requests that arrive then. Checks each
+    forward against the budget and the KV slots against double use; returns rid -> tokens.
+    With `overlap`, as the worker's overlap schedule: a step is scheduled before the tokens of
+    the one before are processed, its placeholders stand for those tokens."""
+    done, step = {}, 0
+    pending = dict(arrivals)
+    in_flight = None  # (batch, tokens) launched, not processed
+
+    def collect():
+        nonlocal in_flight
+        if in_flight is not None:
+            batch, tokens = in_flight
+            in_flight = None
+            for out in sched.process(batch, tokens):
+                if out.finish is not None:
+                    done[out.rid] = out
+
+    while pending or sched.has_work or in_flight:
+        for inp in pending.pop(step, []):
+            sched.add(inp)
+        for out in sched.drain_rejected():
+            done[out.rid] = out
+        if in_flight is not None and sched.needs_tokens():
+            collect()
+        batch = sched.schedule()
+        step += 1
+        assert step < max_steps, "no progress"
+        if batch is None:
+            collect()
+            continue
+        limit = budget.extend if batch.mode is ForwardMode.EXTEND else budget.decode
+        assert batch.num_tokens <= limit
+        assert len(batch.reqs) <= budget.max_running_requests
+        locs = batch.out_cache_loc.tolist()
+        assert len(set(locs)) == len(locs) and 0 not in locs  # slot 0 is the dummy
+        table = sched.kv.req_pool.table
+        for req in batch.reqs:  # the host copy of each request's slots is its table row
+            assert list(req.slots) == table[req.row, :req.kv_len].tolist(), req
+        sampled = [] if in_flight is None else [
+            t for t, s in zip(in_flight[1], in_flight[0].samples) if s]
+        assert batch.has_futures == any(t < 0 for new in batch.new_tokens for t in new)
+        tokens = []
+        for req, new, prefix in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
+            if req.unresolved > (1 if batch.samples[batch.reqs.index(req)] else 0):
+                # its token in flight: the placeholder, and nothing else, stands for it
+                assert overlap and len(new) == 1 and new[0] < 0 and req.seq_len == prefix
+                new = [sampled[-1 - new[0]]]
+                assert new == [oracle(req.all_ids)]
+            else:
+                assert new == req.all_ids[prefix:prefix + len(new)]
+            tokens.append(oracle(req.all_ids[:prefix] + new))
+        collect()
+        in_flight = (batch, tokens)
+        if not overlap:
+            collect()
+    return done, step
+
+
+def expected(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(oracle(seq))
+    return seq[len(prompt):]
+
+
+def reqs_from(rng, n, max_len, max_new):
+    out = {}
+    for i in range(n):
+        prompt = tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, max_len)))
+        params = SamplingParams(max_new_tokens=rng.randint(1, max_new), temperature=0)
+        out.setdefault(rng.randint(0, 30), []).append(RequestInput(f"r{i}", prompt, params))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10 ** 6), chunk=st.sampled_from([None, -1, 3, 8, 64]),
+       running=st.integers(1, 12), kv=st.integers(40, 400), page=st.sampled_from([1, 4]),
+       cache=st.booleans(), overlap=st.booleans())
+def test_random_arrivals_respect_budget_never_leak_and_match_oracle(seed, chunk, running, kv,
+                                                                     page, cache, overlap):
+    rng = random.Random(seed)
+    sched, budget = make(kv, page_size=page, prefix_cache=cache, chunked_prefill_size=chunk,
+                         max_running_requests=running, max_prefill_tokens=32,
+                         context_length=64)
+    # shared prefixes so the prefix cache is exercised
+    arrivals = reqs_from(rng, rng.randint(1, 20), 30, 20)
+    base = tuple(rng.randrange(VOCAB) for _ in range(12))
+    arrivals.setdefault(5, []).append(RequestInput("shared-a", base + (1, 2),
+                                                   SamplingParams(max_new_tokens=5, temperature=0)))
+    arrivals.setdefault(40, []).append(RequestInput("shared-b", base + (3,),
+                                                    SamplingParams(max_new_tokens=5, temperature=0)))
+    done, _ = run(sched, budget, arrivals, overlap=overlap)
+    all_inputs = [r for rs in arrivals.values() for r in rs]
+    assert set(done) == {r.rid for r in all_inputs}
+    for r in all_inputs:
+        out = done[r.rid]
+        if out.error:  # only a request larger than the whole cache may fail
+            usable = (kv // page - 1) * page  # one page is the dummy page
+            assert len(r.input_ids) + r.params.max_new_tokens > usable, (r, out.error)
+            continue
+        n = min(r.params.max_new_tokens, 64 - len(r.input_ids))
+        assert out.token_ids == expected(r.input_ids, n), r.rid
+    # KV: nothing held once every request is done, except what the prefix cache keeps
+    kvm = sched.kv
+    cached = kvm.radix.cached_tokens if kvm.radix else 0
+    assert kvm.radix is None or kvm.radix.protected_tokens == 0
+    if kvm.radix:
+        kvm.radix.reset()
+    assert kvm.used_slots == 0, (kvm.used_slots, cached)
+    assert kvm.req_pool.available_rows == budget.max_running_requests
+
+
+def test_tokens_equal_the_oracle_with_chunking_prefix_cache_and_preemption():
+    rng = random.Random(3)
+    arrivals = reqs_from(rng, 24, 40, 30)
+    results = {}
+    for chunk, kv, cache, overlap in [(-1, 4000, False, False), (5, 4000, True, True),
+                                      (16, 120, True, False), (16, 120, True, True),
+                                      (7, 90, False, True)]:
+        sched, budget = make(kv, chunked_prefill_size=chunk, max_running_requests=16,
+                             max_prefill_tokens=48, context_length=128)
+        done, _ = run(sched, budget, arrivals, overlap=overlap)
+        got = {rid: _tokens_of(sched, rid, done) for rid in done}
+        results[(chunk, kv, cache, overlap)] = (got, sched.num_retracted)
+    first = next(iter(results.values()))[0]
+    for key, (got, retracted) in results.items():
+        assert got == first, key
+    assert results[(16, 120, True, True)][1] > 0, "the overlap schedule preempted nothing"
+    for inp in [r for rs in arrivals.values() for r in rs]:
+        assert first[inp.rid] == expected(inp.input_ids, inp.params.max_new_tokens)
+
+
+def _tokens_of(sched, rid, done):
+    out = done[rid]
+    assert out.error is None, out.error
+    return out.token_ids
+
+
+def test_prompt_at_context_length_is_rejected_with_a_fix():
+    sched, budget = make(100, context_length=16)
+    sched.add(RequestInput("long", tuple(range(16)), SamplingParams(max_new_tokens=2)))
+    (out,) = sched.drain_rejected()
+    assert out.finish.reason == "error" and "--context-length" in out.error
+    assert not sched.has_work
