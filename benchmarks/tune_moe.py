@@ -1,62 +1,59 @@
-"""Tune the fused MoE kernels' tiles per (E_local, H, I_local, dtype, device, token count) and
-write them as JSON into src/moeserve/moe/configs/ (kernels/configs.py reads them).
+r"""Tune the fused MoE kernels' tiles per (E_local, H, I_local, dtype, device, token count) and
+write them as JSON into src/moeserve/kernels/moe/configs/ (moeserve.kernels.moe.configs reads
+them).
 
-    PYTHONPATH=src python benchmarks/tune_moe.py [--models ...] [--shape E,H,I,K ...] \
+    PYTHONPATH=src python -m benchmarks tune-moe [--models ...] [--shape E,H,I,K ...] \
         [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
         [--half-tail-only | --atomic-sum-only | --retune {gate_up,down}]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
-per used expert, every gate_up candidate and every down candidate timed alone (median of
-triton's do_bench, L2 flushed between runs, so weights come from HBM as in a real step);
-the BLOCK_M whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again
-with "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1%
-faster (alternating, best of 3). Last, from ATOMIC_SUM_MIN_TOKENS tokens, down and the
-top-k sum are timed together against down adding its rows into the output with atomics
-("ATOMIC_SUM", no top-k sum pass), kept at least 1% faster. --half-tail-only and
---atomic-sum-only do one of those steps alone on the entries already in --out; --retune GEMM
-re-tunes only that GEMM of them, and keeps the shipped tiles unless the new winner is 1%
-faster against them, alternating. Candidates are the same for every shape, so each compiles
-once per run. A size that runs out of --time-budget keeps the defaults. On sm90, down's
-candidates include the warp-specialised kernel ("WS").
+per used expert, every gate_up candidate and every down candidate timed alone (harness.time_us
+with L2 flushed before each call, so weights come from HBM as in a real step); the BLOCK_M
+whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again with
+"HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1% faster
+(alternating, best of 3). Last, from ATOMIC_SUM_MIN_TOKENS tokens, down and the top-k sum are
+timed together against down adding its rows into the output with atomics ("ATOMIC_SUM", no
+top-k sum pass), kept when at least 1% faster. --half-tail-only and --atomic-sum-only do one of
+those steps alone on the entries already in --out; --retune GEMM re-tunes only that GEMM of
+them, and keeps the shipped tiles unless the new winner is 1% faster against them,
+alternating. Candidates are the same for every shape, so each compiles once per run. A size
+that runs out of --time-budget keeps the defaults. On sm90, down's candidates include the
+warp-specialised kernel ("WS").
 
 Up to DECODE_MAX_TOKENS tokens the GEMV kernels of decode_moe.py are tuned too (each kernel
 alone, as CUDA-graph replays of 4 calls with different routings), then both whole paths
-(align + GEMMs + top-k sum, against the two GEMV launches) are timed as CUDA-graph replays
-of 4 calls with different routings, and the entry gets a "decode" key only when that path is
+(align + GEMMs + top-k sum, against the two GEMV launches) are timed as CUDA-graph replays of
+4 calls with different routings, and the entry gets a "decode" key only when that path is
 faster.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_common import MODELS, capture, model_spec, time_us  # noqa: E402
-from moeserve.moe.kernels.configs import (CONFIG_DIR, DECODE_KEYS, GEMM_KEYS,  # noqa: E402
-                                          config_file_name)
+from benchmarks import harness
+from benchmarks.moe import MODELS, model_spec
 
+HELP = "tune the fused MoE kernels' tiles into src/moeserve/kernels/moe/configs/"
 DEVICE = "cuda"
 TUNE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 SMALL_M = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 LARGE_M = [(64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3)]
 DECODE_MAX_TOKENS = 8
-# ATOMIC_SUM is tried from this many tokens (prefill sizes): its adds land in a varying order,
+# ATOMIC_SUM is timed from this many tokens (prefill sizes): its adds land in a varying order,
 # so a step's bits may differ between runs, and decode steps, which CUDA graphs replay up to
 # --cuda-graph-max-bs (256) rows, keep the top-k pass that gives a graph eager's bits
 ATOMIC_SUM_MIN_TOKENS = 1024
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV kernels, gate_up's with and without PREFETCH; no
-# num_stages: their loops' loads feed FMAs, and Triton compiles the same code at 1, 2 and 3
-# stages (sm90 PTX compared, session 15)
+# num_stages: their loops' loads feed FMAs, and Triton compiles the same code at any stages
 GEMV_UP = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8)))
 GEMV_DOWN = list(itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (2, 4, 8)))
 HUGE_M = [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
@@ -78,6 +75,8 @@ def block_ms(rows_per_expert: float) -> list[int]:
 
 
 def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
+    from moeserve.kernels.moe.configs import GEMM_KEYS
+
     if full:
         space = list(itertools.product((32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5)))
         group_ms = (1, 8)
@@ -102,6 +101,8 @@ def candidates(block_m: int, gemm: str, full: bool) -> list[dict[str, int]]:
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
     """GEMV tiles whose fp32 accumulators take <= 64 registers a thread: gate_up keeps two
     [BLOCK_N, BLOCK_K], down one [top_k (pow2), BLOCK_N, BLOCK_K]."""
+    from moeserve.kernels.moe.configs import DECODE_KEYS
+
     if gemm == "gate_up":
         space, elems = GEMV_UP, lambda bn, bk: 2 * bn * bk
     else:
@@ -119,9 +120,8 @@ def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def do_bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+    """ms: the median of 25 calls after 5, L2 flushed before each."""
+    return harness.time_us(fn, reps=25, warmup=5, flush_l2=True) / 1e3
 
 
 def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:
@@ -149,8 +149,8 @@ def gemm_fns(x, ids, weights, w13, w2, k: int, bm: int, up: Optional[dict] = Non
     """(gate_up(cfg), down(cfg), summed(cfg)) timed callables on bm-row blocks; down's input
     is gate_up's output under `up` (or a first candidate's); summed is down with the top-k
     sum as fused_experts runs them (the pass after it, or in its tiles under ATOMIC_SUM)."""
-    from moeserve.moe.kernels.align import align_triton
-    from moeserve.moe.kernels.fused_moe import down, down_summed, gate_up, topk_sum
+    from moeserve.kernels.moe.align import align_triton
+    from moeserve.kernels.moe.fused_moe import down, down_summed, gate_up, topk_sum
 
     e = w13.shape[0]
     blocks = align_triton(ids, 0, e, bm)
@@ -255,7 +255,7 @@ def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
 
 def graph_us(fns: list) -> float:
     """Per call, as a CUDA-graph replay of the calls (as the engine replays decode steps)."""
-    return time_us(capture(lambda: [f() for f in fns])) / len(fns)
+    return harness.graph_us(lambda: [f() for f in fns], calls=len(fns))
 
 
 def best_in_graph(name: str, make, cfgs: list[dict]) -> tuple[float, dict]:
@@ -271,8 +271,8 @@ def best_in_graph(name: str, make, cfgs: list[dict]) -> tuple[float, dict]:
 def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
     """cfg plus the best GEMV tiles when the GEMV path beats cfg's whole path. Every time is a
     CUDA-graph replay of 4 calls with different routings (no weights left in L2)."""
-    from moeserve.moe.kernels.decode_moe import decode_down, decode_gate_up
-    from moeserve.moe.kernels.fused_moe import fused_experts
+    from moeserve.kernels.moe.decode_moe import decode_down, decode_gate_up
+    from moeserve.kernels.moe.fused_moe import fused_experts
 
     e, h = w13.shape[0], w13.shape[2]
     calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
@@ -296,14 +296,14 @@ def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
     return decode if whole["gemv"] < whole["aligned"] else cfg
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: Any) -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     ap.add_argument("--shape", nargs="*", default=[], help="E,H,I,K (E and I per rank)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size of --models")
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS))
     ap.add_argument("--full", action="store_true", help="sweep the whole space (slow)")
-    ap.add_argument("--out", default=str(CONFIG_DIR))
+    ap.add_argument("--out", default=None,
+                    help="the tables' folder (default: src/moeserve/kernels/moe/configs/)")
     ap.add_argument("--time-budget", type=float, default=float("inf"))
     ap.add_argument("--half-tail-only", action="store_true",
                     help="only re-decide HALF_TAIL on the entries already in --out")
@@ -312,21 +312,27 @@ def main() -> None:
     ap.add_argument("--retune", choices=("gate_up", "down"), default=None,
                     help="only re-tune this GEMM of the entries already in --out, keeping "
                          "the shipped tiles unless the new ones time 1%% faster")
-    args = ap.parse_args()
+
+
+def run(args: Any, argv: list[str]) -> int:
+    from moeserve.kernels.moe.configs import CONFIG_DIR, config_file_name
+
+    harness.require_gpu()
+    out = Path(args.out or CONFIG_DIR)
     shapes = []
     for name in args.models:
         spec = model_spec(name)
         shapes.append((spec.num_experts // args.ep, spec.hidden_size,
                        spec.moe_intermediate_size, spec.top_k))
     shapes += [tuple(int(v) for v in s.split(",")) for s in args.shape]
-    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    device = torch.cuda.get_device_name()
     deadline = time.monotonic() + args.time_budget
-    os.makedirs(args.out, exist_ok=True)
-    weights = {}
+    os.makedirs(out, exist_ok=True)
+    weights: dict = {}
     # sizes outermost: a run cut short by --time-budget has tuned every shape's small sizes
     for n in args.tokens:
         for e, h, i, k in shapes:
-            path = Path(args.out) / config_file_name(e, h, i, torch.bfloat16, device)
+            path = out / config_file_name(e, h, i, torch.bfloat16, device)
             if time.monotonic() > deadline:
                 print(f"E={e} H={h} I={i} N={n}: out of --time-budget, left to the defaults",
                       flush=True)
@@ -334,23 +340,20 @@ def main() -> None:
             print(f"E={e} H={h} I={i} K={k} N={n} on {device} -> {path.name}", flush=True)
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}  # one shape's weights at a time
+            w13, w2 = weights[(e, h, i)]
             table = json.loads(path.read_text()) if path.is_file() else {}
             if args.half_tail_only or args.atomic_sum_only or args.retune:
                 if str(n) not in table:
                     print(f"  no entry for N={n} to re-check", flush=True)
                     continue
                 if args.half_tail_only:
-                    table[str(n)] = recheck_half_tail(n, k, *weights[(e, h, i)], table[str(n)])
+                    table[str(n)] = recheck_half_tail(n, k, w13, w2, table[str(n)])
                 elif args.atomic_sum_only:
-                    table[str(n)] = with_atomic_sum(n, k, *weights[(e, h, i)], table[str(n)])
+                    table[str(n)] = with_atomic_sum(n, k, w13, w2, table[str(n)])
                 else:
-                    table[str(n)] = retune(args.retune, n, k, *weights[(e, h, i)],
-                                           table[str(n)])
+                    table[str(n)] = retune(args.retune, n, k, w13, w2, table[str(n)])
             else:
-                table[str(n)] = tune_size(n, k, *weights[(e, h, i)], args.full)
+                table[str(n)] = tune_size(n, k, w13, w2, args.full)
             path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),
                                        indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -118,10 +118,10 @@ def local_gpu_name(cfg: EngineConfig) -> Optional[str]:
 
 def local_kernels(cfg: EngineConfig) -> KernelSet:
     """The kernels a rank would select on this machine's first device."""
-    if cfg.device == "cpu" or local_gpu_name(cfg) is None:
-        return select_kernels("cpu", pdl=not cfg.disable_pdl)
     import torch
 
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return select_kernels("cpu", pdl=not cfg.disable_pdl)
     return select_kernels(torch.device("cuda", torch.cuda.current_device()),
                           pdl=not cfg.disable_pdl)
 
