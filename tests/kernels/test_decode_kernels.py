@@ -370,8 +370,8 @@ def test_decode_kernels_under_the_interpreter():
 # --- the torch paths and the tile table ---------------------------------------------------
 
 def test_topk_tile_follows_the_timings():
-    """topk_softmax's tiles by rows and experts (router_kernels.topk_tile): a row a warp at
-    decode sizes; past them what the H200 timed fastest (RESULTS.md, session 20)."""
+    """topk_softmax's tiles by rows and experts (kernels/moe/router.topk_tile): a row a warp at
+    decode sizes; past them what the H200 timed fastest."""
     from moeserve.kernels.moe.router import TOPK_ONE_ROW_MAX, topk_tile
 
     assert topk_tile(TOPK_ONE_ROW_MAX, 128) == (1, 1)

@@ -1,4 +1,4 @@
-"""The MoE layer across ranks (issue 3 acceptance, DESIGN.md invariants 1-9).
+"""The MoE layer across ranks (docs/DESIGN.md invariants 1-9).
 
 Two spawned gloo worlds (2 and 4 ranks) run every layout of moe_ranks.LAYOUTS on the same
 process group, each with four model kinds (Qwen3-MoE, Qwen2-MoE with a gated shared expert and

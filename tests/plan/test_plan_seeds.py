@@ -1,4 +1,5 @@
-"""The five SGLang seed bugs (../shared/seeds), as regression tests in terms of our plan."""
+"""Five SGLang fixes of buffers sized from the wrong count (docs/DESIGN.md, "The family of
+bugs it rules out"), as regression tests in terms of our plan."""
 
 import math
 

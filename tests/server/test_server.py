@@ -1,4 +1,4 @@
-"""`moeserve serve` through the official `openai` client (issue 6 acceptance).
+"""`moeserve serve` through the official `openai` client.
 
 One server process (tiny preset, dummy weights, CPU) serves every test of this module. Its
 tokenizer is the presets' byte-level stand-in: a prompt of ASCII text has one token per

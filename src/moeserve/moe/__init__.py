@@ -1,1 +1,1 @@
-"""The MoE layer: router -> dispatch -> experts -> combine (DESIGN.md, "Data flow of one step")."""
+"""The MoE layer: router -> dispatch -> experts -> combine (docs/DESIGN.md, "One step")."""

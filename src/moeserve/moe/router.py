@@ -36,15 +36,12 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 def router_gemm_suits(rows: int, num_experts: int) -> bool:
-    """Whether a GPU router of a 16-bit model takes layers/router_kernels.router_topk (the
+    """Whether a GPU router of a 16-bit model takes kernels/moe/router.router_topk (the
     logits GEMM and the top-k in one launch) over cuBLAS's logits and then the top-k's launch.
-    Measured (H200, graph replays, session 19, us, one launch with router_tile's tile against
-    two): with E no multiple of 8 cuBLAS's GEMM is slow, and one launch wins from 512 rows
-    (60 experts: 9.1 against 11.3 at 512 rows, 10.8 against 33.9 at 8192); elsewhere it wins
-    from 8192 rows at E <= 64 (64 experts 11.1 against 13.7; 8 experts 20.7 against 21.3, at
-    16384 33.6 against 36.6) and at 128 experts from 16384 rows (29.2 against 34.8; at 8192
-    the best tile took 17.7 against 16.0): each program reads all of W [E, H] from L2, which
-    costs more than cuBLAS's tiles save until the rows are many."""
+    By graph replays on an H200: with E no multiple of 8 cuBLAS's GEMM is slow, and one
+    launch wins from 512 rows; elsewhere it wins from 8192 rows at E <= 64 and at 128 experts
+    from 16384 rows: each program reads all of W [E, H] from L2, which costs more than
+    cuBLAS's tiles save until the rows are many."""
     if rows < 512:
         return False
     if num_experts % 8:

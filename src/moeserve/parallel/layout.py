@@ -1,4 +1,4 @@
-"""The parallel layout: DESIGN.md's arithmetic as pure Python, no torch.distributed.
+"""The parallel layout: the arithmetic of docs/DESIGN.md as pure Python, no torch.distributed.
 
 Axes over the `tp` ranks of one engine (rank r in [0, tp)):
   dp       attention data-parallel groups; r belongs to DP rank r // attn_tp

@@ -98,7 +98,7 @@ def token_budget(cfg: EngineConfig, spec: ModelSpec,
 
 def moe_tokens_per_rank(tokens: int, layout: ParallelLayout) -> int:
     """M: tokens of one DP rank's forward that reach the MoE layer on one rank. Under SP the
-    attn_tp ranks split the forward, so it is the post-scatter count (seed 003)."""
+    attn_tp ranks split the forward, so it is the post-scatter count (SGLang #25685)."""
     return math.ceil(tokens / layout.attn_tp) if layout.sp else tokens
 
 

@@ -1,5 +1,5 @@
 """The capacity plan: from the config alone, every bound, buffer and capture list, the memory
-they take, and every reason the engine cannot start (DESIGN.md, "One capacity plan")."""
+they take, and every reason the engine cannot start (docs/DESIGN.md, "The capacity plan")."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Defaults follow SGLang's shape (dense at small sizes, sparser above), are capped by their max
 knobs and by what the scheduler can form, and keep only multiples of attn_tp whenever tokens are
-split evenly across the attention-TP ranks (DESIGN.md invariant 6; seed 004).
+split evenly across the attention-TP ranks (docs/DESIGN.md invariant 6; SGLang #23972).
 """
 
 from __future__ import annotations

@@ -28,18 +28,9 @@ from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import AlignedBlocks, Workspace, take
 from moeserve.kernels.moe.configs import ALIGN_CHUNK, align_scratch_len, max_blocks
 
-# one program aligns a step of up to this many pairs; past it the two launches are faster.
-# Graph replays of 10 aligns, H200, session 18 (probe), us, one program / the three launches
-# of then (count, place the blocks, scatter): 128 experts (top-8) at 8 / 64 / 512 / 2048 /
-# 4096 / 8192 pairs 1.9 / 2.3 / 2.8 / 6.1 / 10.7 / 20.3 against 7.3 / 7.6 / 9.0 / 11.8 / 12.6
-# / 12.4; 64 experts (top-6) at 3072 7.7 / 12.1, 6144 14.2 / 12.1; 32 experts at 4096 8.7 /
-# 9.7; 8 experts at 4096 7.3 / 9.7. Session 19, the two launches of now against those three
-# (BLOCK_M 128): 128 experts at 8192 / 16384 / 32768 / 65536 pairs 6.3 / 6.5 / 6.8 / 7.4
-# against 12.3 / 13.0 / 13.1 / 13.4; 8 experts at 16384 pairs 5.9 against 10.4. One program
-# against these two launches (session 19, BLOCK_M 16): 128 experts at 2048 / 3072 / 4096
-# pairs 6.0 / 8.4 / 10.9 against 6.2 / 6.3 / 6.1; 64 experts at 1536 / 2304 4.9 / 6.8
-# against 6.0 / 5.9; 32 experts at 2048 / 3072 4.9 / 6.8 against 5.5 / 5.5; 8 experts at
-# 2048 / 4096 4.2 / 7.4 against 5.2 / 5.3.
+# one program aligns a step of up to this many pairs; past it the two launches are faster
+# (graph replays on an H200: the one program's time grows with the pairs, the two launches'
+# stays near 6 us, and they cross between 2048 and 3072 pairs for 8 to 128 experts)
 ONE_PROGRAM_PAIRS = 2048
 _COUNT_CHUNK = ALIGN_CHUNK
 

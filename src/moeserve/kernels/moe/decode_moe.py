@@ -206,9 +206,9 @@ EARLY_TILE_PER_THREAD = 16
 
 
 def _opts(cfg: dict[str, Any], k_size: int) -> dict[str, Any]:
-    """Launch options. num_stages (optional, in tables tuned before session 15) is passed on
-    to Triton, which compiles the same code for these FMA loops at 1, 2 and 3 (sm90 PTX
-    compared): the tuner no longer sweeps it."""
+    """Launch options. num_stages (optional in the tables) is passed on to Triton, which
+    compiles the same code for these FMA loops at 1, 2 and 3 (sm90 PTX compared), so the
+    tuner does not sweep it."""
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
             "EVEN_K": k_size % cfg["BLOCK_K"] == 0, "num_warps": cfg["num_warps"],
             "num_stages": cfg.get("num_stages", 3)}

@@ -28,8 +28,8 @@ TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a prog
 
 def topk_tile(rows: int, experts: int) -> tuple[int, int]:
     """topk_softmax's rows a program and warps: one row a program of one warp at decode
-    sizes; past TOPK_ONE_ROW_MAX rows the fastest of 8 tiles timed on the H200 at 512-16384
-    rows (RESULTS.md, session 20; 16 rows of 4 warps before, 0.1-1.6 us slower)."""
+    sizes; past TOPK_ONE_ROW_MAX rows the fastest of 8 tiles timed on an H200 at 512-16384
+    rows (`python -m benchmarks moe`)."""
     if rows <= TOPK_ONE_ROW_MAX:
         return 1, 1
     if experts <= 16:  # Mixtral's 8: 4 rows of one warp took 2-3x as long from 8192 rows
@@ -41,7 +41,7 @@ def topk_tile(rows: int, experts: int) -> tuple[int, int]:
 
 def router_tile(rows: int, experts: int) -> dict:
     """router_topk's tile (rows a program, H a step, warps, stages): the fastest of 14 timed
-    on the H200 (RESULTS.md, session 19) at the sizes moe/router.py sends here."""
+    on an H200 at the sizes moe/router.py sends here."""
     if experts % 8 and rows < 8192:  # 60 experts, 512-4096 rows
         return {"ROWS": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
     if experts > 64:  # 128 experts, 16384 rows
