@@ -77,17 +77,24 @@ class TorchAttentionBackend(AttentionBackend):
             v_SND = v_cache[slots_S].float().repeat_interleave(groups, dim=1)
             q_tND = q_TND[start:start + new].float()
             scores_NtS = torch.einsum("tnd,snd->nts", q_tND, k_SND) * layer.scaling
-            q_pos = torch.arange(prefix, seq, device=q_TND.device)[:, None]
-            k_pos = torch.arange(seq, device=q_TND.device)[None, :]
-            visible_tS = k_pos <= q_pos
-            if layer.sliding_window is not None:
-                visible_tS &= k_pos > q_pos - layer.sliding_window
-            scores_NtS = scores_NtS.masked_fill(~visible_tS, float("-inf"))
-            probs_NtS = torch.softmax(scores_NtS, dim=-1)
+            probs_NtS = causal_softmax(scores_NtS, prefix, layer.sliding_window)
             out_TND[start:start + new] = torch.einsum("nts,snd->tnd", probs_NtS,
                                                       v_SND).to(q_TND.dtype)
             start += new
         return out_TND
+
+
+def causal_softmax(scores_NtS: torch.Tensor, prefix: int,
+                   window: Optional[int] = None) -> torch.Tensor:
+    """Softmax over the keys of a request's new tokens, which sit after `prefix` cached ones:
+    each query sees the keys up to its own position (and, with a window, the last `window`)."""
+    new, seq = scores_NtS.shape[-2:]
+    q_pos = torch.arange(prefix, prefix + new, device=scores_NtS.device)[:, None]
+    k_pos = torch.arange(seq, device=scores_NtS.device)[None, :]
+    visible_tS = k_pos <= q_pos
+    if window is not None:
+        visible_tS &= k_pos > q_pos - window
+    return torch.softmax(scores_NtS.masked_fill(~visible_tS, float("-inf")), dim=-1)
 
 
 class PagedAttention(nn.Module):

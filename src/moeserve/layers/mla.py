@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config.registry import Registry
-from moeserve.layers.attention import AttentionBackend
+from moeserve.layers.attention import AttentionBackend, causal_softmax
 from moeserve.kernels import ops as K
 from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                     RowParallelLinear)
@@ -105,10 +105,7 @@ class TorchMLABackend(AttentionBackend):
             q_nope_tNP, q_pe_tNR = q_TNQ[start:start + new].float().split([p, r], dim=-1)
             scores_NtS = (torch.einsum("tnp,snp->nts", q_nope_tNP, k_nope_SNP)
                           + torch.einsum("tnr,sr->nts", q_pe_tNR, k_pe_SR)) * layer.scaling
-            q_pos = torch.arange(prefix, seq, device=q_TNQ.device)[:, None]
-            k_pos = torch.arange(seq, device=q_TNQ.device)[None, :]
-            scores_NtS = scores_NtS.masked_fill(k_pos > q_pos, float("-inf"))
-            probs_NtS = torch.softmax(scores_NtS, dim=-1)
+            probs_NtS = causal_softmax(scores_NtS, prefix)
             out_TNV[start:start + new] = torch.einsum("nts,snv->tnv", probs_NtS,
                                                       v_SNV).to(q_TNQ.dtype)
             start += new
