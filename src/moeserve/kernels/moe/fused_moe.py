@@ -48,8 +48,10 @@ from moeserve.kernels.launch.choice import interpreting
 
 
 @triton.jit
-def _tile_ids(num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M):
-    """Program id -> (block, n tile); GROUP_M consecutive blocks share their weight tiles in L2."""
+def _tile_of(num_blocks, n_size, block_expert_ptr, block_rows_ptr, BLOCK_N: tl.constexpr,
+             GROUP_M):
+    """Program id -> (block, n tile, the block's expert (-1: an unused block), its rows);
+    GROUP_M consecutive blocks share their weight tiles in L2."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_size, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -57,7 +59,7 @@ def _tile_ids(num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M):
     group_m = tl.minimum(num_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
-    return pid_m, pid_n
+    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m), tl.load(block_rows_ptr + pid_m)
 
 
 @triton.jit
@@ -150,11 +152,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     expert's other blocks; a second launch for the tails re-read them from HBM and ran up to
     30% slower on the H200)."""
     pdl_gate(PDL)
-    pid_m, pid_n = _tile_ids(num_blocks, inter, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert, rows = _tile_of(num_blocks, inter, block_expert_ptr, block_rows_ptr,
+                                          BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    rows = tl.load(block_rows_ptr + pid_m)
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ptr, expert, pid_m * BLOCK_M, rows, pid_n,
                       hidden, inter, top_k, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
@@ -209,11 +210,10 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
                  ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)
-    pid_m, pid_n = _tile_ids(num_blocks, hidden, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert, rows = _tile_of(num_blocks, hidden, block_expert_ptr, block_rows_ptr,
+                                          BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    rows = tl.load(block_rows_ptr + pid_m)
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, pid_m * BLOCK_M,
                    rows, pid_n, hidden, inter, top_k, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
