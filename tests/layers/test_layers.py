@@ -10,9 +10,10 @@ import torch
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.backends import create_attention_backend
 from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                    QKVParallelLinear, RowParallelLinear, WeightShapeError)
+                                    QKVParallelLinear, RowParallelLinear)
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
 from moeserve.layers.rotary import RopeScalingError, RotaryEmbedding, rope_frequencies
+from moeserve.layers.weights import WeightError
 from moeserve.parallel.groups import single_process_state
 from moeserve.batch.forward_batch import ForwardMode, prepare_batch
 from moeserve.batch.kv_cache import DUMMY_SLOT, KVCachePool, ReqToTokenPool
@@ -198,5 +199,6 @@ def test_linear_layers_load_and_compute():
         qkv.load_weight("weight", t, shard)
     for got, ref in zip(qkv(x), (x @ wq.T, x @ wk.T, x @ wv.T)):
         assert rel_err(got, ref) < 1e-6
-    with pytest.raises(WeightShapeError, match=r"shape \[4, 12\], expected \[12, 12\]"):
+    with pytest.raises(WeightError, match=r"'q_proj.weight' has shape \[4, 12\], "
+                                          r"expected \[12, 12\]"):
         qkv.load_weight("weight", wk, "q")

@@ -163,7 +163,7 @@ def test_fused_expert_tensors_load(case, prefix, experts, tmp_path):
 def test_expert_view_reads_the_slices_a_sharded_expert_asks_for(tmp_path):
     from safetensors import safe_open
 
-    from moeserve.models.loader import ExpertView
+    from moeserve.layers.weights import ExpertView
 
     fused = torch.randn(3, 8, 5)  # [E, 2I, H]: gate rows 0-3, up rows 4-7
     save_file({"w": fused}, str(tmp_path / "f.safetensors"))

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from moeserve.layers.linear import axis_all_gather, check_shape, read_rows
+from moeserve.layers.linear import axis_all_gather
+from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
 
@@ -26,8 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = axis.rank * self.vocab_local
         # rows of this rank that are real tokens (the last rank may hold padding rows)
         self.rows_real = max(0, min(vocab_size - self.vocab_start, self.vocab_local))
-        self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden, dtype=dtype),
-                                   requires_grad=False)
+        self.weight = empty_param(self.vocab_local, hidden, dtype=dtype)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
         if self.axis.size == 1:
@@ -39,12 +39,12 @@ class VocabParallelEmbedding(nn.Module):
         return C.all_reduce(x_TH, self.axis)
 
     def load_weight(self, param_name: str, src: Any) -> None:
-        check_shape(src, (self.vocab_size, self.hidden))
+        expect_shape(param_name, src, (self.vocab_size, self.hidden))
         with torch.no_grad():
             self.weight[self.rows_real:].zero_()
-            if self.rows_real:
-                rows = read_rows(src, self.vocab_start, self.rows_real)
-                self.weight[:self.rows_real].copy_(rows.to(self.weight.dtype))
+        if self.rows_real:
+            rows = (self.vocab_start, self.vocab_start + self.rows_real)
+            copy_into(self.weight[:self.rows_real], read(src, rows=rows), param_name)
 
 
 class ParallelLMHead(nn.Module):

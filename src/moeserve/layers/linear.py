@@ -8,7 +8,7 @@
                             (all-reduce or reduce-scatter) belongs to the layer communicator
 
 Weights load from a full checkpoint tensor or a safetensors slice: each rank reads only its
-rows/columns (`read_rows`), so a rank never materialises another rank's shard.
+rows/columns (layers/weights.py), so a rank never materialises another rank's shard.
 
 `linear` is F.linear, except for the few rows of a decode step on a GPU: those go through the
 skinny-GEMM kernel (kernels/skinny/gemm.py), which streams the weight at the memory's rate.
@@ -24,43 +24,10 @@ from torch import nn
 
 from moeserve.kernels import ops as K
 from moeserve.kernels.skinny.tiles import MOST_ROWS, beats_cublas
+from moeserve.layers.weights import copy_into, empty_param, expect_shape, read, shard_range
 from moeserve.parallel.groups import Axis
 
 SKINNY_MAX_ROWS = MOST_ROWS  # up to this many rows a GPU projection is a GEMV (skinny_tiles)
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor has a shape the model did not expect."""
-
-
-# ------------------------------------------------------------------------------------------
-# Reading (a slice of) a checkpoint tensor: `src` is a torch.Tensor or a safetensors slice.
-
-def src_shape(src: Any) -> tuple[int, ...]:
-    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
-
-
-def check_shape(src: Any, want: Sequence[int]) -> None:
-    if src_shape(src) != tuple(want):
-        raise WeightShapeError(f"shape {list(src_shape(src))}, expected {list(want)}")
-
-
-def read_rows(src: Any, start: int, length: int, dim: int = 0) -> torch.Tensor:
-    """src[start:start+length] along `dim` (0 or 1), reading only those elements."""
-    if dim == 0:
-        return src[start:start + length]
-    assert dim == 1, dim
-    return src[:, start:start + length]
-
-
-def read_all(src: Any) -> torch.Tensor:
-    return src[:] if not isinstance(src, torch.Tensor) else src
-
-
-def copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
-    assert param.shape == value.shape, (param.shape, value.shape)
-    with torch.no_grad():
-        param.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
 # ------------------------------------------------------------------------------------------
@@ -115,10 +82,6 @@ def _split(total: int, axis: Axis, what: str) -> int:
     return total // axis.size
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 # ------------------------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
@@ -129,8 +92,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.axis = in_features, out_features, axis
         self.out_local = _split(out_features, axis, "output features")
-        self.weight = _param(self.out_local, in_features, dtype=dtype)
-        self.bias = _param(self.out_local, dtype=dtype) if bias else None
+        self.weight = empty_param(self.out_local, in_features, dtype=dtype)
+        self.bias = empty_param(self.out_local, dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         return linear(x_TI, self.weight, self.bias)
@@ -140,8 +103,9 @@ class ColumnParallelLinear(nn.Module):
         param = getattr(self, param_name)
         full = (self.out_features, self.in_features) if param_name == "weight" \
             else (self.out_features,)
-        check_shape(src, full)
-        copy_into(param, read_rows(src, self.axis.rank * self.out_local, self.out_local))
+        expect_shape(param_name, src, full)
+        rows = shard_range(self.axis.rank, self.out_local)
+        copy_into(param, read(src, rows=rows), param_name)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -159,7 +123,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.out_locals = tuple(o if whole else _split(o, axis, "output features")
                                 for o, whole in zip(out_features, self.replicated))
         self.offsets = tuple(sum(self.out_locals[:i]) for i in range(len(out_features)))
-        self.weight = _param(sum(self.out_locals), in_features, dtype=dtype)
+        self.weight = empty_param(sum(self.out_locals), in_features, dtype=dtype)
         self.bias = nn.Parameter(torch.zeros(sum(self.out_locals), dtype=dtype),
                                  requires_grad=False) if bias else None
 
@@ -174,10 +138,11 @@ class MergedColumnParallelLinear(nn.Module):
         """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
         param = getattr(self, param_name)
         out, local = self.out_features[shard], self.out_locals[shard]
-        check_shape(src, (out, self.in_features) if param_name == "weight" else (out,))
+        expect_shape(param_name, src, (out, self.in_features) if param_name == "weight"
+                     else (out,))
         dst = param[self.offsets[shard]:self.offsets[shard] + local]
-        start = 0 if self.replicated[shard] else self.axis.rank * local
-        copy_into(dst, read_rows(src, start, local))
+        rank = 0 if self.replicated[shard] else self.axis.rank
+        copy_into(dst, read(src, rows=shard_range(rank, local)), param_name)
 
 
 class QKVParallelLinear(nn.Module):
@@ -203,8 +168,8 @@ class QKVParallelLinear(nn.Module):
         self.q_size = self.heads_local * head_dim
         self.kv_size = self.kv_heads_local * head_dim
         out = self.q_size + 2 * self.kv_size
-        self.weight = _param(out, hidden, dtype=dtype)
-        self.bias = _param(out, dtype=dtype) if bias else None
+        self.weight = empty_param(out, hidden, dtype=dtype)
+        self.bias = empty_param(out, dtype=dtype) if bias else None
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x_TH, self.weight, self.bias)
@@ -220,8 +185,9 @@ class QKVParallelLinear(nn.Module):
         else:
             full, start, local = self.num_kv_heads * d, self.kv_head_start * d, self.kv_size
             offset = self.q_size + (0 if shard == "k" else self.kv_size)
-        check_shape(src, (full, self.hidden) if param_name == "weight" else (full,))
-        copy_into(param[offset:offset + local], read_rows(src, start, local))
+        name = f"{shard}_proj.{param_name}"
+        expect_shape(name, src, (full, self.hidden) if param_name == "weight" else (full,))
+        copy_into(param[offset:offset + local], read(src, rows=(start, start + local)), name)
 
 
 class RowParallelLinear(nn.Module):
@@ -234,8 +200,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.axis = in_features, out_features, axis
         self.in_local = _split(in_features, axis, "input features")
-        self.weight = _param(out_features, self.in_local, dtype=dtype)
-        self.bias: Optional[nn.Parameter] = _param(out_features, dtype=dtype) if bias else None
+        self.weight = empty_param(out_features, self.in_local, dtype=dtype)
+        self.bias: Optional[nn.Parameter] = empty_param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.axis.rank == 0 else None
@@ -243,9 +209,9 @@ class RowParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, src: Any) -> None:
         if param_name == "bias":
-            check_shape(src, (self.out_features,))
-            copy_into(self.bias, read_all(src))
+            expect_shape(param_name, src, (self.out_features,))
+            copy_into(self.bias, read(src), param_name)
             return
-        check_shape(src, (self.out_features, self.in_features))
-        copy_into(self.weight, read_rows(src, self.axis.rank * self.in_local, self.in_local,
-                                         dim=1))
+        expect_shape(param_name, src, (self.out_features, self.in_features))
+        cols = shard_range(self.axis.rank, self.in_local)
+        copy_into(self.weight, read(src, cols=cols), param_name)

@@ -23,7 +23,7 @@ from torch import nn
 from moeserve.kernels import ops as K
 from moeserve.layers.linear import linear
 from moeserve.config.spec import ModelSpec
-from moeserve.layers.weights import WeightError, copy_into, empty_param, expect_shape, read
+from moeserve.layers.weights import WeightError, empty_param, load_gated_mlp
 from moeserve.layers.communicator import gather_world_rows, layer_scatters, reduce_world_rows
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.step import StepContext
@@ -109,15 +109,9 @@ class DenseMLP(nn.Module):
         return name in self.CHECKPOINT_NAMES
 
     def load_weight(self, name: str, src: Any) -> None:
-        i, h = self.intermediate, self.hidden
-        shard = (self.tp_rank * self.i_local, (self.tp_rank + 1) * self.i_local)
-        if name in ("gate_proj.weight", "up_proj.weight"):
-            expect_shape(name, src, (i, h))
-            half = slice(0, self.i_local) if name.startswith("gate") else slice(self.i_local, None)
-            copy_into(self.gate_up.weight[half], read(src, rows=shard), name)
-        elif name == "down_proj.weight":
-            expect_shape(name, src, (h, i))
-            copy_into(self.down.weight, read(src, cols=shard), name)
-        else:
+        proj, _, param = name.partition(".")
+        if param != "weight" or not load_gated_mlp(
+                proj, name, src, self.gate_up.weight, self.down.weight,
+                intermediate=self.intermediate, rank=self.tp_rank):
             raise WeightError(f"a dense MLP has no checkpoint tensor {name!r}; it reads "
                               f"{', '.join(self.CHECKPOINT_NAMES)}")

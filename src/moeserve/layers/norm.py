@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moeserve.kernels import ops as K
-from moeserve.layers.linear import check_shape, copy_into, read_all, read_rows
+from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
 
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.dim, self.eps = dim, eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.weight = empty_param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = K.elementwise(x.device)
@@ -56,8 +56,8 @@ class RMSNorm(nn.Module):
         return self(total), total
 
     def load_weight(self, param_name: str, src: Any) -> None:
-        check_shape(src, (self.dim,))
-        copy_into(self.weight, read_all(src))
+        expect_shape(param_name, src, (self.dim,))
+        copy_into(self.weight, read(src), param_name)
 
 
 class ShardedRMSNorm(nn.Module):
@@ -69,7 +69,7 @@ class ShardedRMSNorm(nn.Module):
         super().__init__()
         self.full_dim, self.local_dim, self.start = full_dim, local_dim, start
         self.replicas, self.eps, self.axis = replicas, eps, axis
-        self.weight = nn.Parameter(torch.empty(local_dim, dtype=dtype), requires_grad=False)
+        self.weight = empty_param(local_dim, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         x32 = x_TD.float()
@@ -79,5 +79,6 @@ class ShardedRMSNorm(nn.Module):
         return _rms(x32, sum_sq / self.full_dim, self.eps, self.weight, x_TD.dtype)
 
     def load_weight(self, param_name: str, src: Any) -> None:
-        check_shape(src, (self.full_dim,))
-        copy_into(self.weight, read_rows(src, self.start, self.local_dim))
+        expect_shape(param_name, src, (self.full_dim,))
+        copy_into(self.weight, read(src, rows=(self.start, self.start + self.local_dim)),
+                  param_name)

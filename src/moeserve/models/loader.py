@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moeserve.config import EngineConfig
+from moeserve.layers.weights import ExpertView
 
 INDEX_FILE = "model.safetensors.index.json"
 # tensors some checkpoints carry that are not weights of the model
@@ -40,24 +41,6 @@ _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 class WeightLoadError(RuntimeError):
     """The checkpoint cannot be loaded into the model; the message names the tensor or file."""
-
-
-class ExpertView:
-    """Expert `e` of a fused [E, R, C] tensor, rows [row0, row0 + rows): sliceable like a
-    safetensors slice (`v[a:b]`, `v[:, a:b]`, `v[:]`), reading only the requested part."""
-
-    def __init__(self, fused: Any, e: int, row0: int, rows: int, cols: int):
-        self.fused, self.e, self.row0, self.shape = fused, e, row0, (rows, cols)
-
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
-
-    def __getitem__(self, idx: Any) -> torch.Tensor:
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        idx = idx + (slice(None),) * (2 - len(idx))
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(idx, self.shape))
-        assert rs == 1 and cs == 1, "expert views support contiguous slices only"
-        return self.fused[self.e, self.row0 + r0:self.row0 + r1, c0:c1]
 
 
 @dataclass(frozen=True)

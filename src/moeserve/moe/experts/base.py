@@ -28,7 +28,7 @@ from moeserve.config.registry import Registry
 
 from moeserve.layers.mlp import activation
 from moeserve.config.spec import ModelSpec
-from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
+from moeserve.layers.weights import empty_param, load_gated_mlp
 from moeserve.parallel.groups import ParallelState
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -82,16 +82,9 @@ class Experts(nn.Module, ABC):
             raise ValueError(f"expert {expert} is not on this rank (it holds experts "
                              f"{self.first_expert}..{self.first_expert + self.num_local - 1})")
         name = f"experts.{expert}.{proj}.weight"
-        e, i, h = expert - self.first_expert, self.intermediate, self.hidden
-        shard = (self.moe_tp_rank * self.i_local, (self.moe_tp_rank + 1) * self.i_local)
-        if proj in ("gate_proj", "up_proj"):
-            expect_shape(name, src, (i, h))
-            rows = slice(0, self.i_local) if proj == "gate_proj" else slice(self.i_local, None)
-            copy_into(self.w13[e, rows], read(src, rows=shard), name)
-        elif proj == "down_proj":
-            expect_shape(name, src, (h, i))
-            copy_into(self.w2[e], read(src, cols=shard), name)
-        else:
+        e = expert - self.first_expert
+        if not load_gated_mlp(proj, name, src, self.w13[e], self.w2[e],
+                              intermediate=self.intermediate, rank=self.moe_tp_rank):
             raise ValueError(f"unknown expert projection {proj!r}; experts read {PROJECTIONS}")
 
 
