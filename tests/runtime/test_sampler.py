@@ -65,6 +65,8 @@ def test_stop_tokens_and_length():
     assert c.check_token(5, 3) == Finish("length")
     c = StopChecker(SamplingParams(max_new_tokens=3, ignore_eos=True), eos_token_ids=[2])
     assert c.check_token(2, 1) is None and c.check_token(2, 3) == Finish("length")
+    c = StopChecker(SamplingParams(max_new_tokens=3), max_output=2)  # the context's room
+    assert c.check_token(5, 1) is None and c.check_token(5, 2) == Finish("length")
 
 
 def test_stop_strings():

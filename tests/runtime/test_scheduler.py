@@ -3,6 +3,7 @@ the next token is a function of the whole sequence so far, as a greedy model's i
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -181,3 +182,15 @@ def test_prompt_at_context_length_is_rejected_with_a_fix():
     (out,) = sched.drain_rejected()
     assert out.finish.reason == "error" and "--context-length" in out.error
     assert not sched.has_work
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_ends_by_length_at_max_new_tokens_or_the_context(overlap):
+    sched, budget = make(200, context_length=24)
+    long, short = tuple(range(1, 17)), tuple(range(1, 9))
+    arrivals = {0: [RequestInput("ctx", long, SamplingParams(max_new_tokens=50)),
+                    RequestInput("new", short, SamplingParams(max_new_tokens=5))]}
+    done, _ = run(sched, budget, arrivals, overlap=overlap)
+    assert done["ctx"].finish.reason == done["new"].finish.reason == "length"
+    assert done["ctx"].token_ids == expected(long, 24 - 16)
+    assert done["new"].token_ids == expected(short, 5)

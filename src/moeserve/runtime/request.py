@@ -8,6 +8,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from moeserve.runtime.limits import output_limit
 from moeserve.runtime.sampling import Finish, SamplingParams, StopChecker
 
 
@@ -53,14 +54,16 @@ class Req:
     path ending at `prefix_node` is locked for us); [cached_len, kv_len) are ours to free.
     """
 
-    def __init__(self, inp: RequestInput, eos_token_ids: frozenset[int], arrival: int) -> None:
+    def __init__(self, inp: RequestInput, eos_token_ids: frozenset[int], arrival: int,
+                 context_length: int) -> None:
         self.rid = inp.rid
         self.prompt_ids = list(inp.input_ids)
         self.params = inp.params
         self.stream = inp.stream
         self.arrival = arrival  # order of arrival at this scheduler
         self.output_ids: list[int] = []
-        self.stop = StopChecker(inp.params, eos_token_ids)
+        self.stop = StopChecker(inp.params, eos_token_ids, output_limit(
+            len(self.prompt_ids), inp.params.max_new_tokens, context_length))
         self.state = ReqState.WAITING
         self.row: Optional[int] = None
         self.kv_len = 0

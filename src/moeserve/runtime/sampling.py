@@ -155,10 +155,13 @@ class Finish:
 
 class StopChecker:
     """The stop conditions of one request: call `check_token` after each sampled token, and
-    `check_text` after the detokenizer has appended its text."""
+    `check_text` after the detokenizer has appended its text. `max_output` is the request's
+    length limit (runtime/limits.output_limit; max_new_tokens when not given)."""
 
-    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                 max_output: Optional[int] = None) -> None:
         self.params = params
+        self.max_output = params.max_new_tokens if max_output is None else max_output
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
@@ -170,7 +173,7 @@ class StopChecker:
             return Finish("stop")
         if token_id in self.stop_token_ids:
             return Finish("stop", token_id)
-        if num_output_tokens >= self.params.max_new_tokens:
+        if num_output_tokens >= self.max_output:
             return Finish("length")
         return None
 

@@ -24,6 +24,7 @@ import torch
 from moeserve.plan.budget import TokenBudget
 from moeserve.batch.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
+from moeserve.runtime.limits import PromptError, check_prompt
 from moeserve.runtime.request import Req, ReqState, RequestInput, TokenOutput
 from moeserve.runtime.sampling import Finish
 
@@ -60,14 +61,13 @@ class Scheduler:
 
     # --- input ----------------------------------------------------------------------------
     def add(self, inp: RequestInput) -> None:
-        n, ctx = len(inp.input_ids), self.budget.context_length
-        if n == 0 or n >= ctx:
-            why = ("the prompt is empty" if n == 0 else
-                   f"the prompt has {n} tokens, and the context length is {ctx}: it leaves no "
-                   "room for output; shorten the prompt or raise --context-length")
-            self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=why))
+        ctx = self.budget.context_length
+        try:
+            check_prompt(len(inp.input_ids), ctx, "shorten the prompt or raise --context-length")
+        except PromptError as exc:
+            self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc)))
             return
-        req = Req(inp, self.eos, self._arrivals)
+        req = Req(inp, self.eos, self._arrivals, ctx)
         self._arrivals += 1
         self.waiting.append(req)
 
@@ -173,10 +173,9 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        ctx = self.budget.context_length
         # a request whose token in flight ends it by length sits this step out
-        want = [r for r in self.running if not r.unresolved or (
-            r.num_output < r.params.max_new_tokens and r.seq_len + r.unresolved < ctx)]
+        want = [r for r in self.running
+                if not r.unresolved or r.num_output < r.stop.max_output]
         reqs, loc = self.kv.reserve_one_each(want)
         got = set(reqs)
         for req in [r for r in want if r not in got]:
@@ -259,8 +258,6 @@ class Scheduler:
             if logprobs is not None and req.params.logprobs:
                 req.logprobs.append(logprobs[i])
             finish = req.stop.check_token(token, len(req.output_ids))
-            if finish is None and req.seq_len >= self.budget.context_length:
-                finish = Finish("length")
             if finish is not None:
                 self.running.remove(req)
                 outputs.append(self._finish(req, finish))

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pydantic import ValidationError
 
+from moeserve.runtime.limits import PromptError, check_prompt, output_limit
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams, SamplingParamsError
 from moeserve.server.bridge import EngineClient, Seats
@@ -97,17 +98,19 @@ class OpenAIHandlers:
     def _limit(self, prompt: Prompt, asked: Optional[int], default: Optional[int],
                prompt_param: str, limit_param: str) -> int:
         n, ctx = len(prompt.ids), self.context_length
-        if n == 0:
-            raise bad_request("the prompt is empty", prompt_param)
-        if n >= ctx:
-            raise bad_request(f"the prompt has {n} tokens and the context length is {ctx}: it "
-                              "leaves no room for output; shorten the prompt", prompt_param,
-                              "context_length_exceeded")
-        if asked is not None and n + asked > ctx:
+        try:
+            check_prompt(n, ctx, "shorten the prompt")
+        except PromptError as exc:
+            code = "context_length_exceeded" if exc.too_long else "invalid_value"
+            raise bad_request(str(exc), prompt_param, code) from None
+        if asked is None:
+            return output_limit(n, default or ctx, ctx)
+        room = output_limit(n, asked, ctx)
+        if room < asked:
             raise bad_request(f"{limit_param}={asked} with a prompt of {n} tokens exceeds the "
-                              f"context length of {ctx}; ask for at most {ctx - n} tokens",
+                              f"context length of {ctx}; ask for at most {room} tokens",
                               limit_param, "context_length_exceeded")
-        return asked if asked is not None else min(default or ctx, ctx - n)
+        return asked
 
     def _params(self, req: Any, max_new: int, logprobs: bool, top: int) -> list[SamplingParams]:
         extra: dict[str, Any] = {}
