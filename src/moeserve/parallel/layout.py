@@ -104,10 +104,6 @@ class ParallelLayout:
     def moe_tp_groups(self) -> list[list[int]]:
         return [list(range(e * self.moe_tp, (e + 1) * self.moe_tp)) for e in range(self.ep)]
 
-    def local_experts(self, rank: int, num_experts: int) -> range:
-        per = num_experts // self.ep
-        return range(self.ep_rank(rank) * per, (self.ep_rank(rank) + 1) * per)
-
     def describe(self) -> str:
         return (f"tp={self.tp} dp={self.dp} attn_tp={self.attn_tp} ep={self.ep} "
                 f"moe_tp={self.moe_tp} dense_tp={self.dense_tp} sp={'on' if self.sp else 'off'} "

@@ -86,10 +86,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + (self.chunked is not None)
-
     def needs_tokens(self) -> bool:
         """Whether the next schedule needs the tokens of the step in flight: a retraction
         recomputes from them. (Penalties do not: the sampler counts a token in flight on the
