@@ -8,10 +8,14 @@ bucket and replayed with other lengths and padded rows (dummy request row, dummy
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from moeserve.kernels.attention.tiles import ATTENTION_TILES
 from moeserve.layers.attention import PagedAttention
+from moeserve.layers.attention_triton import TritonAttentionBackend
 from moeserve.layers.backends import create_attention_backend
 from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
 from moeserve.kernels.launch.choice import select_kernels, use_kernels
@@ -24,10 +28,12 @@ TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d: int,
-             window, lens, split, seed: int = 0, partials: tuple = ()) -> list[float]:
-    """Errors of the triton backend against torch for: prompts, chunks after a prefix, and
-    three decode steps, all requests of a forward batched together; with `partials`
-    (part_o, part_lse), the decode partials come from them, as from the plan's buffers."""
+             window, lens, split, seed: int = 0, partials: tuple = (),
+             tiles=ATTENTION_TILES) -> list[float]:
+    """Errors of the triton backend (with `tiles`) against torch for: prompts, chunks after a
+    prefix, and three decode steps, all requests of a forward batched together; with
+    `partials` (part_o, part_lse), the decode partials come from them, as from the plan's
+    buffers."""
     gen = torch.Generator().manual_seed(seed)
     layers = 2
     total = sum(lens) + 8
@@ -35,7 +41,7 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
                        device, page_size=page_size)
     rows = ReqToTokenPool(len(lens) + 1, max(lens) + 4, device)
     req_rows = [rows.alloc() for _ in lens]
-    fast = PagedAttention(1, n, kh, d, d ** -0.5, create_attention_backend("triton"), window)
+    fast = PagedAttention(1, n, kh, d, d ** -0.5, TritonAttentionBackend(tiles), window)
     if partials:
         fast.backend.use_partials(*partials)
     ref = create_attention_backend("torch")
@@ -66,14 +72,13 @@ def test_one_split_decode_writes_the_output_itself(monkeypatch, dtype):
     """Batches that fill the GPU without splitting their keys: the decode kernel writes the
     attention's output and no combine runs (also replayed in a CUDA graph)."""
     import moeserve.kernels.attention.kernels as K
-    import moeserve.kernels.attention.tiles as TL
 
-    monkeypatch.setattr(TL, "MAX_SPLITS", 1)
+    one = dataclasses.replace(ATTENTION_TILES, max_splits=1)
     monkeypatch.setattr(K, "decode_combine_kernel", None)  # a launch of it would fail
     errors = run_case("cuda", dtype, 16, 32, 4, 128, None, [70, 4, 203, 129, 9],
-                      [33, 0, 140, 64, 1])
+                      [33, 0, 140, 64, 1], tiles=one)
     assert max(errors) < TOL[dtype], errors
-    test_triton_decode_replays_in_a_cuda_graph()
+    replay_decode(one)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -81,19 +86,18 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     """The first extend (no request has a cached prefix) goes through SDPA: with the
     threshold lowered to 1 token for short prompts, and at the shipped threshold for a long
     one. The chunk after a prefix and the decode steps take the kernels."""
-    import moeserve.kernels.attention.tiles as TL
     import moeserve.layers.attention_triton as AT
 
     calls = spy(monkeypatch, AT, "sdpa_fresh", lambda *a: a[5])
-    long = TL.SDPA_MIN_EXTEND + 40
+    long = ATTENTION_TILES.sdpa_min_extend + 40
     errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None, [long + 20, 300],
                       [long, 290])
     assert max(errors) < TOL[torch.bfloat16], errors
     assert calls == [[(0, long), (long, 290)]]
     calls.clear()
-    monkeypatch.setattr(TL, "SDPA_MIN_EXTEND", 1)
     errors = run_case("cuda", torch.bfloat16, page_size, 32, 4, 128, None,
-                      [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+                      [70, 4, 203, 129, 9], [33, 0, 140, 64, 1],
+                      tiles=dataclasses.replace(ATTENTION_TILES, sdpa_min_extend=1))
     assert max(errors) < TOL[torch.bfloat16], errors
     assert calls == [[(0, 33), (33, 140), (173, 64), (237, 1)]]
     calls.clear()  # a head dim that SDPA's flash kernels do not take stays on the kernel
@@ -105,36 +109,41 @@ def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
 def test_sdpa_warm_up_runs_every_padded_length(monkeypatch):
     """The startup runs SDPA once at each length a fresh prompt can be padded to (cuDNN builds
     a plan per length), and none for a backend config that never takes SDPA."""
-    import moeserve.kernels.attention.tiles as TL
     import moeserve.layers.attention_triton as AT
 
+    tl = ATTENTION_TILES
     seen = spy(monkeypatch, AT.F, "scaled_dot_product_attention", lambda q, *a: q.shape[2])
     backend = create_attention_backend("triton")
     layer = PagedAttention(0, 32, 4, 128, 128 ** -0.5, backend)
-    top = TL.SDPA_MIN_EXTEND + 3 * TL.SDPA_BUCKET + 5
+    top = tl.sdpa_min_extend + 3 * tl.sdpa_bucket + 5
     lengths = backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
-    want = [TL.SDPA_MIN_EXTEND + i * TL.SDPA_BUCKET for i in range(5)]
+    want = [tl.sdpa_min_extend + i * tl.sdpa_bucket for i in range(5)]
     assert lengths == want and seen == want
-    assert backend.warm_up(layer, TL.SDPA_MIN_EXTEND - 1, torch.bfloat16,
+    assert backend.warm_up(layer, tl.sdpa_min_extend - 1, torch.bfloat16,
                            torch.device("cuda")) == []
     assert backend.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
     assert seen == want
-    seen.clear()  # past SDPA_MAX_EXTEND only the lengths up to it (longer ones take the kernel)
-    monkeypatch.setattr(TL, "SDPA_MAX_EXTEND", TL.SDPA_MIN_EXTEND + TL.SDPA_BUCKET)
-    assert backend.warm_up(layer, top, torch.bfloat16, torch.device("cuda")) == want[:2]
+    seen.clear()  # past sdpa_max_extend only the lengths up to it (longer ones take the kernel)
+    short = TritonAttentionBackend(dataclasses.replace(
+        tl, sdpa_max_extend=tl.sdpa_min_extend + tl.sdpa_bucket))
+    layer = PagedAttention(0, 32, 4, 128, 128 ** -0.5, short)
+    assert short.warm_up(layer, top, torch.bfloat16, torch.device("cuda")) == want[:2]
     assert seen == want[:2]
 
 
 def test_triton_decode_replays_in_a_cuda_graph():
     """Captured once for a bucket of 8 rows with short lengths, replayed with longer lengths,
     5 real rows and 3 padded rows (request row 0, slot 0): the real rows match torch."""
+    replay_decode(ATTENTION_TILES)
+
+
+def replay_decode(tiles) -> None:
     torch.manual_seed(1)
     dev, dtype, n, kh, d, bucket = "cuda", torch.bfloat16, 32, 4, 128, 8
     pool = KVCachePool(1, 4096, kh, d, dtype, dev, page_size=16)
     rows = ReqToTokenPool(bucket + 1, 1024, dev)
     pool.kv_LSKD.normal_()
-    backend = create_attention_backend("triton")
-    layer = PagedAttention(0, n, kh, d, d ** -0.5, backend)
+    layer = PagedAttention(0, n, kh, d, d ** -0.5, TritonAttentionBackend(tiles))
 
     q = torch.randn(bucket, n, d, device=dev, dtype=dtype)
     k_new, v_new = (torch.randn(bucket, kh, d, device=dev, dtype=dtype) for _ in range(2))
@@ -148,16 +157,15 @@ def test_triton_decode_replays_in_a_cuda_graph():
 
 def test_batch_one_decode_places_the_projection_early_and_gives_plain_bits(monkeypatch):
     """At batch 1 the decode attention's kernels let the next kernel be placed before they
-    wait (attention_tiles.EARLY_PLACE_MAX_BATCH; layers/pdl.pdl_gate's EARLY): captured in a
+    wait (the tiles' early_place_max_batch; layers/pdl.pdl_gate's EARLY): captured in a
     CUDA graph with the output projection (the skinny GEMV, whose first weight tile is read
     before its gate) after it, the attention and the projection equal, bit for bit, the same
     two launched the plain way (PDL off), and the attention matches torch."""
-    from moeserve.kernels.attention import tiles as TL
     from moeserve.kernels.skinny.gemm import skinny_linear
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0")
-    assert TL.EARLY_PLACE_MAX_BATCH >= 1
+    assert ATTENTION_TILES.early_place_max_batch >= 1
     torch.manual_seed(2)
     dev, dtype, n, kh, d = "cuda", torch.bfloat16, 32, 4, 128
     pool = KVCachePool(1, 4096, kh, d, dtype, dev, page_size=16)

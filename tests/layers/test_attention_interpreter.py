@@ -21,14 +21,15 @@ cases = [(torch.float32, 16, 8, 2, 64, None, [20, 37], [10, 20]),
          # 5 requests x 2 KV heads fill the interpreter's 8 "SMs": one split, the decode
          # kernel writes the output itself (no combine)
          (torch.float32, 1, 8, 2, 32, None, [20, 37, 9, 15, 30], [10, 20, 4, 1, 25])]
-from moeserve.kernels.attention.tiles import GQA_WHOLE_FROM, clamp_splits, decode_num_splits
+from moeserve.kernels.attention.tiles import ATTENTION_TILES, clamp_splits
+decode_num_splits = ATTENTION_TILES.decode_num_splits
 assert decode_num_splits(5, 2, 8, 1.0) == 1 and decode_num_splits(2, 2, 8, 1.0) > 1
 for case in cases:
     errors = run_case("cpu", *case)
     assert max(errors) < 1e-5, (case, errors)
 # the decode partials from planned buffers (the model runner's): 2 requests x 2 KV heads on
 # the interpreter's 8 "SMs" take 4 splits; 6 slots clamp them to 3, 1 slot to one split
-assert decode_num_splits(2, 2, 8, GQA_WHOLE_FROM) == 4
+assert decode_num_splits(2, 2, 8, ATTENTION_TILES.gqa_whole_from) == 4
 assert clamp_splits(4, 2, 6) == 3 and clamp_splits(4, 2, 8) == 4 and clamp_splits(4, 2, 1) == 1
 for slots, splits in ((6, 3), (8, 4), (1, 1)):
     o, lse = torch.full((slots, 8, 64), float("nan")), torch.full((slots, 8), float("nan"))

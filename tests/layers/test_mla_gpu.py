@@ -10,11 +10,14 @@ the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moeserve.kernels.attention.tiles import ATTENTION_TILES
+from moeserve.layers.attention_triton import TritonAttentionBackend
 from moeserve.layers.backends import create_attention_backend
 from moeserve.layers.backends import mla_backend_for
 from moeserve.config.spec import MLASpec
@@ -76,17 +79,19 @@ def prep_errors(device: str, dtype: torch.dtype, interleaved: bool, heads: int =
     return rel_err(q_got, q_ref), rel_err(cache_got, cache_ref)
 
 
-def backends() -> tuple:
-    """(triton MLA backend, torch MLA backend), through the same lookup the model uses."""
-    return (mla_backend_for(create_attention_backend("triton")),
+def backends(tiles=ATTENTION_TILES) -> tuple:
+    """(triton MLA backend with `tiles`, torch MLA backend), through the same lookup the model
+    uses."""
+    return (mla_backend_for(TritonAttentionBackend(tiles)),
             mla_backend_for(create_attention_backend("torch")))
 
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens, split,
-             seed: int = 0, partials: tuple = ()) -> list[float]:
-    """Errors of the triton MLA backend against torch for: prompts, chunks after a prefix,
-    and three decode steps, all requests of a forward batched together; with `partials`
-    (part_o, part_lse), the decode partials come from them, as from the plan's buffers."""
+             seed: int = 0, partials: tuple = (), tiles=ATTENTION_TILES) -> list[float]:
+    """Errors of the triton MLA backend (with `tiles`) against torch for: prompts, chunks after
+    a prefix, and three decode steps, all requests of a forward batched together; with
+    `partials` (part_o, part_lse), the decode partials come from them, as from the plan's
+    buffers."""
     n, c, r, p, v = dims
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens) + 8
@@ -95,7 +100,7 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens,
     rows = ReqToTokenPool(len(lens) + 1, max(lens) + 4, device)
     req_rows = [rows.alloc() for _ in lens]
     layer = fake_layer(n, c, r, p, v, dtype, device, gen)
-    fast, ref = backends()
+    fast, ref = backends(tiles)
     if partials:
         fast.use_partials(*partials)
     seqs = [(torch.randn(s, n, p + r, generator=gen).to(device, dtype),
@@ -164,10 +169,8 @@ def test_triton_mla_long_context_decode_matches_torch(monkeypatch):
     them through the kernel."""
     import moeserve.layers.mla_triton as MT
 
-    import moeserve.kernels.attention.tiles as TL
-
     calls = spy(monkeypatch, MT, "mla_sdpa", lambda *a: a[4])
-    chunk = TL.MLA_SDPA_MIN_EXTEND // 2  # after the prefix: the kernel's
+    chunk = ATTENTION_TILES.mla_sdpa_min_extend // 2  # after the prefix: the kernel's
     errors = run_case("cuda", torch.bfloat16, 16, LITE, [2000 + chunk, 1700], [2000, 1690])
     assert max(errors) < TOL[torch.bfloat16], errors
     assert calls == [[(0, 0, 2000, 0), (1, 2000, 1690, 0)]]
@@ -180,13 +183,13 @@ def test_requests_through_sdpa_match_torch(monkeypatch, dtype, threshold):
     the bucket) or after a prefix (mask aligned to the last key); at 50 the long ones do and
     the kernel takes the others in the same step. bf16 only: fp32 stays on the kernel. Odd
     dims (v wider than q) included."""
-    import moeserve.kernels.attention.tiles as TL
     import moeserve.layers.mla_triton as MT
 
     calls = spy(monkeypatch, MT, "mla_sdpa", lambda *a: a[4])
-    monkeypatch.setattr(TL, "MLA_SDPA_MIN_EXTEND", threshold)
+    tiles = dataclasses.replace(ATTENTION_TILES, mla_sdpa_min_extend=threshold)
     for dims in (LITE, (20, 64, 4, 8, 16)):
-        errors = run_case("cuda", dtype, 16, dims, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+        errors = run_case("cuda", dtype, 16, dims, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1],
+                          tiles=tiles)
         assert max(errors) < TOL[dtype], errors
     # first step: new [33, 0, 140, 64, 1], no prefix; second: new [34, 1, 60, 62, 5] after
     # the first's; (batch index, first row, new, prefix)
@@ -198,15 +201,15 @@ def test_requests_through_sdpa_match_torch(monkeypatch, dtype, threshold):
 
 
 def test_mla_sdpa_warm_up_runs_every_padded_length(monkeypatch):
-    import moeserve.kernels.attention.tiles as TL
     import moeserve.layers.attention_triton as AT
 
+    tl = ATTENTION_TILES
     seen = spy(monkeypatch, AT.F, "scaled_dot_product_attention", lambda q, *a: q.shape[2:])
     fast, _ = backends()
     layer = fake_layer(*LITE, torch.bfloat16, "cuda", torch.Generator())
-    top = TL.MLA_SDPA_MIN_EXTEND + 2 * TL.SDPA_BUCKET + 1
+    top = tl.mla_sdpa_min_extend + 2 * tl.sdpa_bucket + 1
     lengths = fast.warm_up(layer, top, torch.bfloat16, torch.device("cuda"))
-    want = [TL.sdpa_length(TL.MLA_SDPA_MIN_EXTEND) + i * TL.SDPA_BUCKET for i in range(4)]
+    want = [tl.sdpa_length(tl.mla_sdpa_min_extend) + i * tl.sdpa_bucket for i in range(4)]
     assert lengths == want and seen == [(x, 192) for x in want]
     assert fast.warm_up(layer, top, torch.float32, torch.device("cuda")) == []
 
@@ -215,10 +218,12 @@ def test_mla_sdpa_warm_up_runs_every_padded_length(monkeypatch):
 def test_triton_mla_decode_replays_in_a_cuda_graph(bucket, lens):
     """Captured once for a bucket with short lengths, replayed with longer lengths, real rows
     and padded rows (request row 0, slot 0): the real rows match torch. Buckets of 1 and 2
-    take kv_b_proj's halves by the GEMVs (MLA_HEAD_GEMV_MAX_TOKENS), 8 by torch.bmm."""
-    import moeserve.kernels.attention.tiles as TL
+    take kv_b_proj's halves by the GEMVs (mla_head_gemv_max_tokens), 8 by torch.bmm."""
+    assert 2 <= ATTENTION_TILES.mla_head_gemv_max_tokens < 8
+    replay_mla_decode(bucket, lens, ATTENTION_TILES)
 
-    assert 2 <= TL.MLA_HEAD_GEMV_MAX_TOKENS < 8
+
+def replay_mla_decode(bucket: int, lens: list[int], tiles) -> None:
     torch.manual_seed(1)
     dev, dtype = "cuda", torch.bfloat16
     n, c, r, p, v = LITE
@@ -226,7 +231,7 @@ def test_triton_mla_decode_replays_in_a_cuda_graph(bucket, lens):
     rows = ReqToTokenPool(bucket + 1, 1024, dev)
     pool.kv_LSW.normal_()
     layer = fake_layer(n, c, r, p, v, dtype, dev, torch.Generator().manual_seed(2))
-    fast, ref = backends()
+    fast, ref = backends(tiles)
 
     q = torch.randn(bucket, n, p + r, device=dev, dtype=dtype)
     out, plain = replay_decode_graph(rows, pool, bucket, q, lambda fb: fast.forward(q, layer, fb),
@@ -241,13 +246,13 @@ def test_one_split_mla_decode_writes_the_output_itself(monkeypatch, dtype):
     """Batches that fill the GPU without splitting their keys: the latent decode kernel writes
     the attention's output and no combine runs (also replayed in a CUDA graph)."""
     import moeserve.kernels.attention.kernels as AK
-    import moeserve.kernels.attention.tiles as TL
 
-    monkeypatch.setattr(TL, "MAX_SPLITS", 1)
+    one = dataclasses.replace(ATTENTION_TILES, max_splits=1)
     monkeypatch.setattr(AK, "decode_combine_kernel", None)  # a launch of it would fail
-    errors = run_case("cuda", dtype, 16, LITE, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1])
+    errors = run_case("cuda", dtype, 16, LITE, [70, 4, 203, 129, 9], [33, 0, 140, 64, 1],
+                      tiles=one)
     assert max(errors) < TOL[dtype], errors
-    test_triton_mla_decode_replays_in_a_cuda_graph(8, [700, 33, 1000, 5, 256])
+    replay_mla_decode(8, [700, 33, 1000, 5, 256], one)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -255,9 +260,9 @@ def test_deepseek_engine_with_graphs_gives_the_torch_backend_tokens(monkeypatch,
     """A small DeepSeek (V2-Lite's latent dims, 2 layers, dummy fp32 weights; a V2 and a V3)
     through the Engine: the triton MLA backend with decode and prefill graphs, with the
     overlap schedule and without it (every step's tokens then go through the host), and
-    eagerly, gives the greedy tokens of the torch MLA backend. Before model_runner.copy_to_host
-    recorded its event after the copies of the sampled tokens, the graph runs without the
-    overlap schedule left the reference at random steps (6 of 6 on the H200)."""
+    eagerly, gives the greedy tokens of the torch MLA backend. The graph runs without the
+    overlap schedule hold model_runner.copy_to_host to its contract: its event is recorded
+    after the copies of the sampled tokens, so the host never reads a step's tokens early."""
     from moeserve.runtime.cuda_graph import DecodeGraphRunner
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.prefill_graph import PrefillGraphRunner

@@ -10,6 +10,7 @@ torch.bmm."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -26,7 +27,10 @@ cases = [(torch.float32, 16, (4, 16, 8, 8, 8), [20, 37], [10, 20]),
          # decode kernel writes the output itself (DIRECT), no combine
          (torch.float32, 16, (4, 16, 8, 8, 8), [9, 6, 12, 5, 7, 4, 10, 6, 8],
           [5, 2, 8, 1, 3, 0, 6, 4, 2])]
-from moeserve.kernels.attention.tiles import MLA_WHOLE_FROM, decode_num_splits
+import dataclasses
+from moeserve.kernels.attention.tiles import ATTENTION_TILES
+MLA_WHOLE_FROM, decode_num_splits = (ATTENTION_TILES.mla_whole_from,
+                                     ATTENTION_TILES.decode_num_splits)
 assert decode_num_splits(9, 1, 8, MLA_WHOLE_FROM) == 1
 assert decode_num_splits(2, 1, 8, MLA_WHOLE_FROM) > 1
 for case in cases:
@@ -44,16 +48,15 @@ for slots, splits in ((5, 2), (1, 1)):
     assert o.isnan().all() == (splits == 1) and lse.isnan().all() == (splits == 1)
 # the backend's own choice per request: SDPA (allowed on the CPU here) for the long ones,
 # fresh and after a prefix, the kernel for the others of the same step
-import moeserve.kernels.attention.tiles as TL
 import moeserve.layers.mla_triton as MT
-shipped_min, TL.MLA_SDPA_MIN_EXTEND = TL.MLA_SDPA_MIN_EXTEND, 30
 takes, MT._sdpa_takes = MT._sdpa_takes, lambda *a: True
 calls, real = [], MT.mla_sdpa
 MT.mla_sdpa = lambda *a: (calls.append(a[4]), real(*a))[1]
-errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [70, 4, 90, 9], [33, 0, 40, 1])
+errors = run_case("cpu", torch.float32, 16, (4, 16, 8, 8, 8), [70, 4, 90, 9], [33, 0, 40, 1],
+                  tiles=dataclasses.replace(ATTENTION_TILES, mla_sdpa_min_extend=30))
 assert max(errors) < 1e-5, errors
 assert calls == [[(0, 0, 33, 0), (2, 33, 40, 0)], [(0, 0, 34, 33), (2, 35, 47, 40)]], calls
-MT._sdpa_takes, MT.mla_sdpa, TL.MLA_SDPA_MIN_EXTEND = takes, real, shipped_min
+MT._sdpa_takes, MT.mla_sdpa = takes, real
 from test_mla_gpu import head_gemv_errors, prep_errors
 errors = head_gemv_errors("cpu", torch.float32)
 assert max(errors) < 1e-5, errors
@@ -69,19 +72,20 @@ def test_triton_mla_under_the_interpreter():
     run_interpreted(SCRIPT)
 
 
-def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
+def test_expanded_form_through_sdpa_matches_torch_on_the_cpu():
     """mla_triton.mla_sdpa (rows expanded through kv_b_proj, SDPA on zero-padded head dims;
     fresh prompts padded to the bucket, chunks after a prefix under a mask aligned to the last
     key) equals the torch MLA backend; fp32 on the CPU, where SDPA runs its math kernel."""
     import torch
 
-    import moeserve.kernels.attention.tiles as TL
+    from moeserve.kernels.attention.tiles import ATTENTION_TILES
     from moeserve.layers.mla_triton import mla_sdpa, sdpa_slots
     from moeserve.batch.forward_batch import ForwardMode, prepare_batch
     from moeserve.batch.kv_cache import MLAKVCachePool, ReqToTokenPool
     from test_mla_gpu import backends, fake_layer, rel_err
 
-    monkeypatch.setattr(TL, "SDPA_BUCKET", 16)  # 5 and 37 tokens run padded to 16 and 48
+    # 5 and 37 tokens run padded to 16 and 48
+    padded = dataclasses.replace(ATTENTION_TILES, sdpa_bucket=16).sdpa_length
     for n, c, r, p, v in ((4, 16, 8, 8, 8), (3, 32, 4, 8, 16)):
         gen = torch.Generator().manual_seed(n)
         layer = fake_layer(n, c, r, p, v, torch.float32, "cpu", gen, layer_id=0)
@@ -97,7 +101,7 @@ def test_expanded_form_through_sdpa_matches_torch_on_the_cpu(monkeypatch):
                                req_rows, rows, pool)
             q = torch.randn(sum(news), n, p + r, generator=gen)
             got = torch.full((sum(news), n, v), float("nan"))
-            mla_sdpa(q, pool.latent_cache(0), sdpa_slots(fb, reqs), w, reqs, layer.scaling,
-                     got)
+            mla_sdpa(q, pool.latent_cache(0), sdpa_slots(fb, reqs, padded), w, reqs,
+                     layer.scaling, got)
             want = backends()[1].forward(q, layer, fb)
             assert rel_err(got, want) < 1e-5, (news, prefixes)

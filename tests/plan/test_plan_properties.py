@@ -106,16 +106,18 @@ def check_decode_partials(plan) -> None:
     graph to) with the splits the rule takes on a device of up to PLANNED_SMS SMs, and no
     more (a device with more SMs clamps its splits to them)."""
     spec, lay, b = plan.spec, plan.layout, plan.budget
+    tiles = AT.ATTENTION_TILES
     heads = spec.num_heads // lay.attn_tp
     if spec.mla is None:
-        groups, width, whole = kv_heads_per_rank(spec, lay), spec.head_dim, AT.GQA_WHOLE_FROM
+        groups, width, whole = kv_heads_per_rank(spec, lay), spec.head_dim, tiles.gqa_whole_from
     else:
-        groups = -(-heads // AT.MLA_DECODE_TILES[0])
-        width, whole = spec.mla.kv_lora_rank, AT.MLA_WHOLE_FROM
+        groups = -(-heads // tiles.mla_decode[0])
+        width, whole = spec.mla.kv_lora_rank, tiles.mla_whole_from
     top = min(max([b.max_running_requests, *b.decode_batch_sizes]), 2 * AT.PLANNED_SMS)
 
     def need(sms: int) -> int:
-        splits = [(bs, AT.decode_num_splits(bs, groups, sms, whole)) for bs in range(1, top + 1)]
+        splits = [(bs, tiles.decode_num_splits(bs, groups, sms, whole))
+                  for bs in range(1, top + 1)]
         return max([bs * s for bs, s in splits if s > 1], default=0)
 
     names = {r.name for r in plan.buffers}

@@ -15,7 +15,7 @@ so the gather is small against the quadratic work, and SDPA (cuDNN's flash kerne
 there than the extend kernel. Each runs at its length padded to a bucket, and the startup
 builds cuDNN's plan for every bucket (warm_up), so that no request pays for a build. The
 prefill graphs run attention eagerly, so this choice is made per step, on the host's
-lengths. The tiles and these thresholds are in attention_tiles.py.
+lengths. The tiles and these thresholds are the backend's table (kernels/attention/tiles.py).
 
 Per-step metadata (query offsets of an extend, the split buffers of a decode) is computed once
 per ForwardBatch and shared by the layers (the backend is one object for the whole model).
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.attention import tiles as T
+from moeserve.kernels.attention.tiles import ATTENTION_TILES, AttentionTiles, clamp_splits
 from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, query_starts
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
@@ -64,12 +64,12 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
 Partials = tuple[torch.Tensor, torch.Tensor]  # the plan's attn.decode.part_o / part_lse
 
 
-def decode_splits(batch_size: int, groups: int, device: torch.device, whole_from: float,
-                  planned: Optional[Partials]) -> int:
-    """A decode step's splits of each request's keys (attention_tiles.decode_num_splits over
-    `groups` programs a request), clamped to the plan's partial slots when given."""
-    splits = T.decode_num_splits(batch_size, groups, num_sms(device), whole_from)
-    return splits if planned is None else T.clamp_splits(splits, batch_size, planned[0].shape[0])
+def decode_splits(tiles: AttentionTiles, batch_size: int, groups: int, device: torch.device,
+                  whole_from: float, planned: Optional[Partials]) -> int:
+    """A decode step's splits of each request's keys (tiles.decode_num_splits over `groups`
+    programs a request), clamped to the plan's partial slots when given."""
+    splits = tiles.decode_num_splits(batch_size, groups, num_sms(device), whole_from)
+    return splits if planned is None else clamp_splits(splits, batch_size, planned[0].shape[0])
 
 
 def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, width: int,
@@ -87,10 +87,14 @@ def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, wid
 
 
 class PlannedPartials:
-    """A backend whose decode partials come from the plan's attn.decode.* buffers, which the
-    model runner gives it (use_partials); without them it allocates its own."""
+    """A triton backend: it holds its tile table (the shipped one unless given another), and
+    its decode partials come from the plan's attn.decode.* buffers, which the model runner
+    gives it (use_partials); without them it allocates its own."""
 
     _partials: Optional[Partials] = None
+
+    def __init__(self, tiles: AttentionTiles = ATTENTION_TILES) -> None:
+        self.tiles = tiles
 
     def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
         """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
@@ -101,12 +105,13 @@ class _StepMeta:
     """What every layer of one forward shares."""
 
     def __init__(self, fb: ForwardBatch, q: torch.Tensor, num_kv_heads: int,
-                 planned: Optional[Partials]):
+                 planned: Optional[Partials], tiles: AttentionTiles):
         self.fb = fb
         dev = q.device
         if fb.mode is ForwardMode.DECODE:
             bs, n, d = fb.batch_size, q.shape[1], q.shape[2]
-            self.splits = decode_splits(bs, num_kv_heads, dev, T.GQA_WHOLE_FROM, planned)
+            self.splits = decode_splits(tiles, bs, num_kv_heads, dev, tiles.gqa_whole_from,
+                                        planned)
             # partials only where a combine reads them (one split: the output directly)
             self.part_o = self.part_lse = None
             if self.splits > 1:
@@ -119,7 +124,7 @@ class _StepMeta:
             # (first row, tokens) of each request when the step goes through SDPA, else None
             self.sdpa: Optional[list[tuple[int, int]]] = None
             if (_sdpa_takes(dev, q.dtype, q.shape[-1])
-                    and T.SDPA_MIN_EXTEND <= self.max_extend <= T.SDPA_MAX_EXTEND
+                    and tiles.sdpa_min_extend <= self.max_extend <= tiles.sdpa_max_extend
                     and not any(fb.extend_prefix_lens_cpu)):
                 self.sdpa = [(s, n) for s, n in zip(starts, lens) if n]
 
@@ -128,7 +133,8 @@ class _StepMeta:
 class TritonAttentionBackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, tiles: AttentionTiles = ATTENTION_TILES) -> None:
+        super().__init__(tiles)
         self._meta: Optional[_StepMeta] = None
 
     def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
@@ -137,7 +143,7 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
         (cuDNN builds each length's plan on its first call)."""
         if not _sdpa_takes(device, dtype, layer.head_dim) or layer.sliding_window:
             return []
-        lengths = T.sdpa_warm_lengths(T.SDPA_MIN_EXTEND, max_extend)
+        lengths = self.tiles.sdpa_warm_lengths(self.tiles.sdpa_min_extend, max_extend)
         for t in lengths:
             q = torch.zeros(t, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
             kv = torch.zeros(t, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
@@ -147,7 +153,7 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
     def _step_meta(self, q: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch
                    ) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._partials)
+            self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._partials, self.tiles)
         return self._meta
 
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
@@ -166,6 +172,7 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
         if n % layer.num_kv_heads:
             raise ValueError(f"{n} query heads do not group over {layer.num_kv_heads} KV heads")
         meta = self._step_meta(q_TND, layer, fb)
+        tiles = self.tiles
         k_cache = fb.kv_pool.k_cache(layer.layer_id)
         v_cache = fb.kv_pool.v_cache(layer.layer_id)
         table = fb.req_to_token
@@ -180,8 +187,8 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             direct = meta.splits == 1  # no partials: the kernel writes the output itself
             po, pl = ((out_TND[:, :, None], out_TND[:, :, 0]) if direct  # untouched stand-ins
                       else (meta.part_o, meta.part_lse))
-            block_n, warps, stages = T.decode_tiles(bs)
-            pdl = {**pdl_args(q_TND.device), "EARLY": bs <= T.EARLY_PLACE_MAX_BATCH}
+            block_n, warps, stages = tiles.decode_tiles(bs)
+            pdl = {**pdl_args(q_TND.device), "EARLY": bs <= tiles.early_place_max_batch}
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
                 out_TND, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),
@@ -196,30 +203,32 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             K.decode_combine_kernel[(bs, n)](
                 po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                 pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
-                **pdl)
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(tiles.max_splits, 2),
+                num_warps=4, **pdl)
             return out_TND
         if meta.max_extend == 0:
             return out_TND
         if meta.sdpa is not None and window >= NO_WINDOW:
             sdpa_fresh(q_TND, k_cache, v_cache, out_TND, fb.out_cache_loc, meta.sdpa,
-                       layer.scaling)
+                       layer.scaling, tiles.sdpa_length)
             return out_TND
         launch_extend(q_TND, k_cache, v_cache, out_TND, table, fb.req_pool_indices,
                       fb.extend_prefix_lens, fb.extend_seq_lens, meta.q_starts,
-                      meta.max_extend, group, scale, window)
+                      meta.max_extend, group, scale, window,
+                      tiles.extend_tiles(meta.max_extend), tiles.extend_split)
         return out_TND
 
 
 def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out_TND: torch.Tensor, out_cache_loc: torch.Tensor,
-               requests: list[tuple[int, int]], scaling: float) -> None:
+               requests: list[tuple[int, int]], scaling: float,
+               padded: Callable[[int], int]) -> None:
     """Causal attention of requests without a cached prefix through torch's SDPA: request
     (s, n) has query rows [s, s + n) and, as keys, exactly those tokens, in the slots
-    out_cache_loc[s:s + n] (already written). Each runs at its length padded to
-    attention_tiles.SDPA_BUCKET (zero queries, copies of the last key)."""
+    out_cache_loc[s:s + n] (already written). Each runs at its length padded to `padded(n)`
+    (the tiles' sdpa_length: zero queries, copies of the last key)."""
     for s, n in requests:
-        t = T.sdpa_length(n)
+        t = padded(n)
         loc = out_cache_loc[s:s + n]
         q = q_TND[s:s + n]
         if t > n:
@@ -245,15 +254,15 @@ def launch_extend(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   tiles: Optional[tuple[int, int, int, int]] = None,
                   split: Optional[bool] = None) -> None:
     """The extend kernel over a batch's new tokens (query rows of request b from q_starts[b];
-    its keys through table row rows[b]); `tiles` and `split` default to the shipped ones
-    (benchmarks/bench_extend_attention.py measures the alternatives)."""
+    its keys through table row rows[b]); `tiles` and `split` default to the shipped table's
+    (benchmarks/attention.py measures the alternatives)."""
     from moeserve.kernels.attention import kernels as K
 
-    block_m, block_n, warps, stages = tiles or T.extend_tiles(max_extend)
+    block_m, block_n, warps, stages = tiles or ATTENTION_TILES.extend_tiles(max_extend)
     d = q_TND.shape[2]
     block_d = _pow2(d)
     if split is None:
-        split = T.EXTEND_SPLIT
+        split = ATTENTION_TILES.extend_split
     split = split and window >= NO_WINDOW and block_d == d
     grid = (rows.shape[0], q_TND.shape[1], math.ceil(max_extend / block_m))
     K.extend_kernel[grid](

@@ -20,4 +20,6 @@ def mla_backend_for(backend: AttentionBackend) -> AttentionBackend:
         raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) implementation; "
                          f"MLA backends: {', '.join(MLA_BACKENDS.names())}: pass "
                          "--attention-backend torch (or auto)")
-    return MLA_BACKENDS.get(name)()
+    cls = MLA_BACKENDS.get(name)
+    tiles = getattr(backend, "tiles", None)  # a triton backend's table serves its MLA too
+    return cls() if tiles is None else cls(tiles)

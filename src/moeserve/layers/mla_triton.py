@@ -8,7 +8,7 @@ V value dims; W = kv_b_proj's weight viewed [N, P + V, C], W_UK = W[:, :P], W_UV
     o_lat     = attention over the cached [latent | k_pe] rows (the kernels)
     o_NTV     = o_lat_NTC @ W_UV^T           one batched GEMM over the heads
 
-Up to attention_tiles.MLA_HEAD_GEMV_MAX_TOKENS tokens the two batched GEMMs are GEMVs of
+Up to the tiles' mla_head_gemv_max_tokens tokens the two batched GEMMs are GEMVs of
 mla_kernels.py (q_absorb, o_unabsorb) that keep the decode step's PDL chain unbroken.
 
 Why absorbed: the cache holds only the latent rows, so the torch backend's way (expand every
@@ -19,8 +19,8 @@ exact method can. Extend computes (C + R + C) / (P + R + V) times the FLOPs of t
 form (DeepSeek-V2-Lite: 3.4x); it needs no [S, N, P + V] copy and serves a cached prefix as it
 serves new tokens.
 
-One exception: a request with many new tokens (attention_tiles.MLA_SDPA_MIN_EXTEND or more,
-with or without a cached prefix, up to SDPA_MAX_EXTEND keys) expands its cached rows (one GEMM,
+One exception: a request with many new tokens (the tiles' mla_sdpa_min_extend or more,
+with or without a cached prefix, up to sdpa_max_extend keys) expands its cached rows (one GEMM,
 [S, N, P + V]: small against the T S work) and runs the expanded form through torch's SDPA
 (mla_sdpa); the kernel takes the step's other requests.
 
@@ -32,12 +32,12 @@ pieces (runtime/prefill_graph.py), with `out=` their static output buffer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.attention import tiles as T
+from moeserve.kernels.attention.tiles import ATTENTION_TILES, AttentionTiles
 from moeserve.layers.attention import AttentionBackend, query_starts
 from moeserve.layers.attention_triton import (LOG2E, Partials, PlannedPartials, _pow2, _sdpa,
                                               _sdpa_takes, decode_splits, partial_views)
@@ -54,11 +54,11 @@ class _StepMeta:
     the kernel keeps (their new tokens zeroed)."""
 
     def __init__(self, fb: ForwardBatch, device: torch.device, head_blocks: int,
-                 planned: Optional[Partials]):
+                 planned: Optional[Partials], tiles: AttentionTiles):
         self.fb = fb
         if fb.mode is ForwardMode.DECODE:
-            self.splits = decode_splits(fb.batch_size, head_blocks, device, T.MLA_WHOLE_FROM,
-                                        planned)
+            self.splits = decode_splits(tiles, fb.batch_size, head_blocks, device,
+                                        tiles.mla_whole_from, planned)
             return
         lens = fb.extend_seq_lens_cpu
         starts = query_starts(lens)
@@ -67,7 +67,7 @@ class _StepMeta:
         # (batch index, first row, new tokens, cached prefix) of each request SDPA takes
         self.sdpa = [(i, s, n, p) for i, (s, n, p)
                      in enumerate(zip(starts, lens, fb.extend_prefix_lens_cpu))
-                     if n >= T.MLA_SDPA_MIN_EXTEND and p + n <= T.SDPA_MAX_EXTEND]
+                     if n >= tiles.mla_sdpa_min_extend and p + n <= tiles.sdpa_max_extend]
         self.sdpa_slots: Optional[list[torch.Tensor]] = None  # their key slots, on first use
         self.kernel_lens, self.kernel_max = fb.extend_seq_lens, self.max_extend
         if self.sdpa:
@@ -82,7 +82,8 @@ class _StepMeta:
 class TritonMLABackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, tiles: AttentionTiles = ATTENTION_TILES) -> None:
+        super().__init__(tiles)
         self._meta: Optional[_StepMeta] = None
 
     def warm_up(self, layer: "MLAttention", max_extend: int, dtype: torch.dtype,
@@ -92,7 +93,7 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
         dim = _sdpa_dim(layer)
         if not _sdpa_takes(device, dtype, dim):
             return []
-        lengths = T.sdpa_warm_lengths(T.MLA_SDPA_MIN_EXTEND, max_extend)
+        lengths = self.tiles.sdpa_warm_lengths(self.tiles.mla_sdpa_min_extend, max_extend)
         for t in lengths:
             x = torch.zeros(t, layer.heads_local, dim, dtype=dtype, device=device)
             _sdpa(x, x, x, layer.scaling)
@@ -100,7 +101,7 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
 
     def _step_meta(self, fb: ForwardBatch, device: torch.device, head_blocks: int) -> _StepMeta:
         if self._meta is None or self._meta.fb is not fb:
-            self._meta = _StepMeta(fb, device, head_blocks, self._partials)
+            self._meta = _StepMeta(fb, device, head_blocks, self._partials, self.tiles)
         return self._meta
 
     def forward(self, q_TNQ: torch.Tensor, layer: "MLAttention", fb: ForwardBatch,
@@ -112,10 +113,10 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
         if fb.mode is ForwardMode.IDLE or t == 0:
             return q_TNQ.new_empty(t, n, m.v_head_dim) if out is None else out
         decode = fb.mode is ForwardMode.DECODE
-        tiles = T.MLA_DECODE_TILES if decode else T.mla_extend_tiles(n)
+        tiles = self.tiles.mla_decode if decode else self.tiles.mla_extend_tiles(n)
         meta = self._step_meta(fb, q_TNQ.device, -(-n // tiles[0]))
         if decode and meta.splits == 1:
-            tiles = tiles[:2] + T.MLA_WHOLE_DECODE_TILES
+            tiles = tiles[:2] + self.tiles.mla_whole_decode
         sdpa = (not decode and meta.sdpa
                 and _sdpa_takes(q_TNQ.device, q_TNQ.dtype, _sdpa_dim(layer)))
         if not sdpa:
@@ -127,7 +128,7 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
             out_TNV.copy_(self._absorbed(q_TNQ, layer, fb, meta, tiles, meta.kernel_lens,
                                          meta.kernel_max))
         if meta.sdpa_slots is None:  # once a step, for every layer
-            meta.sdpa_slots = sdpa_slots(fb, meta.sdpa)
+            meta.sdpa_slots = sdpa_slots(fb, meta.sdpa, self.tiles.sdpa_length)
         mla_sdpa(q_TNQ, fb.kv_pool.latent_cache(layer.layer_id), meta.sdpa_slots, _kv_b(layer),
                  meta.sdpa, layer.scaling, out_TNV)
         return out_TNV
@@ -147,7 +148,7 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
         w_NWC = _kv_b(layer)
         cache = fb.kv_pool.latent_cache(layer.layer_id)
         table = fb.req_to_token
-        gemv = t <= T.MLA_HEAD_GEMV_MAX_TOKENS  # kv_b_proj's halves by PDL-chained GEMVs
+        gemv = t <= self.tiles.mla_head_gemv_max_tokens  # kv_b_proj's halves by chained GEMVs
         if gemv:
             q_lat_NTC = K.q_absorb(q_TNQ[..., :p], w_NWC[:, :p])
         else:
@@ -178,11 +179,12 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
                 pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), scale, n, splits,
                 DIRECT=direct, **common, **pdl)
             if not direct:
-                block_d = min(_pow2(c), T.MLA_COMBINE_BLOCK_D)
+                block_d = min(_pow2(c), self.tiles.mla_combine_block_d)
                 AK.decode_combine_kernel[(bs, n, -(-c // block_d))](
                     po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
                     pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
-                    HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(T.MAX_SPLITS, 2), num_warps=4,
+                    HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(self.tiles.max_splits, 2),
+                    num_warps=4,
                     EARLY=False, **pdl)
         elif max_extend:
             grid = (fb.req_pool_indices.shape[0], head_blocks, -(-max_extend // block_t))
@@ -207,16 +209,17 @@ def _sdpa_dim(layer: "MLAttention") -> int:
     return max(layer.mla.qk_head_dim, layer.mla.v_head_dim)
 
 
-def sdpa_slots(fb: ForwardBatch, requests: list[tuple[int, int, int, int]]
-               ) -> list[torch.Tensor]:
+def sdpa_slots(fb: ForwardBatch, requests: list[tuple[int, int, int, int]],
+               padded: Callable[[int], int]) -> list[torch.Tensor]:
     """The key slots of each request mla_sdpa takes: a fresh prompt's new tokens padded with
-    its last slot to its SDPA length, else the request table's first p + n slots (fetched by a
-    gather: indexing by a device scalar would wait for the device)."""
+    its last slot to its SDPA length `padded(n)` (the tiles' sdpa_length), else the request
+    table's first p + n slots (fetched by a gather: indexing by a device scalar would wait for
+    the device)."""
     slots = []
     for i, s, n, p in requests:
         if p == 0:
             loc = fb.out_cache_loc[s:s + n]
-            pad = T.sdpa_length(n) - n
+            pad = padded(n) - n
             slots.append(torch.cat((loc, loc[-1:].expand(pad))) if pad else loc)
         else:
             row = fb.req_to_token.index_select(0, fb.req_pool_indices[i:i + 1])
@@ -232,7 +235,7 @@ def mla_sdpa(q_TNQ: torch.Tensor, cache_SW: torch.Tensor, slots: list[torch.Tens
     [s, s + n) and its keys its p + n cached rows (the new ones already written), expanded
     through kv_b_proj into per-head k_nope and v (one GEMM); k = [k_nope | k_pe], the same
     k_pe for every head. q/k and v are zero-padded to one head dim (SDPA's flash-class kernels
-    take one). A fresh prompt (p = 0) runs at its length padded to attention_tiles.SDPA_BUCKET
+    take one). A fresh prompt (p = 0) runs at its length padded to the tiles' sdpa_bucket
     (its cuDNN plan built at startup), as attention_triton.sdpa_fresh does; after a prefix,
     the causal mask is aligned to the last key (torch's causal_lower_right). slots: each
     request's key slots (sdpa_slots, the same for every layer of a step)."""

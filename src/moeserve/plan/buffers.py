@@ -164,19 +164,20 @@ def attention_records(spec: ModelSpec, layout: ParallelLayout,
                       budget: TokenBudget) -> list[BufferRecord]:
     """The decode attention's partial results (the triton backends, layers/attention_triton.py
     and mla_triton.py): a row per (request, split of its keys), the most the split rule takes
-    (attention_tiles.partial_slots), for the combine; shared by every layer of a step. None
+    (the shipped tiles' partial_slots), for the combine; shared by every layer of a step. None
     when the rule splits no batch the budget allows."""
+    tiles = AT.ATTENTION_TILES
     heads = spec.num_heads // layout.attn_tp
     if spec.mla is None:
-        groups, width, whole = kv_heads_per_rank(spec, layout), spec.head_dim, AT.GQA_WHOLE_FROM
+        groups, width, whole = kv_heads_per_rank(spec, layout), spec.head_dim, tiles.gqa_whole_from
         per, unit = "KV heads/attn_tp", "head_dim"
     else:
-        groups = -(-heads // AT.MLA_DECODE_TILES[0])
-        width, whole = spec.mla.kv_lora_rank, AT.MLA_WHOLE_FROM
-        per, unit = f"ceil(heads/attn_tp / {AT.MLA_DECODE_TILES[0]})", "kv_lora_rank"
+        groups = -(-heads // tiles.mla_decode[0])
+        width, whole = spec.mla.kv_lora_rank, tiles.mla_whole_from
+        per, unit = f"ceil(heads/attn_tp / {tiles.mla_decode[0]})", "kv_lora_rank"
     # a decode graph's bucket may pad a batch past max running
     batch = max([budget.max_running_requests, *budget.decode_batch_sizes])
-    slots = AT.partial_slots(groups, whole, batch)
+    slots = tiles.partial_slots(groups, whole, batch)
     if not slots:
         return []
     rule = (f"S = max batch x splits over batches <= max(running, decode graphs) on "
