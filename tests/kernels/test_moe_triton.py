@@ -144,19 +144,19 @@ def test_triton_runner_refuses_cpu_tensors(monkeypatch):
         experts(torch.randn(2, spec.hidden_size), ids, w)
 
 
-def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
+def test_configs_nearest_entry_and_defaults(tmp_path):
     table = {"1": configs.default_config(1, 8, 128), "64": configs.default_config(64, 8, 128),
              "4096": configs.default_config(4096, 8, 128)}
     table["64"]["BLOCK_M"] = 32
     name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "NVIDIA H200")
     assert name == "E=128,H=2048,I=768,dtype=bfloat16,device=NVIDIA_H200.json"
     (tmp_path / name).write_text(json.dumps(table))
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    configs.load_tuned.cache_clear()
-    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H200")
+    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H200",
+                                       config_dir=tmp_path)
     assert get(1)["BLOCK_M"] == 16 and get(50)["BLOCK_M"] == 32 and get(90)["BLOCK_M"] == 32
     assert get(8192)["BLOCK_M"] == table["4096"]["BLOCK_M"]
-    other = configs.get_config(64, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H100")
+    other = configs.get_config(64, 8, 128, 2048, 768, torch.bfloat16, "NVIDIA H100",
+                               config_dir=tmp_path)
     assert other == configs.default_config(64, 8, 128)
     (tmp_path / name).write_text(json.dumps({"8": {"BLOCK_M": 16, "gate_up": {}}}))
     configs.load_tuned.cache_clear()
@@ -204,23 +204,24 @@ def test_configs_nearest_entry_and_defaults(tmp_path, monkeypatch):
     configs.load_tuned.cache_clear()
 
 
-def test_rows_writing_pairs_end_where_the_table_sums_the_top_k_in_down(tmp_path, monkeypatch):
+def test_rows_writing_pairs_end_where_the_table_sums_the_top_k_in_down(tmp_path):
     """The most rows of a step whose nearest tuned entry writes every pair's row (no
     ATOMIC_SUM): what the plan sizes moe.runner.down for."""
     plain = configs.default_config(4096, 8, 128)
     summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
     name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "GPU X")
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    rows = lambda n: configs.rows_writing_pairs(n, 128, 2048, 768, "bfloat16", "GPU X")
+    rows = lambda n: configs.rows_writing_pairs(n, 128, 2048, 768, "bfloat16", "GPU X",
+                                                tmp_path)
 
     def table(**entries):
         (tmp_path / name).write_text(json.dumps({k[1:]: v for k, v in entries.items()}))
         configs.load_tuned.cache_clear()
 
     assert rows(5000) == 5000  # no table for the device
-    assert configs.rows_writing_pairs(5000, 128, 2048, 768, "bfloat16", None) == 5000
+    assert configs.rows_writing_pairs(5000, 128, 2048, 768, "bfloat16", None, tmp_path) == 5000
     table(_512=plain, _1024=summed, _4096=summed)
-    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "GPU X")
+    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "GPU X",
+                                       config_dir=tmp_path)
     assert rows(16384) == rows(725) == 724 and rows(700) == 700
     assert "ATOMIC_SUM" not in get(724)["down"] and get(725)["down"]["ATOMIC_SUM"]
     table(_512=plain, _1024=summed, _2048=plain, _4096=summed)
@@ -242,12 +243,13 @@ def test_deterministic_runner_writes_every_pair_where_the_table_sums_atomically(
     summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
     spec = make_spec(e=16, k=4, h=256, i=192)
     name = configs.config_file_name(16, 256, 192, torch.bfloat16, "GPU X")
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(triton_fused, "_device", lambda device: ("GPU X", (9, 0)))
     (tmp_path / name).write_text(json.dumps({"512": plain, "1024": summed}))
     configs.load_tuned.cache_clear()
     try:
         runs = [make_experts("triton", spec, 1, 0, torch.bfloat16, "cpu", 0) for _ in (0, 1)]
+        for run in runs:
+            run.config_dir = tmp_path
         runs[1].deterministic = True
         cpu = torch.device("cpu")
         assert runs[0].config_for(2000, cpu) == summed
@@ -684,7 +686,7 @@ def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
 
 
 @pytest.mark.gpu
-def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path, monkeypatch):
+def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path):
     """On this GPU, under a tuned table whose entry sums the top-k in down with atomics: the
     runner of --enable-deterministic-inference gives the bits of down + the top-k pass on
     every run; the default runner takes the atomic sum, within rounding of them. The
@@ -697,13 +699,13 @@ def test_deterministic_runner_gives_the_same_bits_every_run(tmp_path, monkeypatc
     plain = {"BLOCK_M": 64, "gate_up": gemm, "down": {**gemm, "WS": 1}}
     summed = {**plain, "down": {**plain["down"], "ATOMIC_SUM": 1}}
     device = torch.cuda.get_device_name()
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     (tmp_path / configs.config_file_name(16, 512, 192, torch.bfloat16, device)).write_text(
         json.dumps({"1024": summed}))
     configs.load_tuned.cache_clear()
     try:
         fast, _ = _gpu_pair("triton", spec, 1, 0, seed=5)
         fixed, _ = _gpu_pair("triton", spec, 1, 0, seed=5)
+        fast.config_dir = fixed.config_dir = tmp_path
         fixed.deterministic = True
         x = torch.randn(3000, spec.hidden_size, device="cuda").bfloat16()
         ids, w = routing(3000, 4, 16, "uniform", seed=6, device="cuda")

@@ -21,9 +21,10 @@ top-k sum pass: fused_moe.down_summed; the tuner tries it from 1024 tokens, so t
 steps keep bits that do not vary between runs). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
 GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
-"PREFETCH": 1 (each K step loads the next chunk's tiles first). Older tables' decode entries
-carry a num_stages, which changes nothing there (decode_moe._opts).
-Pure Python: no triton import.
+"PREFETCH": 1 (each K step loads the next chunk's tiles first); a num_stages in a decode
+entry changes nothing there (decode_moe._opts).
+The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
+of its own without changing this module. Pure Python: no triton import.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ def _hopper_config(rows: float) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def load_tuned(num_local: int, hidden: int, inter: int, dtype: str,
-               device_name: str) -> Optional[dict[int, dict[str, Any]]]:
-    path = CONFIG_DIR / config_file_name(num_local, hidden, inter, dtype, device_name)
+def load_tuned(num_local: int, hidden: int, inter: int, dtype: str, device_name: str,
+               config_dir: Path = CONFIG_DIR) -> Optional[dict[int, dict[str, Any]]]:
+    path = config_dir / config_file_name(num_local, hidden, inter, dtype, device_name)
     if not path.is_file():
         return None
     table = json.loads(path.read_text())
@@ -187,11 +188,11 @@ def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]
 
 
 def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
-               dtype: Any, device_name: str,
-               capability: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+               dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
+               config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
     """The tuned entry for this shape and device, else the defaults (for the device's compute
     capability when given)."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name)
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name, config_dir)
     if table:
         return nearest(table, num_tokens)
     return default_config(num_tokens, top_k, num_local,
@@ -199,11 +200,12 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
 
 
 def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
-                       device_name: Optional[str]) -> int:
+                       device_name: Optional[str], config_dir: Path = CONFIG_DIR) -> int:
     """The most rows (at most max_rows) of a step whose config writes every pair's row to a
     [P, H] buffer (the plan's moe.runner.down): a step whose tuned entry has down sum the
     top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name or "")
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name or "",
+                       config_dir)
     if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
         return max_rows
     keys = sorted(table)
@@ -219,15 +221,17 @@ def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, d
 
 
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
-                  dtype: Any, device_name: str,
-                  capability: Optional[tuple[int, int]] = None) -> list[int]:
+                  dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
+                  config_dir: Path = CONFIG_DIR) -> list[int]:
     """One token count per distinct config that a step of 1..max_tokens rows can take (the
     smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
     once at each compiles every config before the first request needs it."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name) or {}
+    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name,
+                       config_dir) or {}
     sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
     first: dict[str, int] = {}
     for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
-        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability)
+        cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability,
+                         config_dir)
         first.setdefault(json.dumps(cfg, sort_keys=True), n)
     return sorted(first.values())

@@ -23,7 +23,7 @@ import torch
 from moeserve.layers.mlp import KERNEL_ACTS
 from moeserve.config.spec import ModelSpec
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
-from moeserve.kernels.moe.configs import get_config, warm_up_sizes
+from moeserve.kernels.moe.configs import CONFIG_DIR, get_config, warm_up_sizes
 from moeserve.kernels.launch.choice import interpreting
 from moeserve.parallel.groups import ParallelState
 
@@ -48,6 +48,7 @@ class TritonFusedExperts(Experts):
         self.kernel_act = KERNEL_ACTS[spec.hidden_act]
         self.top_k = spec.top_k
         self._configs: dict[tuple[int, str], dict[str, Any]] = {}
+        self.config_dir = CONFIG_DIR  # where the tuned tables are (a test may give its own)
         # the plan's moe.runner.* buffers, shared by every layer's runner (the model runner
         # hands them over: use_workspace); None: each step allocates its own (tests, tools)
         self.workspace: Optional[Any] = None
@@ -59,7 +60,7 @@ class TritonFusedExperts(Experts):
         key = (num_tokens, str(device))
         if key not in self._configs:
             cfg = get_config(num_tokens, self.top_k, self.num_local, self.hidden, self.i_local,
-                             self.w13.dtype, *_device(device))
+                             self.w13.dtype, *_device(device), config_dir=self.config_dir)
             if self.deterministic and cfg.get("down", {}).get("ATOMIC_SUM"):
                 down = {k: v for k, v in cfg["down"].items() if k != "ATOMIC_SUM"}
                 cfg = {**cfg, "down": down}
@@ -71,7 +72,7 @@ class TritonFusedExperts(Experts):
         random rows and routing, so that Triton compiles them at startup rather than during
         the first prefills (a few seconds each). Returns the row counts run."""
         sizes = warm_up_sizes(max_rows, self.top_k, self.num_local, self.hidden, self.i_local,
-                              self.w13.dtype, *_device(device))
+                              self.w13.dtype, *_device(device), config_dir=self.config_dir)
         for n in sizes:
             x = torch.randn(n, self.hidden, device=device, dtype=self.w13.dtype)
             ids = torch.rand(n, self.num_experts, device=device).topk(self.top_k, dim=1).indices
