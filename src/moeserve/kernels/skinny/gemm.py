@@ -22,9 +22,9 @@ default, rounded once after the bias is added, as cuBLAS's epilogue does), optio
 residual added after that rounding (the MoE layer's routed output plus its shared expert's
 down).
 
-Tiles: skinny_tiles.TILES maps (N, K) ranges to each kernel's tiles and the rows up to which
-each beats cuBLAS (`beats_cublas`); benchmarks/bench_decode_kernels.py --try-tiles measures
-the alternatives.
+Tiles: kernels/skinny/tiles.py's TILES maps (N, K) ranges to each kernel's tiles and the rows
+up to which each beats cuBLAS (`beats_cublas`); benchmarks/step_kernels.py --try-tiles
+measures the alternatives.
 """
 
 from __future__ import annotations

@@ -8,28 +8,17 @@ from typing import NamedTuple, Optional
 # (largest N, largest K, most FMA rows, FMA (BLOCK_N, BLOCK_K, num_warps), most MMA rows, MMA
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)); the first entry whose N and K hold (N, K) wins.
 # Up to its FMA rows the FMA kernel runs, then the MMA kernel up to its MMA rows; above them
-# cuBLAS is as fast or faster, and `linear` keeps it.
-# FMA: measured on an H200, 2026-11-22, CUDA-graph replays over cold weights
-# (bench_decode_kernels.py --try-tiles; skinny vs cuBLAS us at 1 / 2 / 4 rows): router
-# 2048->128 2.3 / 2.5 / 2.9 vs 5.4; dense 2048->1536 3.7 / 4.2 / 5.5 vs 8.0 / 7.3 / 8.0;
-# o_proj 4096->2048 6.2 / 7.1 / 9.2 vs 9.3 / 9.5 / 9.5; qkv 2048->5120 7.1 / 8.9 / 13.2 vs
-# 8.0 / 8.1 / 8.1. A wide BLOCK_K keeps many bytes in flight per program (the loop is not
-# pipelined) and few iterations on the latency path; a narrow BLOCK_N spreads a small N (a
-# router) over SMs. DeepSeek-V2-Lite's q_proj and kv_a_proj_with_mqa in one GEMM, 2048->3648
-# (bench_decode_kernels.py --model deepseek-v2-lite --try-tiles, same method, 2026-11-23):
-# (4, 1024, 2) best over 1 and 2 rows (9.77 us together), against 5.48 / 5.79 us for the last
-# entry's tiles and cuBLAS's 6.86 / 6.82 (q_proj alone, 2048->3072, had (4, 1024, 4): 4.15 /
-# 5.75 us).
-# MMA: the same method, H200, 2026-11-23 (a sweep of BLOCK_N 16-64, BLOCK_K 128-512, 2-4
-# warps, 2-4 stages at 1-16 rows; MMA vs FMA vs cuBLAS us at 4 / 8 / 16 rows): qkv 7.8 / 7.9 /
-# 8.1 vs 11.7 / - / - vs 8.2 / 8.2 / 8.3; o_proj 7.9 / 8.1 / 8.2 vs 10.1 vs 9.5 / 9.5 / 9.7;
-# dense 5.0 / 5.1 / 5.2 vs 5.4 vs 8.0 / 6.0 / 6.0; DeepSeek's q_kv_a 6.4 / 6.4 / 6.5 vs 8.9 vs
-# 6.9 / 7.0 / 7.2, o_proj 5.2 / 5.3 / 5.4 vs 6.0 vs 6.1 / 6.1 / 6.2, shared gate_up
-# (2048->5632) 7.9 / 8.0 / 8.3 vs 12.4 vs 8.5 / 8.5 / 8.6, shared down (2816->2048) 6.5 / 6.6
-# / 6.5 vs 8.0 vs 8.1 / 8.1 / 8.3. Routers keep the FMA kernel in row groups to 16 rows
-# (2048->128: 2.1 / 2.5 us at 8 / 16 rows against MMA's 4.0 / 4.3 and cuBLAS's 5.8 / 5.6;
-# 2048->64: 1.8 / 2.1 against 4.0 / 4.2 and 5.4 / 5.5): a small N gives the MMA kernel, whose
-# BLOCK_N is at least 16, too few programs.
+# cuBLAS is as fast or faster, and `linear` keeps it. Why each entry (the times are in
+# benchmarks/RESULTS.md, "Decode-step kernels"; benchmarks/step_kernels.py --try-tiles sweeps
+# the alternatives):
+# - a wide BLOCK_K keeps many bytes in flight per program (the FMA loop is not pipelined) and
+#   few iterations on the latency path; a narrow BLOCK_N spreads a small N over the SMs;
+# - N <= 512 (routers): the FMA kernel (BLOCK_N 1) in row groups up to 16 rows, since a small
+#   N gives the MMA kernel, whose BLOCK_N is at least 16, too few programs;
+# - the other entries hold a dense MLP's gate_up (N, K <= 2048), DeepSeek's fused q / kv_a
+#   (N <= 4096), o_proj and a shared expert's down (N <= 2048, K past 2048), and the widest
+#   (qkv, a shared expert's gate_up), each with the sweep's best tiles; the FMA kernel gives
+#   way to the MMA kernel past 2 rows (1 on the widest N), where its products outgrow it.
 TILES: tuple[tuple[int, int, int, tuple[int, int, int], int,
                    Optional[tuple[int, int, int, int]]], ...] = (
     (512, 1 << 62, 16, (1, 2048, 4), 0, None),
