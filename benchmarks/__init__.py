@@ -1,0 +1,21 @@
+"""moeserve's benchmarks: one tool, run from the repository root.
+
+    PYTHONPATH=src python -m benchmarks SUBCOMMAND --out $OUT [--results benchmarks/RESULTS.md]
+
+    e2e        a whole model on one GPU: decode steps against their floor, transformers'
+               generate, `moeserve bench`                                  (e2e.py)
+    moe        the MoE layer against torch._grouped_mm and transformers' block (moe.py)
+    attention  decode and extend attention, and the small kernels of a decode step
+               (attention.py, step_kernels.py)
+    mla        DeepSeek's latent attention, one layer and end to end (mla.py)
+    a2a        the MoE all-to-all against NCCL all_to_all_single, several GPUs (a2a.py)
+    scaleout   `moeserve bench` by parallel layout against one GPU, several GPUs (scaleout.py)
+    tune-moe   tune the fused MoE kernels' tiles into src/moeserve/kernels/moe/configs/
+               (tune_moe.py)
+    record     write sections from an --out folder into RESULTS.md (record.py)
+
+Every benchmark measures on the GPU, in one run, moeserve, its baseline and the device's
+ceilings, all through harness.py; it writes NAME.json (every number) and NAME.md (its
+RESULTS.md section) into --out, and with --results replaces its section in RESULTS.md.
+engine_steps.py holds the timed steps of a running engine that e2e and mla share.
+"""

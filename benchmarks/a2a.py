@@ -1,0 +1,180 @@
+r"""The all-to-all of one MoE layer (dispatch + combine, the all_to_all dispatcher) on the GPUs
+of one host, against NCCL's all_to_all_single moving the same bytes.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        PYTHONPATH=src python -m benchmarks a2a --gpus 2 --out $OUT [--results ...]
+
+Qwen3-30B-A3B's shape (tp = dp = ep = --gpus, DP attention), bf16, uniform random routing, the
+experts left out (combine sends back what dispatch delivered). Each rank times both exchanges
+as CUDA-graph replays (as decode steps run them; eagerly where capture fails, and the row says
+so), after a barrier, between CUDA events, the median of 30.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.harness import Ceilings, RunInfo, table
+
+HELP = "the MoE all-to-all against NCCL all_to_all_single (several GPUs)"
+MODEL = "preset:qwen3-30b-a3b"
+SIZES = (1, 8, 32, 128, 256, 1024, 4096, 8192)
+RANKS_TIMEOUT_S = 600  # a hung collective fails the run instead of holding the machine
+METHOD = """\
+Per MoE layer, dispatch + combine on rank 0. Floor = the bytes rank 0 must send to other
+ranks (each token once to each other rank that owns one of its experts, counted from the
+routing: its payload of hidden state, ids and weights out, its hidden state back) over the
+peer copy bandwidth measured in the same run; the synchronisations are not in it. The baseline
+is NCCL's all_to_all_single of [ranks x tokens] rows, both ways, the same bytes our fixed
+blocks carry; GB/s for both = ranks x tokens x (payload + 2 H) / time."""
+
+
+def add_arguments(p: Any) -> None:
+    harness.add_output_arguments(p)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--tokens", type=int, nargs="+", default=list(SIZES),
+                   help="tokens per rank")
+
+
+def timed(fn: Any, label: str) -> tuple[float, bool]:
+    """(median µs of 30 runs after a barrier each, whether as a graph replay)."""
+    import torch.distributed as dist
+
+    try:
+        run, graph = harness.capture(fn), True
+    except RuntimeError as err:
+        print(f"{label}: no CUDA graph ({err}); timed eagerly", flush=True)
+        run, graph = fn, False
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(30):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples), graph
+
+
+def rank_main(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                           world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        rows = exchange_rows(rank, world, sizes)
+        Path(out, f"a2a_rank{rank}.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
+    import torch.distributed as dist
+
+    from moeserve.batch.step import step_from_counts
+    from moeserve.config import EngineConfig
+    from moeserve.moe.dispatch import create_dispatcher
+    from moeserve.parallel.groups import init_parallel_state
+    from moeserve.plan.capacity import build_plan
+
+    torch.cuda.set_device(rank)
+    cfg = EngineConfig(model=MODEL, tp_size=world, ep_size=world, dp_size=world,
+                       enable_dp_attention=True, moe_a2a_backend="all_to_all",
+                       chunked_prefill_size=max(sizes) * world,
+                       max_running_requests=256 * world,
+                       gpu_memory_gb=torch.cuda.get_device_properties(rank).total_memory / 1e9)
+    plan = build_plan(cfg)
+    state = init_parallel_state(plan.layout, torch.device("cuda", rank))
+    disp = create_dispatcher(plan.spec, state, plan, torch.bfloat16)
+    spec, h = plan.spec, plan.spec.hidden_size
+    rows = []
+    for m in sizes:
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(m, spec.num_experts, device="cuda").topk(spec.top_k, dim=1).indices
+        ids = ids.to(torch.int32)
+        w = torch.rand(m, spec.top_k, device="cuda", dtype=torch.float32)
+        step = step_from_counts([m] * world, plan.layout, rank, plan)
+        owner = ids.long() // (spec.num_experts // world)
+        goes = torch.zeros(m, world, dtype=torch.bool, device="cuda").scatter_(1, owner, True)
+        goes[:, rank] = False
+        sent = int(goes.sum())  # (token, other rank) pairs: what must cross a link
+
+        def ours() -> torch.Tensor:
+            toks, handle = disp.dispatch(x, ids, w, step)
+            return disp.combine(toks.x_NH, handle)
+
+        send = torch.randint(0, 255, (world * m * disp.payload,), dtype=torch.uint8,
+                             device="cuda")
+        back = torch.randint(0, 255, (world * m * h * 2,), dtype=torch.uint8, device="cuda")
+        recv, back_r = torch.empty_like(send), torch.empty_like(back)
+
+        def nccl() -> None:
+            dist.all_to_all_single(recv, send)
+            dist.all_to_all_single(back_r, back)
+
+        row: dict[str, Any] = {"tokens_per_rank": m, "sent_rows": sent,
+                               "link_bytes": sent * (disp.payload + 2 * h),
+                               "moved_bytes": world * m * (disp.payload + 2 * h)}
+        row["moeserve_us"], row["moeserve_graph"] = timed(ours, f"rank {rank} m={m} moeserve")
+        row["nccl_us"], row["nccl_graph"] = timed(nccl, f"rank {rank} m={m} nccl")
+        rows.append(row)
+    return rows
+
+
+def render(ranks: dict[int, list[dict]], ceil: Ceilings) -> list[str]:
+    peer = ceil.peer_GBps
+    out = []
+    for i, r in enumerate(ranks[0]):
+        floor = f"{r['link_bytes'] / peer / 1e3:.1f}" if peer else "-"
+        spread = max(abs(ranks[k][i]["moeserve_us"] / r["moeserve_us"] - 1) for k in ranks)
+        eager = "" if r["moeserve_graph"] else " (eager)"
+        out.append([r["tokens_per_rank"], r["sent_rows"], floor,
+                    f"{r['moeserve_us']:.1f}{eager}", f"{r['nccl_us']:.1f}",
+                    f"{r['moved_bytes'] / r['moeserve_us'] / 1e3:.1f}",
+                    f"{r['moved_bytes'] / r['nccl_us'] / 1e3:.1f}", f"{100 * spread:.0f}%"])
+    return table(["tokens per rank", "rows sent to other ranks", "floor µs", "moeserve µs",
+                  "NCCL all_to_all_single µs", "moeserve GB/s", "NCCL GB/s",
+                  "other ranks' moeserve µs within"], out)
+
+
+def run(args: Any, argv: list[str]) -> int:
+    import torch.multiprocessing as mp
+
+    from moeserve.parallel.net import free_port
+
+    harness.require_gpu(args.gpus)
+    info = RunInfo.collect("a2a", argv, gpus=args.gpus)
+    ceil = harness.measure_ceilings(peer=True)
+    print(ceil.line(), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ranks_ctx = mp.start_processes(rank_main, nprocs=args.gpus, start_method="spawn",
+                                   args=(args.gpus, free_port(), args.tokens, str(out)),
+                                   join=False)
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ranks_ctx.join(timeout=5):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for proc in ranks_ctx.processes:
+                proc.kill()
+            raise SystemExit(f"the ranks did not finish in {RANKS_TIMEOUT_S} s")
+    ranks = {r: json.loads((out / f"a2a_rank{r}.json").read_text()) for r in range(args.gpus)}
+    text = harness.section(f"All-to-all, ep {args.gpus}", METHOD, info, ceil,
+                           render(ranks, ceil))
+    harness.save(out, "a2a", {"info": info, "ceilings": ceil, "ranks": ranks}, text,
+                 args.results)
+    for r in range(args.gpus):
+        os.remove(out / f"a2a_rank{r}.json")
+    return 0
