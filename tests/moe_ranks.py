@@ -3,6 +3,8 @@ process group, each checked against the float64 single-process reference of moe_
 
 A rank returns records (dicts); the test process asserts on them, so a failure names the
 layout, model and case. Assertions that would leave other ranks waiting are not made here.
+Layers run on the plan's buffers, bound as the engine binds them (runtime/buffers.py), so the
+gathers and the exchanges go through views of them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from moeserve.moe.layer import MoELayer
 from moeserve.layers.communicator import LayerCommunicator
 from moeserve.parallel.groups import init_parallel_state
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.batch.step import StepTooLarge, begin_step
+from moeserve.batch.step import StepTooLarge
 from moeserve.plan.capacity import build_plan
+from moeserve.runtime.buffers import bind_model_buffers
+from moeserve.testing.tiny_models import exchange_step
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     # world of 2
@@ -89,7 +93,18 @@ def _flow(block: Any, comm: LayerCommunicator, step, x: torch.Tensor, partials: 
     a = comm.reduce_attn_output(partials[attn_tp_rank].to(dev, copy=True), step)
     r = comm.local_rows(x.to(dev), step) + a
     y = block(r, step)
-    return comm.gather_rows(y, step).cpu(), comm.gather_rows(r + y, step).cpu()
+    # copies: a gather's result may be a view of the plan's buffer, which the next overwrites
+    y_TH = comm.gather_rows(y, step).to("cpu", copy=True)
+    return y_TH, comm.gather_rows(r + y, step).to("cpu", copy=True)
+
+
+def _bound(state, plan, block, comm=None):
+    """`block` (and `comm`) on the plan's buffers, as MoECausalLM.bind_buffers binds them."""
+    bufs = bind_model_buffers(plan, state.device)
+    block.bind_buffers(bufs)
+    if comm is not None:
+        comm.bind(bufs.gather)
+    return bufs
 
 
 def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> None:
@@ -100,6 +115,7 @@ def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> Non
     comm = LayerCommunicator(state, moe=True)
     load(layer, weights)
     layer.to(state.device)
+    _bound(state, plan, layer, comm)
     for s_i, (case, (counts, pad)) in enumerate(scenarios(lay.dp).items()):
         hot = case == "hot_expert"
         w = _hot_weights(weights) if hot else weights
@@ -112,7 +128,7 @@ def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> Non
         t = counts[d]
         pad_d = min(pad, t)
         x, partials = _inputs(s_i, d, t, lay.attn_tp, hot)
-        step = begin_step(t, state, plan, num_padding=pad_d)
+        step = exchange_step(t, state, plan, num_padding=pad_d)
         y, nxt = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
         r_ref = x.double() + partials.double().sum(0)
         valid = t - pad_d
@@ -123,8 +139,10 @@ def _layer_cases(name: str, kind: str, state, plan, rank: int, out: list) -> Non
                    err_flow=rel_err(nxt[:valid], r_ref[:valid] + y_ref))
         if pad_d and not spec.num_shared_experts:
             rec["pad_rows_abs_max"] = y[valid:].abs().max().item()
-        if hot:
+        if hot:  # every row of the DP rank through the gate (more than a rank's step routes)
+            bound, _ = layer.gate.buffers, layer.gate.bind(None)
             ids, _ = layer.gate(r_ref.float().to(state.device))
+            layer.gate.bind(bound)
             rec["all_rows_pick_hot"] = bool((ids == HOT_EXPERT).any(dim=1).all())
             load(layer, weights)
         out.append(rec)
@@ -138,10 +156,11 @@ def _dense_cases(name: str, state, plan, rank: int, out: list) -> None:
     load(mlp, weights)
     mlp.to(state.device)
     comm = LayerCommunicator(state, moe=False)
+    _bound(state, plan, mlp, comm)
     for s_i, (case, (counts, _)) in enumerate(scenarios(lay.dp).items()):
         d = lay.dp_rank(rank)
         x, partials = _inputs(100 + s_i, d, counts[d], lay.attn_tp)
-        step = begin_step(counts[d], state, plan)
+        step = exchange_step(counts[d], state, plan)
         y, nxt = _flow(mlp, comm, step, x, partials, lay.attn_tp_rank(rank))
         r_ref = x.double() + partials.double().sum(0)
         y_ref = reference_dense(spec, weights, r_ref)
@@ -172,6 +191,7 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
     layer = MoELayer(spec, state, plan)
     load(layer, weights)
     layer.to(state.device)
+    bufs = _bound(state, plan, layer)
     identity = IdentityExperts(spec, state, torch.float32).to(state.device)
     disp, scattered = layer.dispatcher, layer.scattered
     for s_i, (case, counts) in enumerate([("random_ids", (13, 6)), ("one_expert", (7, 10)),
@@ -181,7 +201,7 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
         g = torch.Generator().manual_seed(1000 + s_i * 10 + d)
         x_T = torch.randn(counts[d], H, generator=g)
         ids_T, w_T = _routing(2000 + s_i * 10 + d, counts[d], spec.top_k, case == "one_expert")
-        step = begin_step(counts[d], state, plan)
+        step = exchange_step(counts[d], state, plan)
         start, end = step.row_range(scattered)
         x, ids, w = x_T[start:end], ids_T[start:end], w_T[start:end]
         dev = state.device
@@ -202,21 +222,21 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
             filled = handle.source_S.cpu().view(lay.ep, handle.capacity) < handle.num_tokens
             rec["a2a_sent"] = filled.sum(dim=1).tolist()
             rec["a2a_received"] = int((tokens.topk_ids_NK >= 0).any(dim=1).sum())
-            rec["a2a_ptrs"] = (disp.send_buf.data_ptr(), disp.recv_buf.data_ptr())
+            rec["a2a_ptrs"] = (disp.workspace.send.data_ptr(), disp.workspace.recv.data_ptr())
         out.append(rec)
     if lay.a2a:
-        rec_send, buf = plan.buffer("a2a.send"), disp.send_buf
+        rec_send, buf, recv = plan.buffer("a2a.send"), bufs.a2a.send, bufs.a2a.recv
         out.append(dict(layout=name, kind=kind, case="workspace", rank=rank,
                         record_shape=rec_send.shape, record_bytes=rec_send.bytes,
                         record_dtype=rec_send.dtype, a2a_cap=plan.a2a_cap,
-                        moe_tokens=dict(plan.moe_tokens),
+                        moe_tokens=dict(plan.moe_tokens), bound=disp.workspace is bufs.a2a,
                         send_shape=tuple(buf.shape), send_bytes=buf.numel() * buf.element_size(),
-                        send_dtype=str(buf.dtype), recv_shape=tuple(disp.recv_buf.shape),
-                        recv_bytes=disp.recv_buf.numel() * disp.recv_buf.element_size(),
-                        runner_pairs=plan.buffer("moe.runner.pair_token").shape[0]))
+                        send_dtype=str(buf.dtype), recv_shape=tuple(recv.shape),
+                        recv_bytes=recv.numel() * recv.element_size(),
+                        runner_rows=plan.moe_runner_rows))
     else:
         out.append(dict(layout=name, kind=kind, case="runner_bound", rank=rank,
-                        runner_pairs=plan.buffer("moe.runner.pair_token").shape[0]))
+                        runner_rows=plan.moe_runner_rows))
 
 
 def _guard(rank: int, state, plan, cfg_kwargs: dict, out: list, name: str) -> None:
@@ -226,27 +246,35 @@ def _guard(rank: int, state, plan, cfg_kwargs: dict, out: list, name: str) -> No
     weights = full_weights(spec, seed=17)
     checks = [("tokens", plan, tuple([T_MAX + 1] + [3] * (lay.dp - 1)))]
     if lay.a2a:  # a plan whose all-to-all cap (5 per rank) is below the worst case
-        small = build_plan(engine_config(**cfg_kwargs, a2a_cap=5), spec)
+        small = build_plan(_config(cfg_kwargs, state.device, a2a_cap=5), spec)
         checks.append(("a2a_cap", small, tuple([6 * lay.attn_tp] + [2] * (lay.dp - 1))))
     for what, p, counts in checks:
         layer = MoELayer(spec, state, p)
         load(layer, weights)
         layer.to(state.device)
         comm = LayerCommunicator(state, moe=True)
+        _bound(state, p, layer, comm)
         d = lay.dp_rank(rank)
         rec: dict[str, Any] = dict(layout=name, kind="qwen3", case=f"guard_{what}", rank=rank)
         try:
-            begin_step(counts[d], state, p)
+            exchange_step(counts[d], state, p)
             rec["error"] = None
         except StepTooLarge as exc:
             rec["error"] = str(exc)
         ok_counts = tuple(min(c, 4 * lay.attn_tp) for c in counts)
         x, partials = _inputs(77, d, ok_counts[d], lay.attn_tp)
-        step = begin_step(ok_counts[d], state, p)
+        step = exchange_step(ok_counts[d], state, p)
         y, _ = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
         r_ref = x.double() + partials.double().sum(0)
         rec["err_after"] = rel_err(y, reference_moe(spec, weights, r_ref))
         out.append(rec)
+
+
+def _config(kwargs: dict, device: torch.device, **extra: Any):
+    """The layout's config for the layers these ranks build (the reference experts) on
+    `device`, so that its plan records their buffers."""
+    return engine_config(**kwargs, **extra).replace(device=device.type, attention_backend="torch",
+                                                    moe_runner_backend="reference")
 
 
 def run_world(rank: int, world: int, names: list[str], device: str = "cpu") -> list[dict]:
@@ -256,7 +284,7 @@ def run_world(rank: int, world: int, names: list[str], device: str = "cpu") -> l
     out: list[dict] = []
     for name in names:
         kwargs = LAYOUTS[name]
-        cfg = engine_config(**kwargs)
+        cfg = _config(kwargs, dev)
         plans = {kind: build_plan(cfg, tiny_spec(kind)) for kind in SPEC_KINDS}
         bad = {k: [str(e) for e in p.errors] for k, p in plans.items() if not p.ok}
         if bad:
@@ -286,13 +314,14 @@ def _mode_cases(name: str, state, plan, rank: int, out: list) -> None:
     load(layer, weights)
     layer.to(state.device)
     comm = LayerCommunicator(state, moe=True)
+    _bound(state, plan, layer, comm)
     lay = state.layout
     for m_i, (mode, t) in enumerate(plan.budget.by_mode().items()):
         if t is None:
             continue
         d = lay.dp_rank(rank)
         x, partials = _inputs(300 + m_i, d, t, lay.attn_tp)
-        step = begin_step(t, state, plan)
+        step = exchange_step(t, state, plan)
         y, _ = _flow(layer, comm, step, x, partials, lay.attn_tp_rank(rank))
         r_ref = x.double() + partials.double().sum(0)
         out.append(dict(layout=name, kind="qwen3", case=f"mode_{mode}", rank=rank, tokens=t,

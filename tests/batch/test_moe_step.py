@@ -13,8 +13,9 @@ from moe_cases import T_MAX, engine_config, tiny_spec
 from moeserve.layers.communicator import LayerCommunicator, layer_scatters
 from moeserve.parallel.groups import single_process_state
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.batch.step import StepTooLarge, begin_step, check_step, step_from_counts
+from moeserve.batch.step import StepTooLarge, check_step, gather_ints, step_from_counts
 from moeserve.plan.capacity import build_plan
+from moeserve.testing.tiny_models import exchange_step
 
 LAYOUTS = [ParallelLayout(tp=4, dp=1, ep=4, dense_tp=4, a2a=True),
            ParallelLayout(tp=4, dp=2, ep=4, dense_tp=4, a2a=True),
@@ -87,16 +88,15 @@ def test_guard_names_the_knob_to_raise():
 def test_single_process_step_needs_no_process_group():
     plan = _plan()
     state = single_process_state(plan.layout)
-    step = begin_step(7, state, plan, num_padding=2)
+    assert gather_ints([7, 1, 0], state) == [(7, 1, 0)]
+    step = exchange_step(7, state, plan, num_padding=2)
     assert (step.num_tokens, step.num_valid_tokens, step.runtime_max_per_rank) == (7, 5, 7)
     comm = LayerCommunicator(state, moe=True)
     x = torch.randn(7, 4)
     assert comm.reduce_attn_output(x, step) is x and comm.gather_rows(x, step) is x
     assert comm.local_rows(x, step).shape == (7, 4)
     with pytest.raises(StepTooLarge):
-        begin_step(T_MAX + 1, state, plan)
-    with pytest.raises(ValueError, match="not the process groups' layout"):
-        begin_step(3, single_process_state(), _plan(tp=2, ep=2))
+        exchange_step(T_MAX + 1, state, plan)
 
 
 def test_scatter_decision_per_kind_of_layer():

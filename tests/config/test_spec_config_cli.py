@@ -133,14 +133,15 @@ def test_layout_of_a_valid_config_has_no_problems():
 def test_plan_json_has_the_contract_fields(capsys):
     rc = main(["plan", "--model", "preset:deepseek-v2-lite", "--tp", "2", "--dp", "2",
                "--enable-dp-attention", "--ep", "2", "--moe-a2a-backend", "all_to_all",
-               "--gpu-memory-gb", "80", "--json"])
+               "--gpu-memory-gb", "80", "--device", "cuda", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["errors"] == []
     assert set(out["budget"]) >= {"extend", "decode", "mixed", "decode_graph", "prefill_graph",
                                   "warmup", "idle"}
     assert out["a2a"]["max_tokens_per_rank"] == out["budget"]["extend"]
     names = {b["name"] for b in out["buffers"]}
-    assert {"a2a.send", "a2a.recv", "kv_cache", "moe.runner.gate_up"} <= names
+    assert {"a2a.send", "a2a.recv", "kv_cache", "moe.runner.down", "moe.router.topk_ids"} <= names
+    assert out["backends"] == {"device": "cuda", "attention": "triton", "experts": "triton"}
     assert out["a2a"]["workspace_bytes_per_rank"] == sum(
         b["bytes"] for b in out["buffers"] if b["name"].startswith("a2a."))
     for b in out["buffers"]:

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from moeserve.batch.buffers import AttentionPartials
 from moeserve.kernels.attention.tiles import ATTENTION_TILES
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.attention_triton import TritonAttentionBackend
@@ -43,7 +44,8 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
     req_rows = [rows.alloc() for _ in lens]
     fast = PagedAttention(1, n, kh, d, d ** -0.5, TritonAttentionBackend(tiles), window)
     if partials:
-        fast.backend.use_partials(*partials)
+        fast.backend.bind_partials(AttentionPartials(part_o=partials[0],
+                                                     part_lse=partials[1]))
     ref = create_attention_backend("torch")
     seqs = [tuple(torch.randn(s, h, d, generator=gen).to(device, dtype) for h in (n, kh, kh))
             for s in lens]

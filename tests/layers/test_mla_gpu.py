@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moeserve.batch.buffers import AttentionPartials
 from moeserve.kernels.attention.tiles import ATTENTION_TILES
 from moeserve.layers.attention_triton import TritonAttentionBackend
 from moeserve.layers.backends import create_attention_backend
@@ -102,7 +103,7 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, dims: tuple, lens,
     layer = fake_layer(n, c, r, p, v, dtype, device, gen)
     fast, ref = backends(tiles)
     if partials:
-        fast.use_partials(*partials)
+        fast.bind_partials(AttentionPartials(part_o=partials[0], part_lse=partials[1]))
     seqs = [(torch.randn(s, n, p + r, generator=gen).to(device, dtype),
              torch.randn(s, c, generator=gen).to(device, dtype),
              torch.randn(s, r, generator=gen).to(device, dtype)) for s in lens]

@@ -214,14 +214,15 @@ def test_real_shapes_get_the_plans_latent_kv_pool(preset):
     device: no memory is touched). test_loader builds these presets with every tensor."""
     from moeserve.config.spec import load_model_spec
     from moeserve.plan.capacity import build_plan
-    from moeserve.batch.kv_cache import MLAKVCachePool, create_kv_pool
+    from moeserve.batch.kv_cache import MLAKVCachePool
+    from moeserve.runtime.buffers import bind_buffers
 
     cfg = tiny_config(f"preset:{preset}", load_format="dummy", dtype="bfloat16",
                       gpu_memory_gb=2000.0, page_size=16)
     spec = load_model_spec(cfg.model)
     plan = build_plan(cfg, spec)
     assert plan.ok, plan.errors
-    pool = create_kv_pool(plan, "meta")
+    pool = bind_buffers(plan, "meta").kv_pool
     assert isinstance(pool, MLAKVCachePool) and pool.page_size == 16
     layers, tokens, width = plan.buffer("kv_cache").shape
     assert pool.kv_LSW.shape == (layers, pool.num_slots, width) and pool.num_slots <= tokens

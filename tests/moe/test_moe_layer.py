@@ -18,9 +18,10 @@ from moeserve.moe.layer import MoELayer
 from moeserve.layers.weights import WeightError
 from moeserve.parallel.groups import single_process_state
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.batch.step import begin_step
+from moeserve.testing.tiny_models import exchange_step
 from moeserve.plan.capacity import build_plan
 from moeserve.plan.memory import weight_params_per_rank
+from moeserve.runtime.buffers import bind_model_buffers
 
 
 def _single(kind: str, **cfg):
@@ -44,7 +45,7 @@ def test_layer_matches_transformers_block(kind, tmp_path):
             assert layer.needs(name)
             layer.load_weight(name, f.get_slice(name))
     x = torch.randn(29, spec.hidden_size, generator=torch.Generator().manual_seed(5))
-    y = layer(x, begin_step(29, state, plan))
+    y = layer(x, exchange_step(29, state, plan))
     with torch.no_grad():
         ref = hf_block(kind, weights)(x[None])[0]
     assert rel_err(y, ref) <= 1e-5
@@ -57,7 +58,7 @@ def test_bfloat16_layer_tracks_transformers():
     layer = MoELayer(spec, state, plan, dtype=torch.bfloat16)
     load(layer, weights)
     x = torch.randn(16, spec.hidden_size).bfloat16()
-    y = layer(x, begin_step(16, state, plan))
+    y = layer(x, exchange_step(16, state, plan))
     assert y.dtype == torch.bfloat16
     with torch.no_grad():
         ref = hf_block("qwen3", weights).bfloat16()(x[None])[0]
@@ -71,9 +72,9 @@ def test_padding_rows_contribute_nothing():
     load(layer, weights)
     x = torch.randn(12, spec.hidden_size)
     x[9:] = 1e30  # whatever a padded graph row holds
-    y = layer(x, begin_step(12, state, plan, num_padding=3))
+    y = layer(x, exchange_step(12, state, plan, num_padding=3))
     assert (y[9:] == 0).all()
-    clean = layer(x[:9].clone(), begin_step(9, state, plan))
+    clean = layer(x[:9].clone(), exchange_step(9, state, plan))
     assert torch.equal(y[:9], clean)
 
 
@@ -177,7 +178,7 @@ def test_dense_mlp_matches_reference_and_transformers():
     mlp = DenseMLP(spec, state)
     load(mlp, weights)
     x = torch.randn(9, spec.hidden_size)
-    y = mlp(x, begin_step(9, state, plan))
+    y = mlp(x, exchange_step(9, state, plan))
     assert rel_err(y, reference_dense(spec, weights, x)) <= 1e-6
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
     from hf_blocks import hf_config
@@ -220,8 +221,9 @@ def test_wrong_components_are_refused_with_the_flag():
     a2a_cfg = engine_config(tp=2, ep=2, a2a=True)
     a2a_plan = build_plan(a2a_cfg, spec)
     a2a_state = fake_state(ParallelLayout.from_config(a2a_cfg), 0)
-    with pytest.raises(ValueError, match="--dtype bfloat16"):
-        create_dispatcher(spec, a2a_state, a2a_plan, torch.bfloat16)
+    bf16 = create_dispatcher(spec, a2a_state, a2a_plan, torch.bfloat16)
+    with pytest.raises(ValueError, match="--dtype bfloat16"):  # the plan's float32 workspace
+        bf16.bind(bind_model_buffers(a2a_plan, "cpu"))
     with pytest.raises(ValueError, match="serves one rank"):
         create_dispatcher(spec, a2a_state, a2a_plan, name="local")
 
@@ -242,6 +244,6 @@ def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
         load(layers[runner], weights)
     x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
     x = x.cuda().bfloat16()
-    y, want = (layers[r](x, begin_step(n, state, plan)) for r in ("triton", "reference"))
+    y, want = (layers[r](x, exchange_step(n, state, plan)) for r in ("triton", "reference"))
     assert y.dtype == torch.bfloat16
     assert rel_err(y.float(), want.float()) < 1e-2

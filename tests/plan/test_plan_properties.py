@@ -10,7 +10,8 @@ from moeserve.kernels.attention import tiles as AT
 from moeserve.config.spec import load_model_spec
 from moeserve.kernels.moe.configs import (BLOCK_MS, align_scratch_len, max_blocks,
                                           rows_writing_pairs)
-from moeserve.plan.buffers import a2a_dispatch_payload_bytes
+from moeserve.plan.buffers import token_payload_bytes
+from moeserve.plan.memory import DTYPE_BYTES
 from moeserve.plan.budget import moe_tokens_per_rank
 from moeserve.plan.capacity import build_plan, down_sum_tables
 from moeserve.plan.capture import capture_multiple
@@ -56,6 +57,7 @@ def valid_configs(draw):
         context_length=draw(st.one_of(st.none(), st.integers(16, 2048))),
         gpu_memory_gb=draw(st.sampled_from([24.0, 80.0, 141.0, 1000.0])),
         page_size=draw(st.sampled_from([1, 16, 64])),
+        device=draw(st.sampled_from(["cpu", "cuda"])),
     )
 
 
@@ -72,16 +74,19 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     # no double counting: the cap is the per-rank worst case itself, not a multiple of it
     if lay.a2a:
         assert plan.a2a_cap == worst
-        payload = a2a_dispatch_payload_bytes(plan.spec, plan.dtype)
+        payload = token_payload_bytes(plan.spec.hidden_size, plan.spec.top_k,
+                                      DTYPE_BYTES[plan.dtype])
         assert plan.a2a_workspace_bytes_per_rank == 2 * lay.ep * plan.a2a_cap * payload
     else:
         assert plan.a2a_cap is None and plan.a2a_workspace_bytes_per_rank is None
     rows = plan.buffer("moe.router.topk_ids").shape[0]
     assert rows == worst  # the router sees every mode's M, and no more
-    runner_pairs = plan.buffer("moe.runner.gate_up").shape[0]
-    k_local = min(plan.spec.top_k, plan.spec.num_experts // lay.ep)
     reach = lay.ep * worst if lay.a2a else lay.dp * b.max_tokens
-    assert runner_pairs == reach * k_local
+    assert plan.moe_runner_rows == reach
+    check_backend_records(plan)
+    if plan.backends.experts != "triton":  # no other runner takes a workspace
+        assert not [r for r in plan.buffers if r.name.startswith("moe.runner.")]
+        return
     # the fused runner's workspaces hold what its kernels take at the worst step, any BLOCK_M
     all_pairs, e_local = reach * plan.spec.top_k, plan.spec.num_experts // lay.ep
     grouped = max(max_blocks(all_pairs, m, e_local) * m for m in BLOCK_MS)
@@ -95,10 +100,30 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
                                    down_sum_tables(cfg))
     assert plan.buffer("moe.runner.down").shape == (down_rows * spec.top_k, spec.hidden_size)
     assert plan.buffer("moe.runner.align").shape == (align_scratch_len(all_pairs, e_local),)
-    if b.decode_batch_sizes:
+
+
+def check_backend_records(plan) -> None:
+    """The records that only some backends take are in the plan exactly where its ranks run
+    those backends: graph inputs where graphs are captured (a GPU, the triton attention),
+    the decode partials for the triton attention; a CPU plan runs torch and reference."""
+    b, backends = plan.budget, plan.backends
+    assert backends.device == plan.config.device
+    assert (backends.device, backends.attention, backends.experts) in (
+        ("cpu", "torch", "reference"), ("cuda", "triton", "triton"))
+    names = {r.name for r in plan.buffers}
+    graphs = backends.graph_blocker is None
+    assert graphs == (backends.device == "cuda")
+    if graphs and b.decode_batch_sizes:
         assert plan.buffer("graph.decode.input_ids").shape == (b.decode_graph,)
+    else:
+        assert not [n for n in names if n.startswith("graph.decode.")]
+    if not (graphs and b.prefill_token_sizes):
+        assert not [n for n in names if n.startswith("graph.prefill.")]
     assert plan.buffer("req_to_token").shape == (b.max_running_requests + 1, b.context_length)
-    check_decode_partials(plan)
+    if backends.attention == "triton":
+        check_decode_partials(plan)
+    else:
+        assert not [n for n in names if n.startswith("attn.decode.")]
 
 
 def check_decode_partials(plan) -> None:
@@ -239,7 +264,7 @@ def test_moe_down_workspace_follows_the_gpu_tile_tables(monkeypatch):
     from moeserve.plan import capacity
 
     spec = SPECS["qwen3-30b-a3b"]
-    cfg = EngineConfig(model="preset:qwen3-30b-a3b", gpu_memory_gb=141)
+    cfg = EngineConfig(model="preset:qwen3-30b-a3b", gpu_memory_gb=141, device="cuda")
     monkeypatch.setattr(capacity, "local_gpu_name", lambda cfg: None)
     full = build_plan(cfg, spec)
     monkeypatch.setattr(capacity, "local_gpu_name", lambda cfg: "NVIDIA H200")

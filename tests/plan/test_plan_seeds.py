@@ -9,7 +9,8 @@ from moeserve.config import EngineConfig
 from moeserve.config.spec import load_model_spec
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import moe_tokens_per_rank, runtime_max_per_rank
-from moeserve.plan.buffers import a2a_dispatch_payload_bytes
+from moeserve.plan.buffers import token_payload_bytes
+from moeserve.plan.memory import DTYPE_BYTES
 from moeserve.plan.capacity import build_plan
 
 V2 = "preset:deepseek-v2-lite"
@@ -17,6 +18,7 @@ V2 = "preset:deepseek-v2-lite"
 
 def plan_of(**kw):
     kw.setdefault("gpu_memory_gb", 141)
+    kw.setdefault("device", "cuda")  # plans for GPUs, on any machine
     return build_plan(EngineConfig(**kw))
 
 
@@ -34,7 +36,8 @@ def test_000_cap_is_per_rank_and_workspace_scales_with_ep():
     assert small.budget.by_mode() == big.budget.by_mode()
     assert big.a2a_cap == small.a2a_cap == 4096
     assert big.a2a_workspace_bytes_per_rank == 2 * small.a2a_workspace_bytes_per_rank
-    payload = a2a_dispatch_payload_bytes(small.spec, small.dtype)
+    payload = token_payload_bytes(small.spec.hidden_size, small.spec.top_k,
+                                  DTYPE_BYTES[small.dtype])
     assert small.buffer("a2a.recv").shape == (2, 4096, payload)
     assert small.a2a_workspace_bytes_per_rank == 2 * 2 * 4096 * payload  # send + recv halves
 
@@ -60,8 +63,9 @@ def test_002_runner_bound_is_max_over_modes_with_speculative_tokens():
     b = plan.budget
     assert (b.extend, b.prefill_graph, b.decode) == (2048, 1024, 1024 * 4)
     assert plan.a2a_cap == max(b.extend, b.prefill_graph, b.decode) == 4096
-    rows = plan.buffer("moe.runner.gate_up").shape[0]
-    assert rows == 2 * plan.a2a_cap * min(plan.spec.top_k, plan.spec.num_experts // 2)
+    assert plan.moe_runner_rows == 2 * plan.a2a_cap  # ep x cap rows reach a rank's experts
+    pairs = plan.moe_runner_rows * plan.spec.top_k
+    assert plan.buffer("moe.runner.down").shape == (pairs, plan.spec.hidden_size)
     # an explicit cap below the worst case is a startup error naming the required value
     low = plan_of(model="preset:qwen3-30b-a3b", tp_size=2, ep_size=2, dp_size=2,
                   enable_dp_attention=True, moe_a2a_backend="all_to_all",

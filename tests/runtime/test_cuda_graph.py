@@ -1,5 +1,6 @@
-"""Decode CUDA graphs: the bucket choice (CPU), the static buffers from the plan (CPU), and on a
-GPU the same greedy tokens with and without --disable-cuda-graph."""
+"""Decode CUDA graphs: the bucket choice (CPU), the static buffers from the plan's binder (a
+plan for a GPU, bound on the CPU), and on a GPU the same greedy tokens with and without
+--disable-cuda-graph."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from moeserve.config import EngineConfig
 from moeserve.config.spec import load_model_spec
 from moeserve.parallel.groups import single_process_state
 from moeserve.plan.capacity import build_plan
-from moeserve.runtime.cuda_graph import (DecodeGraphBuffers, DecodeGraphRunner, choose_bucket,
-                                         graph_blockers)
+from moeserve.runtime.buffers import bind_buffers
+from moeserve.runtime.cuda_graph import DecodeGraphRunner, choose_bucket, graph_blockers
 from moeserve.batch.forward_batch import ForwardMode
 from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 from spies import spy
@@ -46,13 +47,17 @@ def test_every_rank_takes_the_same_decision():
             assert d >= max(counts) and all(flags)
 
 
+def _gpu_plan(**flags):
+    """A plan for a GPU (decode graphs on), on any machine; its buffers bind on the CPU."""
+    cfg = EngineConfig(model="preset:tiny", device="cuda", gpu_memory_gb=1.0,
+                       skip_tokenizer_init=True, **flags)
+    return build_plan(cfg, load_model_spec(cfg.model))
+
+
 def test_graph_buffers_come_from_the_plan_and_pad_with_dummy_rows():
-    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
-                       max_running_requests=12, skip_tokenizer_init=True)
-    plan = build_plan(cfg, load_model_spec(cfg.model))
+    plan = _gpu_plan(max_running_requests=12)
     assert plan.budget.decode_batch_sizes == (1, 2, 4, 8, 12)
-    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"),
-                                        plan.buffer("next_token_ids").empty())
+    bufs = bind_buffers(plan, "cpu").decode_graph
     assert bufs.req_pool_indices.shape == plan.buffer("graph.decode.req_pool_indices").shape
     assert bufs.logits.shape == plan.buffer("graph.decode.logits").shape
     assert bufs.seq_lens.dtype == torch.int32
@@ -72,13 +77,11 @@ def test_graph_buffers_come_from_the_plan_and_pad_with_dummy_rows():
 def test_graph_inputs_are_staged_in_one_copy_and_spread_by_the_graph():
     """A replay's host work: the rows' token, position and request row into `staging` (one
     copy, dummy rows past the batch); the graph's head spreads them into its inputs."""
-    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
-                       max_running_requests=12, skip_tokenizer_init=True)
-    plan = build_plan(cfg, load_model_spec(cfg.model))
-    next_tokens = plan.buffer("next_token_ids").empty()
-    assert next_tokens.shape == (12,)
+    plan = _gpu_plan(max_running_requests=12)
+    static = bind_buffers(plan, "cpu")
+    next_tokens, bufs = static.next_tokens, static.decode_graph
+    assert next_tokens.shape == (12,) and bufs.next_tokens is next_tokens
     next_tokens[:3] = torch.tensor([70, 71, 72])
-    bufs = DecodeGraphBuffers.from_plan(plan, torch.device("cpu"), next_tokens)
     assert bufs.staging.shape == plan.buffer("graph.decode.staging").shape == (12, 3)
     bufs.stage([7, 8, 9, 4, 4], [10, 20, 30, 5, 5], [3, 1, 2, 6, 6], 8)
     # a smaller batch in the same bucket; -3 and -1: the tokens of rows 2 and 0 of the step
@@ -94,21 +97,29 @@ def test_graph_inputs_are_staged_in_one_copy_and_spread_by_the_graph():
 
 
 def test_disable_cuda_graph_leaves_no_buckets_and_cpu_models_are_refused():
-    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
-                       disable_cuda_graph=True)
-    plan = build_plan(cfg, load_model_spec(cfg.model))
+    plan = _gpu_plan(disable_cuda_graph=True)
     assert plan.budget.decode_batch_sizes == ()
     assert not [r for r in plan.buffers if r.name.startswith("graph.decode.")]
+    assert bind_buffers(plan, "cpu").decode_graph is None
     from moeserve.models.build import build_model
 
-    cfg = cfg.replace(disable_cuda_graph=False)
+    # the torch attention reads lengths on the host: no graph buffers, on a GPU or not
+    torch_attention = _gpu_plan(attention_backend="torch", moe_runner_backend="reference")
+    assert torch_attention.budget.decode_batch_sizes
+    assert "host lengths" in torch_attention.backends.graph_blocker
+    assert not [r for r in torch_attention.buffers if r.name.startswith("graph.")]
+    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0)
     plan = build_plan(cfg, load_model_spec(cfg.model))
+    assert plan.budget.decode_batch_sizes and "not a GPU" in plan.backends.graph_blocker
+    assert not [r for r in plan.buffers if r.name.startswith("graph.")]
     state = single_process_state(plan.layout, torch.device("cpu"))
     model = build_model(cfg, plan.spec, state, plan)
     reasons = graph_blockers(model, torch.device("cpu"))
     assert any("not a GPU" in r for r in reasons)
     assert any("TorchAttentionBackend" in r for r in reasons)
-    assert DecodeGraphRunner.create(cfg, plan, model, state, None, None, None) is None
+    bufs = bind_buffers(plan, "cpu")
+    assert bufs.decode_graph is None
+    assert DecodeGraphRunner.create(plan, model, state, None, bufs.kv_pool, bufs.req_pool) is None
 
 
 @pytest.mark.gpu

@@ -29,7 +29,10 @@ def test_size_is_the_smallest_that_holds_the_largest_dp_rank():
 
 
 def test_prefill_graph_buffers_come_from_the_plan():
-    cfg = EngineConfig(model="preset:tiny", device="cpu", gpu_memory_gb=1.0,
+    from moeserve.runtime.buffers import bind_buffers
+
+    # plans for a GPU (on any machine: the records are the config's)
+    cfg = EngineConfig(model="preset:tiny", device="cuda", gpu_memory_gb=1.0,
                        chunked_prefill_size=256, skip_tokenizer_init=True)
     plan = build_plan(cfg, load_model_spec(cfg.model))
     sizes = plan.budget.prefill_token_sizes
@@ -39,11 +42,14 @@ def test_prefill_graph_buffers_come_from_the_plan():
     assert plan.buffer("graph.prefill.q").shape == (256, spec.num_heads, spec.head_dim)
     assert plan.buffer("graph.prefill.attn_out").shape == (256, 4, 16)
     assert plan.buffer("graph.prefill.q").dtype == "float32"
+    bufs = bind_buffers(plan, "cpu").prefill_graph
+    assert bufs.q.shape == (256, 4, 16) and bufs.inputs.dtype == torch.int64
+    assert not bufs.attn_out.any()  # rows no attention writes hold zeros from the start
     off = build_plan(cfg.replace(disable_piecewise_cuda_graph=True), spec)
     assert off.budget.prefill_token_sizes == ()
     assert not [r for r in off.buffers if r.name.startswith("graph.prefill.")]
     # latent attention hands over [q_nope | q_pe] (192 dims) and gets v_head_dim (128) back
-    ds = EngineConfig(model="preset:deepseek-v2-lite", gpu_memory_gb=80.0,
+    ds = EngineConfig(model="preset:deepseek-v2-lite", gpu_memory_gb=80.0, device="cuda",
                       skip_tokenizer_init=True)
     ds_plan = build_plan(ds, load_model_spec(ds.model))
     t = max(ds_plan.budget.prefill_token_sizes)
@@ -62,8 +68,8 @@ def test_the_forward_is_cut_once_per_layer_at_its_attention(arch, tmp_path):
     from moeserve.config.presets import PRESETS
     from moeserve.models.build import load_model
     from moeserve.batch.forward_batch import ForwardMode, prepare_batch
-    from moeserve.batch.kv_cache import ReqToTokenPool, create_kv_pool
     from moeserve.batch.step import step_from_counts
+    from moeserve.runtime.buffers import bind_buffers
 
     model_name = "preset:tiny"
     if arch == "deepseek-v2":
@@ -79,7 +85,9 @@ def test_the_forward_is_cut_once_per_layer_at_its_attention(arch, tmp_path):
     plan = build_plan(cfg, load_model_spec(cfg.model))
     state = single_process_state(plan.layout, torch.device("cpu"))
     model = load_model(cfg, plan.spec, state, plan, progress=False)
-    kv, rows = create_kv_pool(plan, state.device), ReqToTokenPool.from_plan(plan, state.device)
+    bufs = bind_buffers(plan, state.device)
+    model.bind_buffers(bufs.model)
+    kv, rows = bufs.kv_pool, bufs.req_pool
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     fb = prepare_batch(ForwardMode.EXTEND, prompts, [0, 0], [0, 1], rows, kv)
     step = step_from_counts([fb.num_tokens], plan.layout, 0, plan)
@@ -97,7 +105,8 @@ def test_the_forward_is_cut_once_per_layer_at_its_attention(arch, tmp_path):
     assert got.shape == (2, plan.spec.vocab_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # on a CPU nothing is captured
-    assert PrefillGraphRunner.create(cfg, plan, model, state, kv, rows, None) is None
+    assert bufs.prefill_graph is None
+    assert PrefillGraphRunner.create(plan, model, state, None, kv, rows, None) is None
 
 
 @pytest.mark.gpu

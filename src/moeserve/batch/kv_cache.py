@@ -4,7 +4,7 @@ KVCachePool keeps, per layer, K and V as [slots, kv_heads_local, head_dim]; MLAK
 (DeepSeek's latent attention) one row [kv_lora_rank + rope_dim] per slot. Both hand out slots
 in pages of `page_size` consecutive slots (PagedKVPool); page 0 is reserved, so slot 0 is the
 dummy slot that padded rows (CUDA-graph padding, idle ranks) write to without touching any
-request's cache. `create_kv_pool(plan)` picks the pool the model needs.
+request's cache.
 
 KVWrite is one layer's store of the new tokens' K/V, handed to the rope so that its GPU kernel
 writes the rotated K and V into their slots in the same launch (KVCachePool.fused_write).
@@ -12,21 +12,19 @@ writes the rotated K and V into their slots in the same launch (KVCachePool.fuse
 ReqToTokenPool is the [rows, context_length] table mapping a request's token position to its KV
 slot; row 0 is reserved for the dummy request of padded graph rows.
 
-Both are sized from the capacity plan ("kv_cache" and "req_to_token" records), never from traffic.
+Both are sized from the capacity plan ("kv_cache" and "req_to_token" records, which the binder
+of runtime/buffers.py turns into these pools), never from traffic.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from moeserve.kernels import ops as K
-
-if TYPE_CHECKING:
-    from moeserve.plan.capacity import CapacityPlan
 
 DUMMY_SLOT = 0
 DUMMY_REQ_ROW = 0
@@ -121,19 +119,6 @@ class KVCachePool(PagedKVPool):
         self.kv_LSKD = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim,
                                    dtype=dtype, device=self.device)
 
-    @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu") -> "KVCachePool":
-        """The pool that the plan's "kv_cache" record [layers, tokens, 2 * kv_heads * head_dim]
-        sized, in the plan's dtype."""
-        from moeserve.plan.memory import kv_heads_per_rank
-
-        rec = plan.buffer("kv_cache")
-        layers, tokens, width = rec.shape
-        kv_heads = kv_heads_per_rank(plan.spec, plan.layout)
-        assert width == 2 * kv_heads * plan.spec.head_dim, (rec, kv_heads)
-        return cls(layers, tokens, kv_heads, plan.spec.head_dim, getattr(torch, rec.dtype),
-                   device, plan.config.page_size)
-
     # --- storage ------------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.kv_LSKD[layer, 0]
@@ -200,18 +185,6 @@ class MLAKVCachePool(PagedKVPool):
         self.kv_LSW = torch.zeros(num_layers, self.num_slots, kv_lora_rank + rope_dim,
                                   dtype=dtype, device=self.device)
 
-    @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu"
-                  ) -> "MLAKVCachePool":
-        """The pool that the plan's "kv_cache" record [layers, tokens, kv_lora + rope] sized."""
-        mla = plan.spec.mla
-        assert mla is not None, "MLAKVCachePool serves MLA models only"
-        rec = plan.buffer("kv_cache")
-        layers, tokens, width = rec.shape
-        assert width == mla.kv_cache_dim, (rec, mla)
-        return cls(layers, tokens, mla.kv_lora_rank, mla.qk_rope_head_dim,
-                   getattr(torch, rec.dtype), device, plan.config.page_size)
-
     def latent_cache(self, layer: int) -> torch.Tensor:
         return self.kv_LSW[layer]
 
@@ -219,14 +192,6 @@ class MLAKVCachePool(PagedKVPool):
                    k_pe_TR: torch.Tensor) -> None:
         row = torch.cat((latent_TC, k_pe_TR), dim=-1).to(self.dtype)
         self.kv_LSW[layer].index_copy_(0, loc_T, row)
-
-
-def create_kv_pool(plan: "CapacityPlan", device: torch.device | str = "cpu") -> PagedKVPool:
-    """The KV pool the plan's "kv_cache" record describes: latent rows for MLA models,
-    K/V heads for the others."""
-    if plan.spec.mla is not None:
-        return MLAKVCachePool.from_plan(plan, device)
-    return KVCachePool.from_plan(plan, device)
 
 
 class ReqToTokenPool:
@@ -239,12 +204,6 @@ class ReqToTokenPool:
         self.table = torch.zeros(rows, context_length, dtype=torch.int32, device=device)
         self._free_rows = list(range(rows - 1, DUMMY_REQ_ROW, -1))  # a stack: lowest on top
         self._free_set = set(self._free_rows)
-
-    @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device | str = "cpu"
-                  ) -> "ReqToTokenPool":
-        rows, ctx = plan.buffer("req_to_token").shape
-        return cls(rows, ctx, device)
 
     @property
     def available_rows(self) -> int:

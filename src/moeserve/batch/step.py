@@ -1,12 +1,12 @@
 """Per-forward step metadata: one exchange of token counts, one geometry on every rank.
 
-`begin_step(local_num_tokens, state, plan)` is called once per forward by every rank. The
-ranks all-gather their token counts on the CPU group; every rank then derives the same
-StepContext from that one list: tokens of each DP rank, the rows each rank holds when tokens
-are scattered across attention-TP ranks, and the runtime max per rank (after the SP scatter)
-that sizes the all-to-all. The runtime guard runs on the gathered list too, so when a step is
-larger than the plan every rank raises the same error before any communication of that step,
-and the process groups stay usable for the next step.
+Once per forward every rank all-gathers its token count on the CPU group (`gather_ints`, in
+the rank loop of runtime/worker.py, with the other flags of the step); every rank then derives
+the same StepContext from that one list (`step_from_counts`): tokens of each DP rank, the rows
+each rank holds when tokens are scattered across attention-TP ranks, and the runtime max per
+rank (after the SP scatter) that sizes the all-to-all. The runtime guard runs on the gathered
+list too, so when a step is larger than the plan every rank raises the same error before any
+communication of that step, and the process groups stay usable for the next step.
 
 Scatter across attn_tp splits a DP rank's T tokens into chunks of ceil(T / attn_tp) rows in
 rank order (the last ranks may hold fewer rows, or none); padding for the even-size
@@ -43,7 +43,6 @@ class StepContext:
     tokens_per_dp_rank: tuple[int, ...]  # rows each DP rank runs this forward (padding included)
     num_padding: int  # trailing rows of this DP rank's batch that are padding (graph buckets)
     runtime_max_per_rank: int  # max MoE rows on any rank after the SP scatter; same everywhere
-    a2a_cap: Optional[int]  # the plan's per-rank all-to-all cap (None on the gather path)
 
     @property
     def dp_rank(self) -> int:
@@ -96,11 +95,6 @@ class StepContext:
         start, end = self.row_range(scattered)
         return max(0, min(end, self.num_valid_tokens) - start)
 
-    @property
-    def gathered_rows(self) -> int:
-        """Rows of all DP ranks together (what the gather path's experts see)."""
-        return sum(self.tokens_per_dp_rank)
-
 
 def step_from_counts(counts_per_rank: Sequence[int], layout: ParallelLayout, rank: int,
                      plan: Optional["CapacityPlan"], num_padding: int = 0) -> StepContext:
@@ -125,15 +119,16 @@ def step_from_counts(counts_per_rank: Sequence[int], layout: ParallelLayout, ran
         check_step(per_dp, layout, plan)
     return StepContext(layout=layout, rank=rank, tokens_per_dp_rank=tuple(per_dp),
                        num_padding=num_padding,
-                       runtime_max_per_rank=runtime_max_per_rank(per_dp, layout),
-                       a2a_cap=None if plan is None else plan.a2a_cap)
+                       runtime_max_per_rank=runtime_max_per_rank(per_dp, layout))
 
 
 def check_step(tokens_per_dp_rank: Sequence[int], layout: ParallelLayout,
                plan: "CapacityPlan") -> None:
     """The runtime guard: raise StepTooLarge when a step exceeds what the plan sized."""
     budget = plan.budget
-    assert budget is not None  # begin_step refuses plans without a budget
+    if budget is None:
+        raise ValueError("the capacity plan has errors and no token budget: "
+                         + "; ".join(str(e) for e in plan.errors))
     for d, t in enumerate(tokens_per_dp_rank):
         if t > budget.max_tokens:
             raise StepTooLarge(
@@ -150,26 +145,12 @@ def check_step(tokens_per_dp_rank: Sequence[int], layout: ParallelLayout,
                 f"--moe-a2a-max-tokens-per-rank {need} or more.")
 
 
-def begin_step(local_num_tokens: int, state: ParallelState, plan: "CapacityPlan", *,
-               num_padding: int = 0) -> StepContext:
-    """Exchange token counts once for this forward (every rank calls it, also with zero
-    tokens) and return the step geometry; raises StepTooLarge on every rank together.
-
-    local_num_tokens: rows of this rank's DP batch, padding rows included (the attn_tp ranks
-    of one DP rank pass the same value); num_padding: how many of them, at the end, are
-    padding (their top-k ids become -1).
-    """
-    if plan.budget is None or plan.layout is None:
-        raise ValueError("the capacity plan has errors and no token budget: "
-                         + "; ".join(str(e) for e in plan.errors))
-    if plan.layout != state.layout:
-        raise ValueError(f"the plan's layout ({plan.layout.describe()}) is not the process "
-                         f"groups' layout ({state.layout.describe()})")
+def gather_ints(values: Sequence[int], state: ParallelState) -> list[tuple[int, ...]]:
+    """Every rank's `values` (the same length on every rank), in rank order: one all-gather on
+    the CPU group, so every rank gets the same list."""
     if state.world.size == 1:
-        counts = [int(local_num_tokens)]
-    else:
-        mine = torch.tensor([int(local_num_tokens)], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(state.world.size)]
-        dist.all_gather(gathered, mine, group=state.cpu)
-        counts = [int(c.item()) for c in gathered]
-    return step_from_counts(counts, state.layout, state.rank, plan, num_padding)
+        return [tuple(int(v) for v in values)]
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(state.world.size)]
+    dist.all_gather(out, mine, group=state.cpu)
+    return [tuple(int(v) for v in o.tolist()) for o in out]

@@ -23,6 +23,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from torch import nn
 
+from moeserve.batch.buffers import AttentionPartials
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 from moeserve.batch.kv_cache import KVWrite
 from moeserve.config.registry import Registry
@@ -53,6 +54,13 @@ class AttentionBackend(ABC):
         """Whatever the backend builds per shape, built once at startup for extends of up to
         max_extend tokens (not during the first requests). Returns the lengths run."""
         return []
+
+    def bind_partials(self, partials: Optional[AttentionPartials]) -> None:
+        """The plan's attn.decode.* buffers, which the plan records only for the backends that
+        take them (the triton ones): this backend refuses them."""
+        if partials is not None:
+            raise ValueError(f"the plan recorded attn.decode.* for the triton attention "
+                             f"backend, but this rank runs {type(self).__name__}")
 
 
 ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend")

@@ -20,7 +20,7 @@ lengths. The tiles and these thresholds are the backend's table (kernels/attenti
 Per-step metadata (query offsets of an extend, the split buffers of a decode) is computed once
 per ForwardBatch and shared by the layers (the backend is one object for the whole model).
 The decode's partials are views of the plan's attn.decode.* buffers (plan/buffers.py), which
-the model runner gives the backend; its splits are clamped to fit them.
+the binder gives the backend (bind_partials); its splits are clamped to fit them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from moeserve.kernels.attention.tiles import ATTENTION_TILES, AttentionTiles, clamp_splits
 from moeserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, query_starts
+from moeserve.batch.buffers import AttentionPartials
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -75,8 +76,8 @@ def decode_splits(tiles: AttentionTiles, batch_size: int, groups: int, device: t
 def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, width: int,
                   device: torch.device) -> Partials:
     """[bs, n, splits, width] and [bs, n, splits] fp32 partials: views of the plan's buffers
-    (the model runner gives them to the backend), or new tensors for a backend used on its
-    own (tests, benchmarks)."""
+    (the binder gives them to the backend), or new tensors for a backend used on its own
+    (tests, benchmarks)."""
     if planned is None:
         f32 = dict(dtype=torch.float32, device=device)
         return torch.empty(bs, n, splits, width, **f32), torch.empty(bs, n, splits, **f32)
@@ -88,17 +89,18 @@ def partial_views(planned: Optional[Partials], bs: int, n: int, splits: int, wid
 
 class PlannedPartials:
     """A triton backend: it holds its tile table (the shipped one unless given another), and
-    its decode partials come from the plan's attn.decode.* buffers, which the model runner
-    gives it (use_partials); without them it allocates its own."""
+    its decode partials come from the plan's attn.decode.* buffers, which the binder gives it
+    (bind_partials); without them it allocates its own."""
 
     _partials: Optional[Partials] = None
 
     def __init__(self, tiles: AttentionTiles = ATTENTION_TILES) -> None:
         self.tiles = tiles
 
-    def use_partials(self, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
-        """The plan's attn.decode.* buffers, which every decode step's splits then fit."""
-        self._partials = (part_o, part_lse)
+    def bind_partials(self, partials: Optional[AttentionPartials]) -> None:
+        """The plan's attn.decode.* buffers, which every decode step's splits then fit (None:
+        the plan splits no batch it allows, and a split step allocates its own)."""
+        self._partials = None if partials is None else (partials.part_o, partials.part_lse)
 
 
 class _StepMeta:

@@ -25,25 +25,26 @@ every rank's rows distinct whenever rows from several DP ranks are exchanged.
 world needs (gather dispatcher, TP-sharded dense MLPs and shared experts): all-gather every
 rank's rows, compute partial sums, reduce-scatter back; or, when every rank already holds the
 same rows (one DP rank, not scattered), no gather and an all-reduce.
+
+The all-gathers receive into the plan's buffers (attn_tp_gather.hidden, dp_gather.rows),
+which the binder hands over (`bind`, or the `buffer` argument); a gathered result may be a
+view of them, which the layer reads before the next layer gathers into the same buffer.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from moeserve.batch.buffers import GatherBuffers
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.layout import ParallelLayout
 from moeserve.batch.step import StepContext
+from moeserve.plan.budget import layer_scatters
 
-
-def layer_scatters(layout: ParallelLayout, *, moe: bool) -> bool:
-    """Whether the block of a MoE (moe=True) or dense layer works on scattered rows."""
-    if layout.attn_tp == 1:
-        return False
-    if moe:
-        return layout.a2a or layout.dp > 1
-    return layout.dense_tp == 1 or layout.dp > 1
+__all__ = ["LayerCommunicator", "gather_world_rows", "gathers_world_rows", "layer_scatters",
+           "reduce_world_rows", "rows_distinct", "world_buffer"]
 
 
 class LayerCommunicator:
@@ -53,6 +54,14 @@ class LayerCommunicator:
         self.state = state
         self.moe = moe
         self.scattered = layer_scatters(state.layout, moe=moe)
+        self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+
+    def bind(self, buffers: GatherBuffers) -> None:
+        """The plan's attn_tp_gather.hidden, which every gather_rows receives into."""
+        if self.scattered and buffers.attn_tp is None:
+            raise ValueError("this layer gathers its rows over attn_tp, but the plan has no "
+                             "attn_tp_gather.hidden record for it")
+        self.gather_buffer = buffers.attn_tp if self.scattered else None
 
     def reduce_attn_output(self, a_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Sum the attention partial sums over attn_tp: [T, H] replicated (reduced in place),
@@ -72,7 +81,8 @@ class LayerCommunicator:
         """Back to the DP rank's [T, H], replicated over attn_tp."""
         if not self.scattered:
             return y_MH
-        return C.all_gather_uneven(y_MH, step.scatter_sizes(step.dp_rank), self.state.attn_tp)
+        return C.all_gather_uneven(y_MH, step.scatter_sizes(step.dp_rank), self.state.attn_tp,
+                                   self.gather_buffer)
 
 
 def rows_distinct(state: ParallelState, scattered: bool) -> bool:
@@ -86,13 +96,30 @@ def rows_distinct(state: ParallelState, scattered: bool) -> bool:
     return False
 
 
+def gathers_world_rows(state: ParallelState, scattered: bool) -> bool:
+    """Whether gather_world_rows exchanges rows (else it returns this rank's own)."""
+    return state.world.size > 1 and rows_distinct(state, scattered)
+
+
+def world_buffer(buffers: GatherBuffers, state: ParallelState, scattered: bool,
+                 who: str) -> Optional[torch.Tensor]:
+    """The plan's dp_gather.rows for a block that gathers world rows (None for one that
+    does not); `who` names the block in the error when the plan has no record for it."""
+    if not gathers_world_rows(state, scattered):
+        return None
+    if buffers.world is None:
+        raise ValueError(f"{who} gathers the rows of every rank, but the plan has no "
+                         "dp_gather.rows record for it")
+    return buffers.world
+
+
 def gather_world_rows(x_MH: torch.Tensor, step: StepContext, state: ParallelState,
-                      scattered: bool) -> torch.Tensor:
+                      scattered: bool, buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every rank's rows, in rank order [N, ...]; the rows themselves when all ranks hold the
-    same rows."""
-    if state.world.size == 1 or not rows_distinct(state, scattered):
+    same rows. `buffer`: the plan's dp_gather.rows (world_buffer)."""
+    if not gathers_world_rows(state, scattered):
         return x_MH
-    return C.all_gather_uneven(x_MH, step.rows_per_rank(scattered), state.world)
+    return C.all_gather_uneven(x_MH, step.rows_per_rank(scattered), state.world, buffer)
 
 
 def reduce_world_rows(y_NH: torch.Tensor, step: StepContext, state: ParallelState,

@@ -24,7 +24,9 @@ from moeserve.kernels import ops as K
 from moeserve.layers.linear import linear
 from moeserve.config.spec import ModelSpec
 from moeserve.layers.weights import WeightError, empty_param, load_gated_mlp
-from moeserve.layers.communicator import gather_world_rows, layer_scatters, reduce_world_rows
+from moeserve.layers.communicator import (gather_world_rows, layer_scatters, reduce_world_rows,
+                                          world_buffer)
+from moeserve.batch.buffers import ModelBuffers
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.step import StepContext
 
@@ -82,6 +84,13 @@ class DenseMLP(nn.Module):
         self.scattered = layer_scatters(lay, moe=False)
         self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
         self.down = _Proj(self.hidden, self.i_local, dtype)
+        self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+
+    def bind_buffers(self, buffers: ModelBuffers) -> None:
+        """A dense layer split over the world gathers into the plan's dp_gather.rows."""
+        if self.tp_size > 1:
+            self.gather_buffer = world_buffer(buffers.gather, self.state, self.scattered,
+                                              "a dense MLP split over the tp world")
 
     def partial(self, x_NH: torch.Tensor, add_to: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
@@ -98,7 +107,7 @@ class DenseMLP(nn.Module):
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""
         if self.tp_size == 1:
             return self.partial(x_MH)
-        x_NH = gather_world_rows(x_MH, step, self.state, self.scattered)
+        x_NH = gather_world_rows(x_MH, step, self.state, self.scattered, self.gather_buffer)
         return reduce_world_rows(self.partial(x_NH), step, self.state, self.scattered)
 
     # --- weights (names relative to the module, e.g. "mlp.") ------------------------------

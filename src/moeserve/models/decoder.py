@@ -30,6 +30,7 @@ from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config.spec import ModelSpec, ModelSpecError
 from moeserve.parallel.groups import ParallelState
+from moeserve.batch.buffers import ModelBuffers
 from moeserve.batch.forward_batch import ForwardBatch
 from moeserve.config.registry import Registry
 
@@ -229,6 +230,8 @@ class MoECausalLM(nn.Module):
                  comm_factory: Callable[[int], Any]):
         super().__init__()
         self.spec, self.state, self.dtype = spec, state, dtype
+        # the one backend of every layer's attention (an architecture's factory may swap it)
+        self.attention_backend = backend
         axis = state.attn_tp
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, axis=axis,
                                                    dtype=dtype)
@@ -261,6 +264,14 @@ class MoECausalLM(nn.Module):
         """True for a checkpoint tensor the model deliberately does not load (the loader
         skips it instead of calling it unexpected)."""
         return False
+
+    def bind_buffers(self, buffers: ModelBuffers) -> None:
+        """Hand the plan's static buffers (runtime/buffers.py allocates them) to the layers
+        that use them; before any forward that a CUDA graph captures."""
+        self.attention_backend.bind_partials(buffers.attention)
+        for layer in self.layers:
+            layer.comm.bind(buffers.gather)
+            layer.mlp.bind_buffers(buffers)
 
     # --- checkpoint naming --------------------------------------------------------------
     @classmethod

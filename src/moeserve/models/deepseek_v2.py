@@ -62,6 +62,7 @@ class _DeepseekCausalLM(MoECausalLM):
         self.rotary = RotaryEmbedding(spec.mla.qk_rope_head_dim, spec.rope_theta,
                                       spec.rope_scaling_dict, spec.max_position_embeddings)
         mla_backend = mla_backend_for(backend)
+        self.attention_backend = mla_backend
         interleaved = self.interleaved_rope(hf_config)
         return lambda i: MLAttention(spec, self.state, i, self.dtype, self.rotary, mla_backend,
                                      interleaved_rope=interleaved)

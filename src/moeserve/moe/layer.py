@@ -33,6 +33,7 @@ from moeserve.moe.experts.base import PROJECTIONS
 from moeserve.moe.router import Router
 from moeserve.layers.weights import WeightError, copy_into, expect_shape, read
 from moeserve.layers.communicator import layer_scatters
+from moeserve.batch.buffers import ModelBuffers
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
@@ -74,6 +75,13 @@ class MoELayer(nn.Module):
                                           intermediate_size=spec.shared_expert_intermediate_size)
             if spec.shared_expert_gate:
                 self.shared_expert_gate = _Proj(1, spec.hidden_size, dtype)
+
+    def bind_buffers(self, buffers: ModelBuffers) -> None:
+        """The plan's buffers of the router, the dispatcher and the experts (the binder's;
+        shared with every other MoE layer). The shared experts exchange nothing themselves."""
+        self.gate.bind(buffers.router)
+        self.dispatcher.bind(buffers)
+        self.experts.bind_workspace(buffers.experts)
 
     def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
         if x_MH.shape[0] != step.num_rows(self.scattered):

@@ -13,7 +13,9 @@ then `weights /= sum(weights) + 1e-20` when norm_topk_prob, and `weights *= rout
 (transformers' DeepSeek-V2 never renormalises; DeepSeek-V2 checkpoints set norm_topk_prob false.)
 
 Ids are int32 and weights float32: the all-to-all payload carries them in that form. Padding
-rows (index >= num_valid) get id -1 and weight 0, and contribute nothing downstream.
+rows (index >= num_valid) get id -1 and weight 0, and contribute nothing downstream. Bound to
+the plan's moe.router.* buffers (bind), a step's top-k are their first M rows, which the MoE
+layer's dispatch consumes before the next layer routes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.batch.buffers import RouterBuffers
 from moeserve.kernels import ops as K
 from moeserve.layers.linear import linear, skinny
 from moeserve.config.spec import ModelSpec
@@ -100,8 +103,11 @@ def _group_mask(choice_ME: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
 
 def select_experts(logits_ME: torch.Tensor, cfg: RoutingConfig,
                    correction_bias_E: Optional[torch.Tensor] = None,
-                   num_valid: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids [M, K] int32 and weights [M, K] float32 (float64 in, float64 weights out)."""
+                   num_valid: Optional[int] = None,
+                   out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids [M, K] int32 and weights [M, K] float32 (float64 in, float64 weights out),
+    into `out` (ids, weights) when given."""
     wdtype = torch.float64 if logits_ME.dtype == torch.float64 else torch.float32
     logits = logits_ME.to(wdtype)
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -117,8 +123,12 @@ def select_experts(logits_ME: torch.Tensor, cfg: RoutingConfig,
         weights, ids = scores.topk(cfg.top_k, dim=-1, sorted=False)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * cfg.routed_scaling_factor
-    ids = ids.to(torch.int32)
+    if out is None:
+        weights = weights * cfg.routed_scaling_factor
+        ids = ids.to(torch.int32)
+    else:  # the same launches, their results written into the planned buffers
+        weights = torch.mul(weights, cfg.routed_scaling_factor, out=out[1])
+        ids = out[0].copy_(ids)
     if num_valid is not None and num_valid < ids.shape[0]:
         ids[num_valid:] = -1
         weights[num_valid:] = 0.0
@@ -140,6 +150,11 @@ class Router(nn.Module):
             self.e_score_correction_bias = empty_param(spec.num_experts, dtype=torch.float32)
         else:
             self.register_parameter("e_score_correction_bias", None)
+        self.buffers: Optional[RouterBuffers] = None  # None: each step allocates its top-k
+
+    def bind(self, buffers: Optional[RouterBuffers]) -> None:
+        """The plan's moe.router.* buffers, which every step's top-k then go into."""
+        self.buffers = buffers
 
     def logits(self, x_MH: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, E]: from fp32 products (DeepSeek), or rounded to the model dtype."""
@@ -161,17 +176,21 @@ class Router(nn.Module):
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
+        out = None if self.buffers is None else self.buffers.rows(x_MH.shape[0])
         if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") and x_MH.is_cuda:
-            out = self._fused(x_MH, x_MH.shape[0] if num_valid is None else num_valid)
-            if out is not None:
-                return out
+            fused = self._fused(x_MH, x_MH.shape[0] if num_valid is None else num_valid, out)
+            if fused is not None:
+                return fused
         ids, weights = select_experts(self.logits(x_MH), self.cfg,
-                                      self.e_score_correction_bias, num_valid)
-        if not self.fp32_logits:  # HF rounds these blocks' weights to the model dtype
-            weights = weights.to(x_MH.dtype).float()
+                                      self.e_score_correction_bias, num_valid, out)
+        # HF rounds these blocks' weights to the model dtype
+        if not self.fp32_logits and x_MH.dtype != torch.float32:
+            rounded = weights.to(x_MH.dtype)
+            weights = rounded.float() if out is None else weights.copy_(rounded)
         return ids, weights
 
-    def _fused(self, x_MH: torch.Tensor, num_valid: int
+    def _fused(self, x_MH: torch.Tensor, num_valid: int,
+               out: Optional[tuple[torch.Tensor, torch.Tensor]]
                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The softmax + greedy router on a GPU (kernels/moe/router.py): the logits GEMM
         and the top-k in one launch where router_gemm_suits, else the logits, then the top-k's
@@ -184,14 +203,15 @@ class Router(nn.Module):
                 and x_MH.dtype in (torch.bfloat16, torch.float16)
                 and self.weight.dtype == x_MH.dtype and x_MH.stride(-1) == 1):
             ops = K.router(x_MH.device)
-            out = ops and ops.router_topk(x_MH, self.weight, *args, not self.fp32_logits, round_to)
-            if out is not None:
-                return out
+            res = ops and ops.router_topk(x_MH, self.weight, *args, not self.fp32_logits,
+                                          round_to, out=out)
+            if res is not None:
+                return res
         ops = K.router(x_MH.device)
         if ops is None:
             return None
         logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
-        return ops.topk_softmax(logits, *args, round_to)
+        return ops.topk_softmax(logits, *args, round_to, out=out)
 
     def checkpoint_names(self) -> list[str]:
         names = ["weight"]

@@ -6,14 +6,17 @@ zero rows still takes part. When every rank has zero rows, all ranks skip the co
 together (they decide from the same list).
 
 Uneven all-gather / reduce-scatter pad each rank's block to the largest block and use the
-equal-size collective: one call, shapes that depend only on max(sizes).
+equal-size collective: one call, shapes that depend only on max(sizes). The all-gather
+receives into a view of the plan's buffer when given one (`region`), so that the step
+allocates nothing for it and a CUDA graph reads the same address on every replay.
 
 Shape legend: R rows of this rank, N rows of all ranks, P ranks of the axis, C per-peer slots.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,9 +44,23 @@ def block_offsets(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis) -> torch.Tensor:
+def region(buffer: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of a contiguous `buffer`, as a contiguous `dtype` tensor of `shape`
+    (one buffer serves rows of any width and dtype that fit its bytes)."""
+    need = math.prod(shape) * dtype.itemsize
+    flat = buffer.view(-1).view(torch.uint8)
+    if need > flat.numel():
+        raise RuntimeError(f"a step needs {need} bytes ({list(shape)} {dtype}) of a planned "
+                           f"buffer of {flat.numel()}: it exceeds the token budget the plan "
+                           "was made for (`moeserve plan` shows it)")
+    return flat[:need].view(dtype).view(*shape)
+
+
+def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
+                      buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Concatenate every rank's rows in rank order: [sum(sizes), ...]. x_R has sizes[rank]
-    rows; trailing dims must agree across ranks."""
+    rows; trailing dims must agree across ranks. `buffer` (the plan's) receives the padded
+    blocks; the result may be a view of it, valid until the next gather into it."""
     _check_sizes(sizes, axis)
     if x_R.shape[0] != sizes[axis.rank]:
         raise ValueError(f"rank {axis.rank} holds {x_R.shape[0]} rows but the step says "
@@ -57,7 +74,8 @@ def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis) -> to
     if x_R.shape[0] < pad:
         send = x_R.new_zeros((pad, *x_R.shape[1:]))
         send[: x_R.shape[0]] = x_R
-    out = x_R.new_empty((axis.size * pad, *x_R.shape[1:]))
+    shape = (axis.size * pad, *x_R.shape[1:])
+    out = x_R.new_empty(shape) if buffer is None else region(buffer, shape, x_R.dtype)
     _all_gather_single(out, send, group=axis.group)
     if all(s == pad for s in sizes):
         return out

@@ -96,6 +96,16 @@ def token_budget(cfg: EngineConfig, spec: ModelSpec,
         prefill_token_sizes=tuple(prefill_sizes))
 
 
+def layer_scatters(layout: ParallelLayout, *, moe: bool) -> bool:
+    """Whether the block of a MoE (moe=True) or dense layer works on rows scattered across
+    the attn_tp ranks (layers/communicator.py says why; the plan sizes the gathers by it)."""
+    if layout.attn_tp == 1:
+        return False
+    if moe:
+        return layout.a2a or layout.dp > 1
+    return layout.dense_tp == 1 or layout.dp > 1
+
+
 def moe_tokens_per_rank(tokens: int, layout: ParallelLayout) -> int:
     """M: tokens of one DP rank's forward that reach the MoE layer on one rank. Under SP the
     attn_tp ranks split the forward, so it is the post-scatter count (SGLang #25685)."""

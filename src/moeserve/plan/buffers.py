@@ -1,7 +1,10 @@
 """Static buffer records: every buffer the engine allocates, with the formula that sized it.
 
-Allocation code takes shape and dtype from these records (`BufferRecord.empty`), never from
-a forward that ran.
+A plan records the buffers of what its ranks run and no others (the expert runner's workspace
+only for the triton runner, the attention partials only for the triton backends, graph inputs
+only where graphs are captured), so that one binder (runtime/buffers.py) allocates every
+record, each once, with the shape and dtype recorded here (`BufferRecord.empty`), never from a
+forward that ran.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from moeserve.config.spec import ModelSpec
 from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
                                           padded_rows, rows_writing_pairs)
 from moeserve.parallel.layout import ParallelLayout
-from moeserve.plan.budget import TokenBudget, moe_tokens_per_rank
+from moeserve.plan.budget import TokenBudget, layer_scatters, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
 
 ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1}
-A2A_INDEX_BYTES = 4  # top-k ids travel as int32
-A2A_WEIGHT_BYTES = 4  # top-k weights travel as float32
+TOPK_ID_BYTES = 4  # top-k ids travel as int32
+TOPK_WEIGHT_BYTES = 4  # top-k weights travel as float32
 
 
 @dataclass(frozen=True)
@@ -40,20 +43,16 @@ class BufferRecord:
                 "bytes": self.bytes, "formula": self.formula, "knobs": list(self.knobs)}
 
     def empty(self, device: Any = "cpu") -> Any:
-        """Allocate this buffer: the only way plan-owned buffers are made."""
+        """Allocate this buffer (the binder's only way of making one)."""
         import torch
 
         return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device=device)
 
 
-def a2a_dispatch_payload_bytes(spec: ModelSpec, dtype: str) -> int:
-    """One token slot of the dispatch: hidden states, top-k ids (int32), top-k weights (fp32)."""
-    return (spec.hidden_size * DTYPE_BYTES[dtype]
-            + spec.top_k * (A2A_INDEX_BYTES + A2A_WEIGHT_BYTES))
-
-
-def a2a_combine_payload_bytes(spec: ModelSpec, dtype: str) -> int:
-    return spec.hidden_size * DTYPE_BYTES[dtype]
+def token_payload_bytes(hidden: int, top_k: int, elem_bytes: int) -> int:
+    """One token row as the dispatchers move it (moe/dispatch/base.py packs it): hidden states
+    of `elem_bytes` each, then K int32 ids, then K float32 weights."""
+    return hidden * elem_bytes + top_k * (TOPK_ID_BYTES + TOPK_WEIGHT_BYTES)
 
 
 BUDGET_KNOBS = ("--chunked-prefill-size", "--max-prefill-tokens", "--max-running-requests",
@@ -65,7 +64,7 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str,
                 cap: int) -> list[BufferRecord]:
     """The all-to-all workspace: per peer `cap` token slots (cap is per rank, never times ep).
     Send and receive halves; the combine reuses them (its payload is smaller)."""
-    payload = a2a_dispatch_payload_bytes(spec, dtype)
+    payload = token_payload_bytes(spec.hidden_size, spec.top_k, DTYPE_BYTES[dtype])
     knobs = ("--moe-a2a-max-tokens-per-rank", *BUDGET_KNOBS)
     formula = "ep x cap x (H*{b} + K*8)".format(b=DTYPE_BYTES[dtype])
     return [BufferRecord(f"a2a.{half}", (layout.ep, cap, payload), "uint8",
@@ -73,8 +72,7 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str,
             for half in ("send", "recv")]
 
 
-def moe_runner_rows(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
-                    cap: int) -> tuple[int, str]:
+def moe_runner_rows(layout: ParallelLayout, budget: TokenBudget, cap: int) -> tuple[int, str]:
     """Rows that reach one rank's expert runner in the worst forward, with the formula."""
     if layout.a2a:
         return layout.ep * cap, "ep x cap"
@@ -83,19 +81,25 @@ def moe_runner_rows(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget
     return budget.max_tokens, "T_max"
 
 
-def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dtype: str,
-                cap: int, device_name: Optional[str] = None) -> list[BufferRecord]:
-    """device_name: the GPU the runner will run on (None: unknown); its tuned tile tables say
-    which steps write every pair's row to moe.runner.down (configs.rows_writing_pairs)."""
+def router_records(spec: ModelSpec, layout: ParallelLayout,
+                   budget: TokenBudget) -> list[BufferRecord]:
+    """The router's top-k of one MoE layer's rows; every MoE layer writes the same buffers
+    (they run one after another, and dispatch consumes them within the layer)."""
+    m_max, k = moe_tokens_per_rank(budget.max_tokens, layout), spec.top_k
+    return [BufferRecord("moe.router.topk_ids", (m_max, k), "int32", "M_max x K", BUDGET_KNOBS),
+            BufferRecord("moe.router.topk_weights", (m_max, k), "float32", "M_max x K",
+                         BUDGET_KNOBS)]
+
+
+def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: int,
+                   rows_formula: str, device_name: Optional[str] = None) -> list[BufferRecord]:
+    """The fused Triton runner's workspace (moe/experts/triton_fused.py, kernels/moe/
+    align_torch.Workspace) for `rows` rows at most. It holds every (row, k) pair, its own or
+    not, and its grouped rows are padded to blocks of BLOCK_M per local expert. device_name:
+    the GPU the runner will run on (None: unknown); its tuned tile tables say which steps
+    write every pair's row to moe.runner.down (configs.rows_writing_pairs)."""
     h, k = spec.hidden_size, spec.top_k
     i_local = spec.moe_intermediate_size // layout.moe_tp
-    k_local = min(k, spec.num_experts // layout.ep)
-    m_max = moe_tokens_per_rank(budget.max_tokens, layout)
-    rows, rows_formula = moe_runner_rows(spec, layout, budget, cap)
-    pairs = rows * k_local
-    pf = f"{rows_formula} x min(K, E/ep)"
-    # the fused runner's workspaces (moe/experts/triton_fused.py) hold every (row, k) pair,
-    # its own or not, and its grouped rows are padded to blocks of BLOCK_M per local expert
     e_local = spec.num_experts // layout.ep
     all_pairs = rows * k
     grouped = padded_rows(all_pairs, e_local)
@@ -106,11 +110,7 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
         f"{down_rows} x K ({device_name}'s tile tables: larger steps sum the top-k in down)")
     gf = f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep) x BLOCK_M, P = {af}"
     knobs = BUDGET_KNOBS
-    recs = [
-        BufferRecord("moe.router.topk_ids", (m_max, k), "int32", "M_max x K", knobs),
-        BufferRecord("moe.router.topk_weights", (m_max, k), "float32", "M_max x K", knobs),
-        BufferRecord("moe.runner.pair_token", (pairs,), "int32", pf, knobs),
-        BufferRecord("moe.runner.gate_up", (pairs, 2 * i_local), dtype, f"{pf} x 2I/moe_tp", knobs),
+    return [
         BufferRecord("moe.runner.sorted_pairs", (grouped,), "int32", gf, knobs),
         *(BufferRecord(f"moe.runner.{name}", (blocks,), "int32",
                        f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep), P = {af}", knobs)
@@ -120,27 +120,47 @@ def moe_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget, dt
         BufferRecord("moe.runner.align", (align_scratch_len(all_pairs, e_local),), "int32",
                      f"(1 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
     ]
-    if layout.dp_gather:
-        # every rank sends its ceil(T/attn_tp) rows, padded to the largest: one collective
-        rows = layout.tp * math.ceil(budget.max_tokens / layout.attn_tp)
-        recs.append(BufferRecord("dp_gather.hidden", (rows, h), dtype,
-                                 "tp x ceil(T_max/attn_tp) x H (padded uneven all-gather)",
-                                 ("--dp-size", *knobs)))
-    if layout.sp or layout.dense_scattered:
-        recs.append(BufferRecord("attn_tp_gather.hidden",
-                                 (layout.attn_tp * math.ceil(budget.max_tokens / layout.attn_tp),
-                                  h), dtype, "attn_tp x ceil(T_max/attn_tp) x H",
-                                 ("--tp-size", "--dp-size", *knobs)))
+
+
+def gather_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
+                   dtype: str) -> list[BufferRecord]:
+    """The receive buffers of the padded uneven all-gathers (parallel/collectives.py): every
+    rank's block padded to the largest, so each holds ranks x the most rows one rank sends.
+
+    dp_gather.rows: the gather across the tp world of the rows of every DP rank (each rank
+    sends its ceil(T/attn_tp) scattered rows, or its T rows when attn_tp is 1): by the gather
+    dispatcher, as token payload rows, and by dense MLPs split over the world, as hidden
+    states; bytes, so that either is a view of it.
+    attn_tp_gather.hidden: a scattered layer's rows back to the DP rank's T rows."""
+    h, b = spec.hidden_size, DTYPE_BYTES[dtype]
+    chunk = math.ceil(budget.max_tokens / layout.attn_tp)
+    recs = []
+    # a dense MLP split over the world gathers when the ranks hold distinct rows (DP attention)
+    dense_world = (bool(spec.dense_layers) and layout.dp > 1 and layout.dense_tp == layout.tp
+                   and layout.tp > 1)
+    if layout.dp_gather or dense_world:
+        payload = token_payload_bytes(h, spec.top_k, b) if layout.dp_gather else h * b
+        what = f"payload (H*{b} + K*8)" if layout.dp_gather else f"H*{b}"
+        recs.append(BufferRecord(
+            "dp_gather.rows", (layout.tp * chunk, payload), "uint8",
+            f"tp x ceil(T_max/attn_tp) x {what} (padded uneven all-gather of every rank's rows)",
+            ("--dp-size", *BUDGET_KNOBS)))
+    if layer_scatters(layout, moe=True) or (spec.dense_layers
+                                            and layer_scatters(layout, moe=False)):
+        recs.append(BufferRecord("attn_tp_gather.hidden", (layout.attn_tp * chunk, h), dtype,
+                                 "attn_tp x ceil(T_max/attn_tp) x H",
+                                 ("--tp-size", "--dp-size", *BUDGET_KNOBS)))
     return recs
 
 
-def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
-                         budget: TokenBudget) -> list[BufferRecord]:
+def decode_graph_records(spec: ModelSpec, budget: TokenBudget) -> list[BufferRecord]:
+    """The decode graphs' inputs and logits (runtime/cuda_graph.py: DecodeGraphBuffers); bucket
+    bs uses the first bs rows of each."""
     if not budget.decode_batch_sizes:
         return []
     bs = max(budget.decode_batch_sizes)
     t = budget.decode_graph
-    recs = [
+    return [
         BufferRecord("graph.decode.input_ids", (t,), "int64", "max bucket x tokens/request",
                      GRAPH_KNOBS),
         BufferRecord("graph.decode.positions", (t,), "int64", "max bucket x tokens/request",
@@ -148,16 +168,13 @@ def decode_graph_records(spec: ModelSpec, layout: ParallelLayout,
         BufferRecord("graph.decode.out_cache_loc", (t,), "int64", "max bucket x tokens/request",
                      GRAPH_KNOBS),
         BufferRecord("graph.decode.req_pool_indices", (bs,), "int64", "max bucket", GRAPH_KNOBS),
-        BufferRecord("graph.decode.seq_lens", (bs,), "int32", "max bucket", GRAPH_KNOBS),
+        *(BufferRecord(f"graph.decode.{name}", (bs,), "int32", "max bucket", GRAPH_KNOBS)
+          for name in ("seq_lens", "prefix_lens", "extend_lens")),
         BufferRecord("graph.decode.staging", (bs, 3), "int64",
                      "max bucket x (token, position, request row)", GRAPH_KNOBS),
         BufferRecord("graph.decode.logits", (t, spec.vocab_size), "float32",
                      "max bucket x tokens/request x vocab", GRAPH_KNOBS),
     ]
-    if layout.dp > 1:
-        recs.append(BufferRecord("graph.decode.dp_token_counts", (layout.dp,), "int32", "dp",
-                                 ("--dp-size",)))
-    return recs
 
 
 def attention_records(spec: ModelSpec, layout: ParallelLayout,

@@ -32,6 +32,43 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class Backends:
+    """What every rank of the engine runs, resolved from the config as build_model resolves it
+    for a rank's device (parallel/devices.resolve_backends): the plan records the buffers of
+    these and of no others."""
+
+    device: str  # "cuda" or "cpu"
+    attention: str  # the attention backend
+    experts: str  # the expert runner
+
+    @property
+    def graph_blocker(self) -> Optional[str]:
+        """Why no CUDA graph is captured whatever the config asks (None: graphs are taken)."""
+        if self.device != "cuda":
+            return f"the engine runs on {self.device}, not a GPU"
+        if self.attention != "triton":  # the torch backend reads lengths on the host
+            return (f"attention backend {self.attention} reads host lengths "
+                    "(use --attention-backend triton)")
+        return None
+
+
+def planned_backends(cfg: EngineConfig) -> tuple[Optional[Backends], list[Problem]]:
+    """The backends of a rank on the device the config names (auto: this machine's)."""
+    import torch
+
+    from moeserve.parallel.devices import resolve_backends
+
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = "cuda" if gpu else "cpu"
+    try:
+        attention, experts = resolve_backends(cfg, torch.device(device))
+    except ValueError as exc:
+        return None, [Problem(str(exc), "use --attention-backend auto --moe-runner-backend "
+                                        "auto, or run on a GPU (--device cuda)")]
+    return Backends(device, attention, experts), []
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     config: EngineConfig
     spec: ModelSpec
@@ -45,6 +82,9 @@ class CapacityPlan:
     errors: tuple[Problem, ...] = field(default=())
     # the kernels a rank on this machine's device selects (kernels/launch/choice.py)
     kernels: Optional[KernelSet] = None
+    backends: Optional[Backends] = None
+    # rows reaching one rank's expert runner in the worst forward (buffers.moe_runner_rows)
+    moe_runner_rows: int = 0
 
     @property
     def ok(self) -> bool:
@@ -56,6 +96,9 @@ class CapacityPlan:
                 return rec
         raise KeyError(f"the plan has no buffer {name!r}; it has "
                        f"{', '.join(r.name for r in self.buffers)}")
+
+    def has_buffer(self, name: str) -> bool:
+        return any(rec.name == name for rec in self.buffers)
 
     @property
     def a2a_workspace_bytes_per_rank(self) -> Optional[int]:
@@ -73,6 +116,8 @@ class CapacityPlan:
                 "ep": self.layout.ep, "moe_tp": self.layout.moe_tp,
                 "dense_tp": self.layout.dense_tp, "sp": self.layout.sp,
                 "a2a_backend": self.config.moe_a2a_backend},
+            "backends": None if self.backends is None else dict(self.backends.__dict__),
+            "moe_runner_rows": self.moe_runner_rows,
             "budget": None if b is None else b.by_mode(),
             "limits": None if b is None else {
                 "max_running_requests_per_dp_rank": b.max_running_requests,
@@ -140,9 +185,14 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     problems = [Problem(m, f) for m, f in config_errors(cfg)]
     if not problems:
         problems += layout_problems(cfg, spec)
+    backends = None
+    if not problems:
+        backends, backend_problems = planned_backends(cfg)
+        problems += backend_problems
     empty = CapacityPlan(cfg, spec, None, dtype, None, {}, None, (), None, tuple(problems))
     if problems:
         return empty
+    assert backends is not None
     layout = ParallelLayout.from_config(cfg)
     budget = token_budget(cfg, spec, layout)
     moe_tokens = {m: moe_tokens_per_rank(t, layout)
@@ -155,11 +205,17 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if layout.a2a:
         a2a_cap = cfg.moe_a2a_max_tokens_per_rank or worst
         records += B.a2a_records(spec, layout, dtype, a2a_cap)
-    records += B.moe_records(spec, layout, budget, dtype, a2a_cap or worst,
-                             down_sum_tables(cfg))
-    records += B.decode_graph_records(spec, layout, budget)
-    records += B.attention_records(spec, layout, budget)
-    records += B.prefill_graph_records(spec, layout, budget, dtype)
+    runner_rows, rows_formula = B.moe_runner_rows(layout, budget, a2a_cap or worst)
+    records += B.router_records(spec, layout, budget)
+    if backends.experts == "triton":  # the only runner that takes a static workspace
+        records += B.runner_records(spec, layout, dtype, runner_rows, rows_formula,
+                                    down_sum_tables(cfg))
+    records += B.gather_records(spec, layout, budget, dtype)
+    if backends.attention == "triton":  # the backends that take planned partials
+        records += B.attention_records(spec, layout, budget)
+    if backends.graph_blocker is None:
+        records += B.decode_graph_records(spec, budget)
+        records += B.prefill_graph_records(spec, layout, budget, dtype)
     records.append(B.req_to_token_record(budget))
     records.append(B.next_token_record(budget))
 
@@ -167,7 +223,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     problems += mem_problems
     records += B.kv_records(spec, layout, budget, dtype, kv_tokens)
     return CapacityPlan(cfg, spec, layout, dtype, budget, moe_tokens, a2a_cap, tuple(records),
-                        memory, tuple(problems), local_kernels(cfg))
+                        memory, tuple(problems), local_kernels(cfg), backends, runner_rows)
 
 
 def _budget_problems(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout,

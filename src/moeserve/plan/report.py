@@ -27,6 +27,11 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
                   f"{spec.num_experts} experts, top-{spec.top_k}")
     if plan.layout is not None:
         console.print(f"layout: {plan.layout.describe()}")
+    if plan.backends is not None:
+        be = plan.backends
+        graphs = "" if be.graph_blocker is None else f"; no CUDA graphs: {be.graph_blocker}"
+        console.print(f"backends on {be.device}: attention {be.attention}, experts {be.experts} "
+                      f"({plan.moe_runner_rows} rows at most){graphs}")
     if plan.budget is not None:
         b = plan.budget
         t = Table(title="token budget per forward, per DP rank")

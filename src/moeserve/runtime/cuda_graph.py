@@ -1,12 +1,12 @@
 """CUDA graphs for decode: one graph per bucket of the plan's decode batch sizes.
 
-    graphs = DecodeGraphRunner.create(cfg, plan, model, state, kv_pool, req_pool,
-                                      next_tokens)                                 # or None
+    graphs = DecodeGraphRunner.create(plan, model, state, bufs, kv_pool, req_pool)  # or None
     bucket = graphs.bucket_for(step.tokens_per_dp_rank, all_decode)               # or None
     logits_BV = graphs.replay(batch, bucket)
 
-The static inputs and the logits are the plan's `graph.decode.*` records, allocated once
-(DecodeGraphBuffers); bucket bs uses their first bs rows. A replay costs the host little: the
+The static inputs and the logits are the plan's `graph.decode.*` records, which the binder
+(runtime/buffers.py) allocates once (DecodeGraphBuffers) where the plan records them: where
+decode graphs run. Bucket bs uses their first bs rows. A replay costs the host little: the
 rows' tokens, positions and request rows go to the device in one copy from pinned memory
 (`staging`), each graph spreads them into its inputs itself, and only the new tokens' KV slots
 (already on the device) are copied beside it. Graphs are captured largest bucket
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -38,7 +38,6 @@ from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futu
 from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
 if TYPE_CHECKING:
-    from moeserve.config import EngineConfig
     from moeserve.parallel.groups import ParallelState
     from moeserve.batch.step import StepContext
     from moeserve.plan.capacity import CapacityPlan
@@ -89,38 +88,31 @@ def graph_blockers(model: torch.nn.Module, device: torch.device) -> list[str]:
 
 @dataclass
 class DecodeGraphBuffers:
-    """Inputs and output shared by every decode graph (rows [0, bucket) of each)."""
+    """Inputs and output shared by every decode graph (rows [0, bucket) of each): the plan's
+    graph.decode.<field> records, from the binder. Made, every row is a dummy request."""
 
     input_ids: torch.Tensor  # [T_graph] int64
     positions: torch.Tensor  # [T_graph] int64
     out_cache_loc: torch.Tensor  # [T_graph] int64
     req_pool_indices: torch.Tensor  # [bs_max] int64
     seq_lens: torch.Tensor  # [bs_max] int32
-    prefix_lens: torch.Tensor  # [bs_max] int32 (same record as seq_lens): seq_lens - 1
-    extend_lens: torch.Tensor  # [bs_max] int32 (same record): ones
+    prefix_lens: torch.Tensor  # [bs_max] int32: seq_lens - 1
+    extend_lens: torch.Tensor  # [bs_max] int32: ones
     logits: torch.Tensor  # [T_graph, V] float32
     staging: torch.Tensor  # [bs_max, 3] int64: each row's token, position, request row
-    host: torch.Tensor  # the same on the host (pinned on a GPU), filled by stage()
     next_tokens: torch.Tensor  # the runner's sampled tokens of the step before (placeholders)
-    copied: Optional[torch.cuda.Event] = None  # after the last host-to-device copy
+    # staging's rows on the host (pinned on a GPU: host memory, not the device's that the
+    # plan divides), filled by stage(); and the event after the last copy from it
+    host: torch.Tensor = field(init=False)
+    copied: Optional[torch.cuda.Event] = field(init=False)
 
-    @classmethod
-    def from_plan(cls, plan: "CapacityPlan", device: torch.device,
-                  next_tokens: torch.Tensor) -> "DecodeGraphBuffers":
-        def rec(name: str) -> Any:
-            return plan.buffer(f"graph.decode.{name}")
-
-        seq, staging = rec("seq_lens"), rec("staging")
-        host = torch.empty(staging.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
-        bufs = cls(rec("input_ids").empty(device), rec("positions").empty(device),
-                   rec("out_cache_loc").empty(device), rec("req_pool_indices").empty(device),
-                   seq.empty(device), seq.empty(device), seq.empty(device),
-                   rec("logits").empty(device), staging.empty(device), host, next_tokens,
-                   torch.cuda.Event() if device.type == "cuda" else None)
-        bufs.extend_lens.fill_(1)
-        bufs.pad(0, bufs.seq_lens.shape[0])
-        bufs.stage([], [], [], bufs.seq_lens.shape[0])
-        return bufs
+    def __post_init__(self) -> None:
+        gpu = self.staging.device.type == "cuda"
+        self.host = torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=gpu)
+        self.copied = torch.cuda.Event() if gpu else None
+        self.extend_lens.fill_(1)
+        self.pad(0, self.seq_lens.shape[0])
+        self.stage([], [], [], self.seq_lens.shape[0])
 
     def stage(self, tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int],
               bs: int) -> None:
@@ -183,33 +175,31 @@ class DecodeGraphRunner:
         self.replays = 0
 
     @classmethod
-    def create(cls, cfg: "EngineConfig", plan: "CapacityPlan", model: torch.nn.Module,
-               state: "ParallelState", kv_pool: KVCachePool, req_pool: ReqToTokenPool,
-               next_tokens: torch.Tensor) -> Optional["DecodeGraphRunner"]:
-        """Capture every bucket, or return None (decode then runs eagerly) when graphs are
-        off or the model cannot be captured. Every rank calls this, in the same order."""
+    def create(cls, plan: "CapacityPlan", model: torch.nn.Module, state: "ParallelState",
+               bufs: Optional[DecodeGraphBuffers], kv_pool: KVCachePool,
+               req_pool: ReqToTokenPool) -> Optional["DecodeGraphRunner"]:
+        """Capture every bucket into `bufs`, or return None without them (the plan records
+        decode graphs only where they run: graphs on, a GPU, a capturable attention backend;
+        decode then runs eagerly). Every rank calls this, in the same order, after the model's
+        buffers are bound (a capture keeps their addresses)."""
         from moeserve.batch.step import step_from_counts
 
         assert plan.budget is not None and plan.layout is not None
-        buckets = plan.budget.decode_batch_sizes
-        if cfg.disable_cuda_graph or not buckets or state.device.type != "cuda":
+        if bufs is None:
             return None
         if plan.budget.tokens_per_decode_request != 1:
             raise ValueError("decode graphs capture one token per request; drop "
                              "--speculative-num-draft-tokens or add --disable-cuda-graph")
         blockers = graph_blockers(model, state.device)
         if blockers:
-            log.warning("decode runs without CUDA graphs: %s (--disable-cuda-graph silences "
-                        "this)", "; ".join(blockers))
-            return None
+            raise RuntimeError("the plan records decode graphs, but this model cannot be "
+                               f"captured: {'; '.join(blockers)} (--disable-cuda-graph)")
         layout = plan.layout
 
         def step_for(bs: int) -> "StepContext":
             return step_from_counts([bs] * layout.tp, layout, state.rank, plan)
 
-        runner = cls(model, buckets, DecodeGraphBuffers.from_plan(plan, state.device,
-                                                                   next_tokens),
-                     kv_pool, req_pool, step_for)
+        runner = cls(model, plan.budget.decode_batch_sizes, bufs, kv_pool, req_pool, step_for)
         runner.capture()
         return runner
 

@@ -1,8 +1,9 @@
 """The model runner of one rank: builds the forward batch, runs the model, samples.
 
-It executes what the scheduler decided; it decides nothing. The KV pool, the request table,
-the sampled tokens the next step's placeholders read (`next_tokens`) and the fused expert
-runner's workspace come from the capacity plan's records. `launch` queues a step and its
+It executes what the scheduler decided; it decides nothing. Every static buffer (the KV pool,
+the request table, the sampled tokens the next step's placeholders read (`next_tokens`), the
+model's buffers and the graphs' inputs) comes from the binder (runtime/buffers.py), which
+allocates the capacity plan's records before any forward. `launch` queues a step and its
 sampling without waiting for the device; `collect` waits for its tokens (the overlap schedule
 of runtime/worker.py runs the next launch in between); `run` is the two together. Decode
 steps replay a CUDA graph of the plan's buckets when every rank of the step decodes (or idles)
@@ -30,13 +31,12 @@ from moeserve.config.spec import ModelSpec
 from moeserve.kernels.launch.choice import install, select_kernels
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.step import StepContext
-from moeserve.plan.buffers import moe_runner_rows
 from moeserve.plan.capacity import CapacityPlan
+from moeserve.runtime.buffers import bind_buffers
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
 from moeserve.runtime.prefill_graph import PrefillGraphRunner
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.batch.kv_cache import (DUMMY_REQ_ROW, DUMMY_SLOT, ReqToTokenPool,
-                                       create_kv_pool)
+from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
@@ -86,50 +86,26 @@ class ModelRunner:
         install(self.kernels)
         log.info("kernels %s", self.kernels.describe())
         self.model = load_model(cfg, spec, state, plan, progress=progress)
-        self.moe_workspace = self._moe_workspace()
-        self.attention_partials = self._attention_partials()
-        self.kv_pool = create_kv_pool(plan, self.device)
-        self.req_pool = ReqToTokenPool.from_plan(plan, self.device)
-        self.sampler = Sampler(self.device, seed=cfg.random_seed)
+        self.buffers = bind_buffers(plan, self.device)
+        self.model.bind_buffers(self.buffers.model)
+        self.kv_pool, self.req_pool = self.buffers.kv_pool, self.buffers.req_pool
         # the sampled tokens of the last step, which the next step's placeholders point into
-        self.next_tokens = plan.buffer("next_token_ids").empty(self.device).zero_()
+        self.next_tokens = self.buffers.next_tokens
+        self.sampler = Sampler(self.device, seed=cfg.random_seed)
         if self.device.type == "cuda":
             self.warm_up_experts()
             self.warm_up_prefill()
             self.warm_up_attention()
+        blocker = plan.backends.graph_blocker if plan.backends is not None else None
+        if blocker and self.device.type == "cuda" and (plan.budget.decode_batch_sizes
+                                                       or plan.budget.prefill_token_sizes):
+            log.warning("steps run without CUDA graphs: %s (--disable-cuda-graph and "
+                        "--disable-piecewise-cuda-graph silence this)", blocker)
         self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
-            cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
+            plan, self.model, state, self.buffers.decode_graph, self.kv_pool, self.req_pool)
         self.prefill_graphs: Optional[PrefillGraphRunner] = PrefillGraphRunner.create(
-            cfg, plan, self.model, state, self.kv_pool, self.req_pool, self.next_tokens)
-
-    def _moe_workspace(self) -> Optional[Any]:
-        """The plan's moe.runner.* buffers, given to every expert runner that takes them (the
-        fused Triton runner on a GPU); None when none does."""
-        takers = [m for m in self.model.modules() if hasattr(m, "use_workspace")]
-        if not takers or self.device.type != "cuda":
-            return None
-        from moeserve.kernels.moe.align_torch import Workspace
-
-        ws = Workspace.from_plan(self.plan, self.device)
-        for m in takers:
-            m.use_workspace(ws)
-        return ws
-
-    def _attention_partials(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The plan's attn.decode.* buffers (the decode attention's partials), given to the
-        attention backend when it takes them (the triton backends on a GPU); None otherwise,
-        or when the plan has none (no batch it allows is split)."""
-        backends = {id(m.backend): m.backend for m in self.model.modules()
-                    if isinstance(m, (PagedAttention, MLAttention))}
-        takers = [b for b in backends.values() if hasattr(b, "use_partials")]
-        names = {r.name for r in self.plan.buffers}
-        if not takers or self.device.type != "cuda" or "attn.decode.part_o" not in names:
-            return None
-        parts = (self.plan.buffer("attn.decode.part_o").empty(self.device),
-                 self.plan.buffer("attn.decode.part_lse").empty(self.device))
-        for backend in takers:
-            backend.use_partials(*parts)
-        return parts
+            plan, self.model, state, self.buffers.prefill_graph, self.kv_pool, self.req_pool,
+            self.next_tokens)
 
     @torch.inference_mode()
     def warm_up_attention(self) -> list[int]:
@@ -155,7 +131,7 @@ class ModelRunner:
         plan = self.plan
         if plan.budget is None or plan.layout is None or not self.spec.num_experts:
             return {}
-        rows, _ = moe_runner_rows(self.spec, plan.layout, plan.budget, plan.a2a_cap or 0)
+        rows = plan.moe_runner_rows
         t0 = time.perf_counter()
         runs: dict[tuple[int, int, int], list[int]] = {}
         for mod in self.model.modules():

@@ -2,7 +2,7 @@
 batches above the largest decode bucket), cut at each attention: "piecewise" graphs, one set
 per token count of the plan's prefill sizes.
 
-    graphs = PrefillGraphRunner.create(cfg, plan, model, state, kv_pool, req_pool,
+    graphs = PrefillGraphRunner.create(plan, model, state, bufs, kv_pool, req_pool,
                                        next_tokens)                                # or None
     size = graphs.size_for(step.tokens_per_dp_rank)                                # or None
     logits_RV = graphs.replay(fb, size)
@@ -18,7 +18,8 @@ piece L to the last layer's output (model.hidden_states). Everything in the piec
 projections, rope and KV store, the MoE layer and its collectives) depends on the token count
 alone. The attention between them depends on the requests' lengths: it runs eagerly, reading
 each layer's query from the static `graph.prefill.q` (the piece before copies it there) and
-writing `graph.prefill.attn_out` (the piece after reads it). So one capture per token count
+writing `graph.prefill.attn_out` (the piece after reads it); the binder (runtime/buffers.py)
+allocates them and the inputs (PrefillGraphBuffers) where the plan records them. So one capture per token count
 serves any mix of requests, cached prefixes and decode rows, in any forward mode. The final
 norm and LM head run eagerly on the rows that get logits.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -47,7 +49,6 @@ from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futu
 from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT, KVCachePool, ReqToTokenPool
 
 if TYPE_CHECKING:
-    from moeserve.config import EngineConfig
     from moeserve.layers.attention import PagedAttention
     from moeserve.layers.mla import MLAttention
 
@@ -57,6 +58,15 @@ if TYPE_CHECKING:
     from moeserve.plan.capacity import CapacityPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillGraphBuffers:
+    """The plan's graph.prefill.* records (the binder's); a size t uses the first t rows."""
+
+    inputs: torch.Tensor  # [3, T_max] int64: token (or placeholder), position, KV slot
+    q: torch.Tensor  # [T_max, N, D]: each attention's query, across the cut before it
+    attn_out: torch.Tensor  # [T_max, N, D']: its output, across the cut after it (zeroed)
 
 
 def choose_size(sizes: Sequence[int], tokens_per_dp_rank: Sequence[int]) -> Optional[int]:
@@ -106,13 +116,12 @@ class _Pieces:
 
 
 class PrefillGraphRunner:
-    def __init__(self, model: torch.nn.Module, sizes: Sequence[int], inputs: torch.Tensor,
-                 q: torch.Tensor, attn_out: torch.Tensor, next_tokens: torch.Tensor,
-                 kv_pool: KVCachePool, req_pool: ReqToTokenPool,
+    def __init__(self, model: torch.nn.Module, sizes: Sequence[int], bufs: PrefillGraphBuffers,
+                 next_tokens: torch.Tensor, kv_pool: KVCachePool, req_pool: ReqToTokenPool,
                  step_for: Callable[[int], "StepContext"]) -> None:
         self.model, self.sizes = model, sorted(sizes)
-        self.inputs = inputs  # [3, T_max] int64: token (or placeholder), position, KV slot
-        self.q, self.attn_out = q, attn_out  # [T_max, N, D], what crosses each cut
+        self.inputs = bufs.inputs  # [3, T_max] int64: token (or placeholder), position, slot
+        self.q, self.attn_out = bufs.q, bufs.attn_out  # [T_max, N, D], what crosses each cut
         self.next_tokens = next_tokens
         self.kv_pool, self.req_pool = kv_pool, req_pool
         self.step_for = step_for
@@ -122,33 +131,30 @@ class PrefillGraphRunner:
         self.replays = 0
 
     @classmethod
-    def create(cls, cfg: "EngineConfig", plan: "CapacityPlan", model: torch.nn.Module,
-               state: "ParallelState", kv_pool: KVCachePool, req_pool: ReqToTokenPool,
-               next_tokens: torch.Tensor) -> Optional["PrefillGraphRunner"]:
-        """Capture every size, or return None (those forwards then run eagerly) when prefill
-        graphs are off or the model cannot be captured. Every rank calls this, in the same
-        order."""
+    def create(cls, plan: "CapacityPlan", model: torch.nn.Module, state: "ParallelState",
+               bufs: Optional[PrefillGraphBuffers], kv_pool: KVCachePool,
+               req_pool: ReqToTokenPool, next_tokens: torch.Tensor
+               ) -> Optional["PrefillGraphRunner"]:
+        """Capture every size into `bufs`, or return None without them (the plan records
+        prefill graphs only where they run; those forwards then run eagerly). Every rank
+        calls this, in the same order, after the model's buffers are bound."""
         from moeserve.batch.step import step_from_counts
 
         assert plan.budget is not None and plan.layout is not None
-        sizes = plan.budget.prefill_token_sizes
-        if cfg.disable_piecewise_cuda_graph or not sizes or state.device.type != "cuda":
+        if bufs is None:
             return None
         blockers = graph_blockers(model, state.device)
         if blockers:
-            log.warning("prefill runs without CUDA graphs: %s (--disable-piecewise-cuda-graph "
-                        "silences this)", "; ".join(blockers))
-            return None
-        layout, dev = plan.layout, state.device
+            raise RuntimeError("the plan records prefill graphs, but this model cannot be "
+                               f"captured: {'; '.join(blockers)} "
+                               "(--disable-piecewise-cuda-graph)")
+        layout = plan.layout
 
         def step_for(t: int) -> "StepContext":
             return step_from_counts([t] * layout.tp, layout, state.rank, plan)
 
-        def rec(name: str) -> torch.Tensor:
-            return plan.buffer(f"graph.prefill.{name}").empty(dev)
-
-        runner = cls(model, sizes, rec("inputs"), rec("q"), rec("attn_out").zero_(),
-                     next_tokens, kv_pool, req_pool, step_for)
+        runner = cls(model, plan.budget.prefill_token_sizes, bufs, next_tokens, kv_pool,
+                     req_pool, step_for)
         runner.capture()
         return runner
 

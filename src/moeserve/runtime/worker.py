@@ -36,7 +36,7 @@ import torch.distributed as dist
 from moeserve.config import EngineConfig
 from moeserve.config.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState, init_parallel_state
-from moeserve.batch.step import StepTooLarge, step_from_counts
+from moeserve.batch.step import StepTooLarge, gather_ints, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.batch.forward_batch import ForwardMode
 from moeserve.runtime.kv_manager import KVManager
@@ -136,13 +136,8 @@ class RankWorker:
         idles): the same lists on every rank, so all take the same graph/eager decision."""
         # a batch in flight is work too: its requests are in no queue until processed
         mine = [num_tokens, int(self.scheduler.has_work or num_tokens > 0), int(decode_or_idle)]
-        if self.state.world.size == 1:
-            return [num_tokens], bool(mine[1]), decode_or_idle
-        t = torch.tensor(mine, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.state.world.size)]
-        dist.all_gather(out, t, group=self.state.cpu)
-        return ([int(o[0]) for o in out], any(int(o[1]) for o in out),
-                all(int(o[2]) for o in out))
+        out = gather_ints(mine, self.state)
+        return [o[0] for o in out], any(o[1] for o in out), all(o[2] for o in out)
 
 
 def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],

@@ -22,10 +22,10 @@ import torch
 from moeserve.config import EngineConfig
 from moeserve.config.spec import load_model_spec
 from moeserve.parallel.groups import ParallelState
-from moeserve.batch.step import begin_step
+from moeserve.batch.step import StepContext, gather_ints, step_from_counts
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.batch.forward_batch import ForwardMode, prepare_batch
-from moeserve.batch.kv_cache import ReqToTokenPool, create_kv_pool
+from moeserve.runtime.buffers import bind_buffers
 
 HF_CLASSES = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -82,11 +82,23 @@ def tiny_config(folder: str | Path, **overrides: Any) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
+def exchange_step(num_tokens: int, state: ParallelState, plan: CapacityPlan,
+                  num_padding: int = 0) -> StepContext:
+    """The step of a forward of `num_tokens` rows on this rank (the last `num_padding` of
+    them padding), as the rank loop makes it: every rank's count in one exchange, then the
+    same geometry on every rank (every rank calls it, also with zero tokens)."""
+    counts = [c[0] for c in gather_ints([num_tokens], state)]
+    return step_from_counts(counts, state.layout, state.rank, plan, num_padding)
+
+
 def load_tiny(cfg: EngineConfig, state: ParallelState) -> tuple[torch.nn.Module, CapacityPlan]:
+    """The model of cfg on this rank, with the plan for the state's device (so that its
+    records are the buffers of what the rank runs there)."""
     from moeserve.models.loader import load_weights
     from moeserve.models.build import build_model
 
     spec = load_model_spec(cfg.model)
+    cfg = cfg.replace(device=state.device.type)
     plan = build_plan(cfg, spec)
     if not plan.ok:
         raise ValueError("; ".join(str(e) for e in plan.errors))
@@ -96,12 +108,14 @@ def load_tiny(cfg: EngineConfig, state: ParallelState) -> tuple[torch.nn.Module,
 
 
 class TinyRunner:
-    """Runs whole batches through the model with its own KV pool and request table."""
+    """Runs whole batches through the model with the plan's buffers (its own KV pool and
+    request table, and the model's, which it binds as the engine's model runner does)."""
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, plan: CapacityPlan):
         self.model, self.state, self.plan = model, state, plan
-        self.kv = create_kv_pool(plan, state.device)
-        self.rows = ReqToTokenPool.from_plan(plan, state.device)
+        self.buffers = bind_buffers(plan, state.device)
+        model.bind_buffers(self.buffers.model)
+        self.kv, self.rows = self.buffers.kv_pool, self.buffers.req_pool
         self.req_rows: dict[int, int] = {}  # request id -> row of the request table
         self.lens: dict[int, int] = {}  # request id -> tokens in the cache
 
@@ -121,7 +135,7 @@ class TinyRunner:
                            self.rows, self.kv, return_all_logits=all_logits)
         for i, toks in zip(req_indices, new_tokens):
             self.lens[i] += len(toks)
-        step = begin_step(fb.num_tokens, self.state, self.plan)
+        step = exchange_step(fb.num_tokens, self.state, self.plan)
         return self.model(fb.input_ids, fb.positions, fb, step)
 
     def idle(self) -> torch.Tensor:
@@ -129,7 +143,7 @@ class TinyRunner:
         from moeserve.batch.forward_batch import ForwardBatch
 
         fb = ForwardBatch.idle(self.rows.table, self.kv)
-        step = begin_step(0, self.state, self.plan)
+        step = exchange_step(0, self.state, self.plan)
         with torch.no_grad():
             return self.model(fb.input_ids, fb.positions, fb, step)
 

@@ -16,7 +16,7 @@ blocks, and every used block holds at least one pair.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -24,19 +24,16 @@ from moeserve.kernels.moe.configs import max_blocks
 
 
 class Workspace(NamedTuple):
-    """The fused runner's intermediates, allocated once from the plan's `moe.runner.*` records
-    and shared by every MoE layer (they run one after another on one stream)."""
+    """The fused runner's intermediates: the plan's `moe.runner.<field>` records, allocated
+    once by the binder (runtime/buffers.py) and shared by every MoE layer (they run one after
+    another on one stream)."""
 
-    sorted_pairs: torch.Tensor  # [R] int32 (moe.runner.sorted_pairs)
-    block_expert: torch.Tensor  # [B] int32 (moe.runner.block_expert)
-    block_rows: torch.Tensor  # [B] int32 (moe.runner.block_rows)
-    act: torch.Tensor  # [R, I] (moe.runner.act)
-    down: torch.Tensor  # [P, H] (moe.runner.down)
-    align: torch.Tensor  # [S] int32, align.py's scratch (moe.runner.align)
-
-    @classmethod
-    def from_plan(cls, plan: Any, device: Any) -> "Workspace":
-        return cls(*(plan.buffer(f"moe.runner.{name}").empty(device) for name in cls._fields))
+    sorted_pairs: torch.Tensor  # [R] int32
+    block_expert: torch.Tensor  # [B] int32
+    block_rows: torch.Tensor  # [B] int32
+    act: torch.Tensor  # [R, I]
+    down: torch.Tensor  # [P, H]
+    align: torch.Tensor  # [S] int32, align.py's scratch
 
 
 def take(buf: Optional[torch.Tensor], rows: int, name: str, *shape: int, dtype: torch.dtype,

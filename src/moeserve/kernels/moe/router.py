@@ -103,19 +103,26 @@ def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
                       BLOCK_K, RENORM, ROUND_BF16, ROUND_F16)
 
 
-def _outputs(m: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+Outputs = tuple[torch.Tensor, torch.Tensor]  # ids [M, K] int32, weights [M, K] float32
+
+
+def _outputs(m: int, top_k: int, device: torch.device, out: Optional[Outputs]) -> Outputs:
+    """`out` (the first M rows of the plan's contiguous router buffers), else new tensors."""
+    if out is not None:
+        return out
     return (torch.empty(m, top_k, dtype=torch.int32, device=device),
             torch.empty(m, top_k, dtype=torch.float32, device=device))
 
 
 def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                  num_valid: int, round_to: torch.dtype = torch.float32,
-                 tile: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router;
-    tile (rows a program, warps) overrides topk_tile's."""
+                 tile: Optional[tuple[int, int]] = None, out: Optional[Outputs] = None
+                 ) -> Outputs:
+    """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router, into
+    `out` when given; tile (rows a program, warps) overrides topk_tile's."""
     m, e = logits_ME.shape
     assert logits_ME.stride(-1) == 1
-    ids, weights = _outputs(m, top_k, logits_ME.device)
+    ids, weights = _outputs(m, top_k, logits_ME.device, out)
     if m:
         rows, warps = tile or topk_tile(m, e)
         _topk_softmax_kernel[(triton.cdiv(m, rows),)](
@@ -165,10 +172,11 @@ def _router_topk_kernel(X, W, Ids, Weights, stride_x, M, E, H, num_valid, scale,
 
 def router_topk(x_MH: torch.Tensor, w_EH: torch.Tensor, top_k: int, renormalize: bool,
                 scale: float, num_valid: int, round_logits: bool,
-                round_to: torch.dtype = torch.float32, tile: Optional[dict] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                round_to: torch.dtype = torch.float32, tile: Optional[dict] = None,
+                out: Optional[Outputs] = None) -> Outputs:
     """topk_softmax(x @ w.T) in one launch: x [M, H] (last dim contiguous) and a contiguous
-    w [E, H] of x's dtype, E <= 256; round_logits rounds the fp32 sums to x's dtype first."""
+    w [E, H] of x's dtype, E <= 256; round_logits rounds the fp32 sums to x's dtype first.
+    Into `out` when given."""
     m, h = x_MH.shape
     e = w_EH.shape[0]
     if (x_MH.stride(-1) != 1 or not w_EH.is_contiguous() or w_EH.shape[1] != h
@@ -176,7 +184,7 @@ def router_topk(x_MH: torch.Tensor, w_EH: torch.Tensor, top_k: int, renormalize:
         raise ValueError(f"router_topk takes x [M, H] with a contiguous last dim and a "
                          f"contiguous w [E <= 256, H] of x's dtype; got x {tuple(x_MH.shape)} "
                          f"{x_MH.dtype}, w {tuple(w_EH.shape)} {w_EH.dtype}")
-    ids, weights = _outputs(m, top_k, x_MH.device)
+    ids, weights = _outputs(m, top_k, x_MH.device, out)
     if m:
         t = dict(router_tile(m, e), **(tile or {}))
         rows = t.pop("ROWS")

@@ -1,12 +1,13 @@
 """The all-to-all dispatcher: each token travels once to each rank that owns one of its experts.
 
 Needs whole experts per rank (ep == tp, moe_tp == 1). The workspace is the plan's `a2a.send` and
-`a2a.recv` records, [ep, cap, payload] bytes each, allocated once when the dispatcher is built
-and shared by every MoE layer that uses this dispatcher. A step uses the first ep x R x payload
+`a2a.recv` records, [ep, cap, payload] bytes each, which the binder allocates once and hands to
+the dispatcher (bind), shared by every MoE layer. A step uses the first ep x R x payload
 bytes of each as a contiguous [ep, R, payload] block, where R is the step's runtime max per
 rank: the same value on every rank (from the gathered counts, after the SP scatter) and at most
 cap (the runtime guard raised before the step otherwise). So the exchange's shapes depend only
-on the plan and R, never on one rank's own count.
+on the plan and R, never on one rank's own count. A dispatcher built on its own, without a
+binder (tests, tools), allocates each step's blocks instead.
 
 Dispatch: slot s of block p on rank r carries the s-th of r's tokens that has an expert on rank
 p: its hidden state, all K ids and all K weights (the payload the plan sizes). Unused slots get
@@ -20,12 +21,14 @@ ranks it visited, in the caller's row order: one index_add_ (atomic adds on CUDA
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
                                         payload_bytes, unpack_tokens)
-from moeserve.parallel.collectives import all_to_all_fixed
+from moeserve.parallel.collectives import all_to_all_fixed, region
+from moeserve.batch.buffers import A2AWorkspace, ModelBuffers
 from moeserve.batch.step import StepContext
 
 
@@ -55,20 +58,29 @@ class AllToAllDispatcher(Dispatcher):
         self.hidden, self.top_k = spec.hidden_size, spec.top_k
         self.experts_per_rank = spec.num_experts // lay.ep
         self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
-        self.send_record, self.recv_record = plan.buffer("a2a.send"), plan.buffer("a2a.recv")
-        want = (lay.ep, self.cap, self.payload)
-        for rec in (self.send_record, self.recv_record):
-            if rec.shape != want or rec.dtype != "uint8":
-                raise ValueError(f"the plan's {rec.name} record is {rec.shape} {rec.dtype}, but "
+        self.workspace: Optional[A2AWorkspace] = None
+
+    def bind(self, buffers: ModelBuffers) -> None:
+        """The plan's a2a.send / a2a.recv, which every step's exchange then goes through."""
+        ws = buffers.a2a
+        want = (self.state.layout.ep, self.cap, self.payload)
+        if ws is None:
+            raise ValueError("the all_to_all dispatcher needs the plan's a2a.* records")
+        for name, buf in (("a2a.send", ws.send), ("a2a.recv", ws.recv)):
+            if tuple(buf.shape) != want or buf.dtype != torch.uint8:
+                raise ValueError(f"the plan's {name} is {tuple(buf.shape)} {buf.dtype}, but "
                                  f"{self.dtype} tokens need {want} uint8: build the plan with "
                                  f"--dtype {str(self.dtype).removeprefix('torch.')}")
-        self.send_buf = self.send_record.empty(self.state.device)
-        self.recv_buf = self.recv_record.empty(self.state.device)
+        self.workspace = ws
 
-    def _block(self, buf: torch.Tensor, capacity: int, width: int) -> torch.Tensor:
-        """The step's contiguous [ep, R, width] block at the start of a workspace half."""
-        p = self.axis.size
-        return buf.view(-1)[: p * capacity * width].view(p, capacity, width)
+    def _block(self, half: Optional[torch.Tensor], capacity: int, width: int,
+               device: torch.device) -> torch.Tensor:
+        """The step's contiguous [ep, R, width] block at the start of a workspace half (a new
+        one without a workspace)."""
+        shape = (self.axis.size, capacity, width)
+        if half is None:
+            return torch.empty(shape, dtype=torch.uint8, device=device)
+        return region(half, shape, torch.uint8)
 
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -100,10 +112,11 @@ class AllToAllDispatcher(Dispatcher):
         empty = torch.zeros(1, self.payload, dtype=torch.uint8, device=dev)
         hb = self.hidden * self.dtype.itemsize
         empty[:, hb: hb + 4 * self.top_k] = 0xFF  # ids -1: the receiving experts skip it
-        send = self._block(self.send_buf, r, self.payload)
+        ws = self.workspace
+        send = self._block(ws and ws.send, r, self.payload, dev)
         torch.index_select(torch.cat([packed, empty]), 0, source_S,
                            out=send.view(p * r, self.payload))
-        recv = self._block(self.recv_buf, r, self.payload)
+        recv = self._block(ws and ws.recv, r, self.payload, dev)
         all_to_all_fixed(recv, send, self.axis)
         tokens = unpack_tokens(recv.view(p * r, self.payload), self.hidden, self.top_k,
                                self.dtype)
@@ -113,9 +126,10 @@ class AllToAllDispatcher(Dispatcher):
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
         hb = self.hidden * self.dtype.itemsize
-        send = self._block(self.send_buf, r, hb)
+        ws = self.workspace
+        send = self._block(ws and ws.send, r, hb, y_NH.device)
         send.copy_(y_NH.contiguous().view(torch.uint8).view(p, r, hb))
-        recv = self._block(self.recv_buf, r, hb)
+        recv = self._block(ws and ws.recv, r, hb, y_NH.device)
         all_to_all_fixed(recv, send, self.axis)
         back_SH = recv.view(self.dtype).view(p * r, self.hidden)
         in_order = self.plan.config.enable_deterministic_inference

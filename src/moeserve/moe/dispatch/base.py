@@ -22,10 +22,11 @@ import torch
 
 from moeserve.config.registry import Registry
 
+from moeserve.batch.buffers import ModelBuffers
 from moeserve.config.spec import ModelSpec
 from moeserve.parallel.groups import ParallelState
-from moeserve.parallel.layout import ParallelLayout
 from moeserve.batch.step import StepContext
+from moeserve.plan.buffers import TOPK_ID_BYTES, TOPK_WEIGHT_BYTES, token_payload_bytes
 from moeserve.plan.capacity import CapacityPlan
 
 
@@ -56,6 +57,9 @@ class Dispatcher(ABC):
     def name(self) -> str:
         return DISPATCHERS.name_of(type(self))
 
+    def bind(self, buffers: ModelBuffers) -> None:
+        """Take the plan's buffers this dispatcher exchanges through (none by default)."""
+
     @abstractmethod
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -70,11 +74,11 @@ class Dispatcher(ABC):
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")
 
 
-# --- the token payload: one byte row per token, as the plan's a2a records size it ----------
+# --- the token payload: one byte row per token (plan/buffers.token_payload_bytes) ----------
 
 def payload_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
     """Hidden states in `dtype`, then K int32 ids, then K float32 weights."""
-    return hidden * dtype.itemsize + top_k * 4 + top_k * 4
+    return token_payload_bytes(hidden, top_k, dtype.itemsize)
 
 
 def pack_tokens(x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
@@ -91,8 +95,9 @@ def unpack_tokens(rows_NP: torch.Tensor, hidden: int, top_k: int,
     """Inverse of pack_tokens, on [N, payload] uint8 rows (copies: the rows may be a shared
     workspace that the next exchange overwrites)."""
     hb = hidden * dtype.itemsize
+    wb = hb + TOPK_ID_BYTES * top_k  # where the weights start
     return DispatchedTokens(
         x_NH=rows_NP[:, :hb].contiguous().view(dtype),
-        topk_ids_NK=rows_NP[:, hb: hb + 4 * top_k].contiguous().view(torch.int32),
-        topk_weights_NK=rows_NP[:, hb + 4 * top_k: hb + 8 * top_k].contiguous()
+        topk_ids_NK=rows_NP[:, hb: wb].contiguous().view(torch.int32),
+        topk_weights_NK=rows_NP[:, wb: wb + TOPK_WEIGHT_BYTES * top_k].contiguous()
         .view(torch.float32))

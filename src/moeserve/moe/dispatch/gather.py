@@ -6,19 +6,22 @@ the world axis. Ranks hold distinct rows under DP attention (scattered across at
 attn_tp > 1): the dispatch all-gathers them with the step's uneven per-rank sizes (zero-token
 ranks included) and combine reduce-scatters. With one DP rank every rank already holds the same
 rows: no gather, and combine is an all-reduce. Partial sums of the moe_tp shards ride the same
-reduction.
+reduction. The all-gather receives the packed rows (hidden, ids, weights) into the plan's
+dp_gather.rows; this layer has read them before the next block gathers into it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
                                         unpack_tokens)
-from moeserve.layers.communicator import (gather_world_rows, layer_scatters,
-                                            reduce_world_rows, rows_distinct)
+from moeserve.layers.communicator import (gather_world_rows, gathers_world_rows,
+                                          layer_scatters, reduce_world_rows, world_buffer)
+from moeserve.batch.buffers import ModelBuffers
 from moeserve.batch.step import StepContext
 
 
@@ -36,8 +39,12 @@ class GatherDispatcher(Dispatcher):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.scattered = layer_scatters(self.state.layout, moe=True)
-        self.exchanges_rows = self.state.world.size > 1 and rows_distinct(self.state,
-                                                                          self.scattered)
+        self.exchanges_rows = gathers_world_rows(self.state, self.scattered)
+        self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+
+    def bind(self, buffers: ModelBuffers) -> None:
+        self.gather_buffer = world_buffer(buffers.gather, self.state, self.scattered,
+                                          "the gather dispatcher")
 
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -47,7 +54,7 @@ class GatherDispatcher(Dispatcher):
             return DispatchedTokens(x_NH=x_MH, topk_ids_NK=topk_ids_MK,
                                     topk_weights_NK=topk_weights_MK), handle
         rows = gather_world_rows(pack_tokens(x_MH, topk_ids_MK, topk_weights_MK), step,
-                                 self.state, self.scattered)
+                                 self.state, self.scattered, self.gather_buffer)
         return unpack_tokens(rows, x_MH.shape[1], topk_ids_MK.shape[1], x_MH.dtype), handle
 
     def combine(self, y_NH: torch.Tensor, handle: GatherHandle) -> torch.Tensor:

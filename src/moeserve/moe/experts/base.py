@@ -19,13 +19,14 @@ adds, so the same input gives the same bits on every run.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from moeserve.config.registry import Registry
 
+from moeserve.kernels.moe.align_torch import Workspace
 from moeserve.layers.mlp import activation
 from moeserve.config.spec import ModelSpec
 from moeserve.layers.weights import empty_param, load_gated_mlp
@@ -69,6 +70,13 @@ class Experts(nn.Module, ABC):
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                 topk_weights_NK: torch.Tensor) -> torch.Tensor:
         ...
+
+    def bind_workspace(self, workspace: Optional[Workspace]) -> None:
+        """The plan's moe.runner.* buffers, which the plan records only for the runner that
+        takes them (triton): every other runner refuses them."""
+        if workspace is not None:
+            raise ValueError(f"the plan recorded moe.runner.* for the triton expert runner, "
+                             f"but this rank runs {type(self).__name__}")
 
     def warm_up(self, max_rows: int, device: torch.device) -> list[int]:
         """Run what must be compiled before serving for steps of up to max_rows rows; returns

@@ -8,9 +8,8 @@ a fast path (the grouped_mm and triton runners are). Forwards whose intermediate
 large (big prefills) take the host-driven loop, outside any graph.
 
 It allocates its intermediates per call, sized by the step (which the runtime guard bounds by
-the plan); so do the fast GPU runners. The plan's `moe.runner.*` records reserve this
-formulation's worst case in the static budget; they are not yet handed to the runners as
-workspaces.
+the plan), as every activation is; so does the grouped_mm runner. The plan's `moe.runner.*`
+records are the triton runner's workspace, and a plan for this runner has none.
 Accumulation is in float32.
 """
 

@@ -7,9 +7,9 @@ host synchronisation, so a step can be captured in a CUDA graph. Tile configs co
 tuned JSON of this (E_local, H, I_local, dtype, device), else from defaults (kernels/configs.py);
 with `deterministic` a tuned down that sums the top-k by atomic adds (ATOMIC_SUM) writes every
 pair's row for the in-order top-k pass instead.
-Its intermediates live in the plan's `moe.runner.*` buffers, allocated once by the model runner
-and shared by every layer (kernels/align_torch.py: Workspace); a step larger than they are is
-refused with the plan's name for it.
+Its intermediates live in the plan's `moe.runner.*` buffers, allocated once by the binder
+(runtime/buffers.py) and shared by every layer (kernels/moe/align_torch.py: Workspace); a step
+larger than they are is refused with the plan's name for it.
 
 triton is imported on the first forward, so that `import moeserve` works without it.
 """
@@ -23,6 +23,7 @@ import torch
 from moeserve.layers.mlp import KERNEL_ACTS
 from moeserve.config.spec import ModelSpec
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
+from moeserve.kernels.moe.align_torch import Workspace
 from moeserve.kernels.moe.configs import CONFIG_DIR, get_config, warm_up_sizes
 from moeserve.kernels.launch.choice import interpreting
 from moeserve.parallel.groups import ParallelState
@@ -49,11 +50,11 @@ class TritonFusedExperts(Experts):
         self.top_k = spec.top_k
         self._configs: dict[tuple[int, str], dict[str, Any]] = {}
         self.config_dir = CONFIG_DIR  # where the tuned tables are (a test may give its own)
-        # the plan's moe.runner.* buffers, shared by every layer's runner (the model runner
-        # hands them over: use_workspace); None: each step allocates its own (tests, tools)
-        self.workspace: Optional[Any] = None
+        # the plan's moe.runner.* buffers, shared by every layer's runner (bind_workspace);
+        # None: each step allocates its own (tests, tools)
+        self.workspace: Optional[Workspace] = None
 
-    def use_workspace(self, workspace: Any) -> None:
+    def bind_workspace(self, workspace: Optional[Workspace]) -> None:
         self.workspace = workspace
 
     def config_for(self, num_tokens: int, device: torch.device) -> dict[str, Any]:
