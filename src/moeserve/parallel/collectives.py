@@ -29,10 +29,16 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-def _check_sizes(sizes: Sequence[int], axis: Axis) -> None:
+def _block_rows(sizes: Sequence[int], axis: Axis, rows: int, want: int, what: str) -> int:
+    """The rows of each padded block, max(sizes), once the sizes fit the axis and the
+    tensor holds `want` rows."""
     if len(sizes) != axis.size or min(sizes, default=0) < 0:
         raise ValueError(f"need one non-negative size per rank of a {axis.size}-rank axis, "
                          f"got {list(sizes)}")
+    if rows != want:
+        raise ValueError(f"{what} holds {rows} rows where the step's blocks {list(sizes)} "
+                         f"ask for {want}")
+    return max(sizes)
 
 
 def block_offsets(sizes: Sequence[int]) -> list[int]:
@@ -61,13 +67,9 @@ def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
     """Concatenate every rank's rows in rank order: [sum(sizes), ...]. x_R has sizes[rank]
     rows; trailing dims must agree across ranks. `buffer` (the plan's) receives the padded
     blocks; the result may be a view of it, valid until the next gather into it."""
-    _check_sizes(sizes, axis)
-    if x_R.shape[0] != sizes[axis.rank]:
-        raise ValueError(f"rank {axis.rank} holds {x_R.shape[0]} rows but the step says "
-                         f"{sizes[axis.rank]}")
+    pad = _block_rows(sizes, axis, x_R.shape[0], sizes[axis.rank], f"rank {axis.rank}")
     if axis.size == 1:
         return x_R
-    pad = max(sizes)
     if pad == 0:
         return x_R.new_empty((0, *x_R.shape[1:]))
     send = x_R.contiguous()
@@ -85,13 +87,9 @@ def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
 def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis) -> torch.Tensor:
     """Sum y_N over the ranks and keep this rank's block. y_N holds every rank's block in rank
     order ([sum(sizes), ...], the layout all_gather_uneven returns); out: [sizes[rank], ...]."""
-    _check_sizes(sizes, axis)
-    if y_N.shape[0] != sum(sizes):
-        raise ValueError(f"reduce-scatter input has {y_N.shape[0]} rows, the blocks "
-                         f"{list(sizes)} sum to {sum(sizes)}")
+    pad = _block_rows(sizes, axis, y_N.shape[0], sum(sizes), "the reduce-scatter input")
     if axis.size == 1:
         return y_N
-    pad = max(sizes)
     if pad == 0:
         return y_N.new_empty((0, *y_N.shape[1:]))
     if all(s == pad for s in sizes):

@@ -8,6 +8,9 @@ import torch
 
 from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, Dispatcher
 from moeserve.batch.step import StepContext
+from moeserve.config.spec import ModelSpec
+from moeserve.parallel.groups import ParallelState
+from moeserve.plan.capacity import CapacityPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,11 +23,12 @@ class LocalDispatcher(Dispatcher):
     reduces_partial_sums = True
     graph_safe = True  # shapes come from the step only
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.state.world.size != 1:
+    def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
+                 dtype: torch.dtype) -> None:
+        if state.world.size != 1:
             raise ValueError(f"the local dispatcher serves one rank, the layout has "
-                             f"{self.state.world.size}; use gather or all_to_all")
+                             f"{state.world.size}; use gather or all_to_all")
+        super().__init__(spec, state, plan, dtype)
 
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
