@@ -6,8 +6,8 @@
 
 (`bind_model_buffers` allocates the model's part alone, for layers tested without a KV cache.)
 
-This is the one place that reads the plan's records and allocates them (DESIGN.md: "Buffers come
-only from the plan"); everything else receives a typed handle. The plan records the buffers of
+This is the one place that reads the plan's records and allocates them (docs/DESIGN.md, "Every
+buffer from the plan"); everything else receives a typed handle. The plan records the buffers of
 what this rank runs and no others (the expert workspace for the triton runner, the attention
 partials for the triton backends, graph inputs where graphs are captured), so every record is
 allocated here and `allocated` holds each one's tensor under its name, for the accounting that
