@@ -9,7 +9,7 @@ per token count of the plan's prefill sizes.
 
 Why: an eager prefill is bound by its host. For one request of 256 tokens (Qwen3-30B-A3B
 shape) the host takes as long to launch its ~2800 kernels and ops as the device takes to run
-them (benchmarks/prefill_host.py). A replay launches a graph per piece and one attention
+them (`python -m benchmarks e2e --prefill-tokens 256` times one prefill). A replay launches a graph per piece and one attention
 kernel between pieces.
 
 A forward of T tokens is captured as L + 1 pieces (L layers): piece 0 runs from the embedding

@@ -1,6 +1,6 @@
 """A small DeepSeek engine case (latent attention with V2-Lite's dims, 2 layers, dummy fp32
-weights, reference experts) and its greedy requests: what tests/test_mla_gpu.py's engine tests
-and benchmarks/graph_tokens.py run.
+weights, reference experts) and its greedy requests: what tests/layers/test_mla_gpu.py's
+engine tests run.
 
     folder = write_config(tmp_path, "v3")
     prompts, params = greedy_requests()

@@ -1,6 +1,6 @@
 """Tile configs of the fused MoE kernels: tuned JSON shipped in kernels/moe/configs/, else defaults.
 
-One file per (E_local, H, I_local, dtype, device name), written by benchmarks/tune_moe.py:
+One file per (E_local, H, I_local, dtype, device name), written by `python -m benchmarks tune-moe`:
 
     E=128,H=2048,I=768,dtype=bfloat16,device=NVIDIA_H200.json
     {"1": {"BLOCK_M": 16, "gate_up": {...}, "down": {...}}, "16": {...}, ...}
@@ -125,35 +125,36 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
                     for k in DECODE_KEYS if k not in cfg["decode"].get(g, {})]
     if missing:
         raise ValueError(f"MoE tile config in {where} lacks {', '.join(missing)}; "
-                         "re-run benchmarks/tune_moe.py")
+                         "re-run python -m benchmarks tune-moe")
     if cfg["BLOCK_M"] not in BLOCK_MS:
         raise ValueError(f"MoE tile config in {where} has BLOCK_M {cfg['BLOCK_M']}, not one of "
                          f"{BLOCK_MS} (the plan sizes the runner's workspace for those); "
-                         "re-run benchmarks/tune_moe.py")
+                         "re-run python -m benchmarks tune-moe")
     half = [g for g in ("gate_up", "down") if cfg[g].get("HALF_TAIL")]
     if half and cfg["BLOCK_M"] < 2 * MIN_TILE_M:
         raise ValueError(f"MoE tile config in {where} sets HALF_TAIL for {', '.join(half)} with "
                          f"BLOCK_M {cfg['BLOCK_M']}: a half tile needs BLOCK_M >= "
-                         f"{2 * MIN_TILE_M}; drop HALF_TAIL or re-run benchmarks/tune_moe.py")
+                         f"{2 * MIN_TILE_M}; drop HALF_TAIL or re-run "
+                         "python -m benchmarks tune-moe")
     if cfg["down"].get("PAIRED") or (cfg["gate_up"].get("PAIRED")
                                      and not cfg["gate_up"].get("TMA")):
         raise ValueError(f"MoE tile config in {where} sets PAIRED where it has no meaning: "
                          "only gate_up with TMA pairs the two halves of w13; drop it or "
-                         "re-run benchmarks/tune_moe.py")
+                         "re-run python -m benchmarks tune-moe")
     if cfg["gate_up"].get("WS") or (cfg["down"].get("WS") and cfg["BLOCK_M"] < 64):
         raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
                          "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
                          "tile of 64 rows a warpgroup); drop it or re-run "
-                         "benchmarks/tune_moe.py")
+                         "python -m benchmarks tune-moe")
     if cfg["gate_up"].get("ATOMIC_SUM"):
         raise ValueError(f"MoE tile config in {where} sets ATOMIC_SUM for gate_up: only down "
-                         "sums the top-k; drop it or re-run benchmarks/tune_moe.py")
+                         "sums the top-k; drop it or re-run python -m benchmarks tune-moe")
     elsewhere = [g for g in ("gate_up", "down") if cfg[g].get("PREFETCH")]
     elsewhere += ["decode.down"] if cfg.get("decode", {}).get("down", {}).get("PREFETCH") else []
     if elsewhere:
         raise ValueError(f"MoE tile config in {where} sets PREFETCH for {', '.join(elsewhere)}: "
                          "only the decode gate_up GEMV takes it; drop it or re-run "
-                         "benchmarks/tune_moe.py")
+                         "python -m benchmarks tune-moe")
     return cfg
 
 

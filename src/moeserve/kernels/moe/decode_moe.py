@@ -13,7 +13,7 @@ Pairs of other ranks and ids of -1 read nothing. Each pair streams its expert's 
 so two pairs of one expert read it twice: the path wins when the pairs of a step rarely share
 an expert (one row never does: a row's top-k ids are distinct), and loses to the aligned
 grouped GEMMs of fused_moe.py once they often do. kernels/configs.py chooses between them
-(tuned per size by benchmarks/tune_moe.py, else by the expected sharing).
+(tuned per size by `python -m benchmarks tune-moe`, else by the expected sharing).
 
 The products are fp32 multiply-adds on CUDA cores, not tensor-core MMAs: at a few rows a step
 is bound by the weight bytes (2 H I per pair and projection), and the GEMV layout keeps every
