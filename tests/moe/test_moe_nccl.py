@@ -4,7 +4,6 @@ test_moe_parallel, on CUDA tensors, against the float64 CPU reference."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_ranks import LAYOUTS, run_world
 from moeserve.testing.multiproc import run_ranks
