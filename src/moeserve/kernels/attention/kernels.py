@@ -43,6 +43,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def softmax_start(ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """The running max, sum and output of an online softmax over no keys yet."""
+    return (tl.full([ROWS], NEG_INIT, tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, WIDTH], tl.float32))
+
+
+@triton.jit
 def online_softmax(qk, visible, m_i, l_i, MASKED: tl.constexpr):
     """One block of base-2 scores [rows, BLOCK_N] into the running max and sum: (new max, the
     factor that rescales what was accumulated, the block's weights, new sum). MASKED: scores
@@ -156,9 +163,7 @@ def decode_partial_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(Kc.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_G], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_G, BLOCK_D)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -198,8 +203,10 @@ def decode_combine_kernel(
 
 
 @triton.jit
-def extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b):
-    """(new tokens, cached prefix, first query row, request-table row) of request b."""
+def extend_request(ExtendLens, PrefixLens, QStarts, ReqRows):
+    """(new tokens, cached prefix, first query row, request-table row) of this program's
+    request (axis 0 of an extend grid)."""
+    b = tl.program_id(0)
     return (tl.load(ExtendLens + b).to(tl.int32), tl.load(PrefixLens + b).to(tl.int32),
             tl.load(QStarts + b).to(tl.int64), tl.load(ReqRows + b).to(tl.int64))
 
@@ -212,10 +219,9 @@ def extend_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr):
-    b = tl.program_id(0)
+    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
-    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b)
     if mblk * BLOCK_M >= ext:
         return
     kvh = h // GROUP
@@ -232,9 +238,7 @@ def extend_kernel(
 
     hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, prefix + ext)  # keys [lo, hi)
     lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)
-    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     if SPLIT:  # no window, BLOCK_D == HEAD_DIM: the blocks before the first query need no mask
         first = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
         for n0 in range(0, first, BLOCK_N):

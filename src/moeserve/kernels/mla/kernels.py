@@ -30,8 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.kernels.attention.kernels import (NEG_INIT, _dot, extend_request, online_softmax,
-                                               split_range, store_decode)
+from moeserve.kernels.attention.kernels import (_dot, extend_request, online_softmax,
+                                               softmax_start, split_range, store_decode)
 from moeserve.kernels.launch.pdl import pdl_gate
 
 
@@ -80,9 +80,8 @@ def mla_decode_kernel(
         KV_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
-    """DIRECT (one split, num_splits == 1): the program's normalised latent output is the
-    attention's, written to Out in its dtype (what the combine would make of one split) and
-    no partial is stored."""
+    """The latent form of kernels/attention/kernels.decode_partial_kernel: a program takes
+    BLOCK_H heads of one request over one split of its keys; DIRECT as there."""
     pdl_gate(PDL)
     b = tl.program_id(0)
     hblk = tl.program_id(1)
@@ -102,9 +101,7 @@ def mla_decode_kernel(
                                 stride_lt, stride_lh, stride_pt, stride_ph,
                                 Cache.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_H, BLOCK_C)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -126,10 +123,9 @@ def mla_extend_kernel(
         KV_RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0)
+    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows)
     hblk = tl.program_id(1)
     tblk = tl.program_id(2)
-    ext, prefix, q0, row = extend_request(ExtendLens, PrefixLens, QStarts, ReqRows, b)
     if tblk * BLOCK_T >= ext:
         return
 
@@ -149,9 +145,7 @@ def mla_extend_kernel(
                                 stride_lt, stride_lh, stride_pt, stride_ph,
                                 Cache.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_T * BLOCK_H], NEG_INIT, tl.float32)
-    l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_C], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_T * BLOCK_H, BLOCK_C)
     first = (prefix + tblk * BLOCK_T) // BLOCK_N * BLOCK_N  # keys before it: seen by every row
     for n0 in range(0, first, BLOCK_N):
         m_i, l_i, acc = _attend_latent(q_lat, q_pe, Cache, ReqToToken, row, stride_rt,

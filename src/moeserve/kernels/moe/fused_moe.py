@@ -49,9 +49,11 @@ from moeserve.kernels.launch.choice import interpreting
 
 @triton.jit
 def _tile_of(num_blocks, n_size, block_expert_ptr, block_rows_ptr, BLOCK_N: tl.constexpr,
-             GROUP_M):
-    """Program id -> (block, n tile, the block's expert (-1: an unused block), its rows);
-    GROUP_M consecutive blocks share their weight tiles in L2."""
+             GROUP_M, PDL: tl.constexpr):
+    """Program id -> (block, n tile, the block's expert (-1: an unused block), its rows),
+    read past the PDL gate (the align before this kernel wrote them); GROUP_M consecutive
+    blocks share their weight tiles in L2."""
+    pdl_gate(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_size, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -151,9 +153,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
     with both tile shapes, so the tail shares its expert's weight tiles in L2 with the
     expert's other blocks; a second launch for the tails re-read them from HBM and ran up to
     30% slower on the H200)."""
-    pdl_gate(PDL)
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, inter, block_expert_ptr, block_rows_ptr,
-                                          BLOCK_N, GROUP_M)
+                                          BLOCK_N, GROUP_M, PDL)
     if expert < 0:
         return
     if HALF_TAIL and rows <= BLOCK_M // 2:
@@ -209,9 +210,8 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
                  ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
-    pdl_gate(PDL)
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, hidden, block_expert_ptr, block_rows_ptr,
-                                          BLOCK_N, GROUP_M)
+                                          BLOCK_N, GROUP_M, PDL)
     if expert < 0:
         return
     if HALF_TAIL and rows <= BLOCK_M // 2:
