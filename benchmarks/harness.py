@@ -177,8 +177,10 @@ def measure_ceilings(peer: bool = False) -> Ceilings:
 # --- what a run records -----------------------------------------------------------------------
 
 def commit() -> str:
-    """HEAD's short hash, '+changes' when src/ differs from it; $COMMIT where there is no git
-    (a copied tree)."""
+    """$COMMIT when set (a copied tree, whose git, if any, need not be the tree's); else HEAD's
+    short hash, '+changes' when src/ differs from it."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
