@@ -287,10 +287,7 @@ def render_bench(bench: list[dict[str, Any]], a: dict[str, Any], spec: Any, bw: 
 def run(args: Any, argv: list[str]) -> int:
     out = Path(args.out)
     if args.part:
-        harness.require_gpu()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"e2e_{args.part}.json").write_text(json.dumps(PARTS[args.part](args), indent=1))
-        return 0
+        return harness.run_part(out, f"e2e_{args.part}", lambda: PARTS[args.part](args))
     if "ceilings" not in args.parts.split(","):
         raise SystemExit("--parts must include ceilings: every floor divides by them")
     res: dict[str, Any] = {"args": vars(args), "info": vars(RunInfo.collect(

@@ -289,6 +289,15 @@ def add_output_arguments(p: Any) -> None:
                    help=f"also write the section into this file (e.g. {RESULTS.relative_to(REPO)})")
 
 
+def run_part(out: Path, name: str, measure: Callable[[], Any]) -> int:
+    """One part of a benchmark in this process (the parent starts one process a part, so that
+    no two models share the GPU's memory): its results as out/NAME.json."""
+    require_gpu()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(measure(), indent=1))
+    return 0
+
+
 def require_gpu(gpus: int = 1) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         sys.exit(f"this benchmark needs {gpus} CUDA GPU(s); found "

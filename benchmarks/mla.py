@@ -245,11 +245,8 @@ def render_e2e(fast: dict[str, Any], ref: dict[str, Any], batches: list[int]) ->
 def run(args: Any, argv: list[str]) -> int:
     out = Path(args.out)
     if args.part:
-        harness.require_gpu()
-        out.mkdir(parents=True, exist_ok=True)
-        res = part_attention(args) if args.part == "attention" else part_e2e(args)
-        (out / f"mla_{args.part}_{args.backend}.json").write_text(json.dumps(res, indent=1))
-        return 0
+        part = part_attention if args.part == "attention" else part_e2e
+        return harness.run_part(out, f"mla_{args.part}_{args.backend}", lambda: part(args))
     info = RunInfo.collect("mla", argv)
     parts = args.parts.split(",")
     jobs = [("attention", "triton")] if "attention" in parts else []
