@@ -120,8 +120,8 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
 
 def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,
                            d: int = 16, blocks=(1, 2, 3, 8, None)) -> None:
-    """Any split of the heads gives the one-program-per-token result (blocks=1, the former
-    kernel), with and without Qwen3's per-head q/k norm, and matches the torch path."""
+    """Any split of the heads gives the one-program-per-token result (blocks=1), with and
+    without Qwen3's per-head q/k norm, and matches the torch path."""
     from moeserve.kernels.elementwise.fused import rotary
 
     gen = torch.Generator().manual_seed(2)
