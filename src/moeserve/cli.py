@@ -123,7 +123,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(config_from_args(args), host=args.host, port=args.port,
                  max_queue=args.max_queued_requests, served_model_name=args.served_model_name,
-                 drain_timeout=args.drain_timeout, log_level=args.log_level)
+                 drain_timeout=args.drain_timeout, log_level=args.log_level,
+                 api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                 allowed_origins=[o.strip() for arg in args.allowed_origins
+                                  for o in arg.split(",") if o.strip()])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "with Retry-After")
     s.add_argument("--drain-timeout", type=float, default=600.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting")
+    s.add_argument("--api-key", default=None,
+                   help="ask for 'Authorization: Bearer KEY' on every route but /health "
+                   "(without it, no key is asked)")
+    s.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
+                   help="larger request bodies are refused with 413")
+    s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins (or comma lists of them, '*' for any) whose web pages may call "
+                   "the server (CORS); without it, no CORS headers are sent")
     s.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)

@@ -166,7 +166,10 @@ class Tokenizer:
 
     # --- ids <-> text ---------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call releases the GIL (a long prompt tokenized in a server thread does not
+        # hold up the event loop) and its _fast form skips the offsets; same ids as encode
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return encode([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

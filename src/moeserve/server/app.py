@@ -4,6 +4,11 @@ The engine's ranks run in worker processes; this process tokenizes, renders chat
 formats responses and streams them. SIGTERM (or Ctrl-C) drains: the server stops accepting
 connections, /health answers 503, requests in flight finish (up to --drain-timeout seconds, then
 they are aborted), the engine shuts down, and the process exits 0.
+
+With --api-key every route but /health asks for `Authorization: Bearer KEY`; POST bodies are
+JSON only and at most --max-request-bytes (server/guard.py); CORS headers are sent only for the
+--allowed-origins. Prompts are tokenized and chat templates rendered in worker threads, so that a
+large prompt does not hold up /health or other streams.
 """
 
 from __future__ import annotations
@@ -11,22 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import signal
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+import traceback
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moeserve.config import EngineConfig
 from moeserve.runtime.engine import Engine
 from moeserve.server.bridge import EngineClient
-from moeserve.server.errors import APIError
+from moeserve.server.errors import APIError, internal_error, new_request_id, public_line
+from moeserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from moeserve.server.openai_api import Job, OpenAIHandlers
 from moeserve.server.text import TextCodec
 
@@ -43,7 +53,9 @@ class ServerState:
 
 
 def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_queue: int = 1024,
-              on_engine_death: Optional[Callable[[str], None]] = None) -> FastAPI:
+              on_engine_death: Optional[Callable[[str], None]] = None,
+              api_key: Optional[str] = None, allowed_origins: Sequence[str] = (),
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     if engine.tokenizer is None:
         raise ValueError("moeserve serve needs the model's tokenizer (prompts, chat templates, "
                          "stop strings); drop --skip-tokenizer-init")
@@ -77,16 +89,22 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
         return APIError(exc.status_code, str(exc.detail), None,
                         "not_found" if exc.status_code == 404 else None).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        log.debug("the client closed the connection while sending %s %s", request.method,
+                  request.url.path)
+        return Response(status_code=499)  # nobody reads it; counted in the metrics
+
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return internal_error(log, new_request_id(), "internal error",
+                              _traceback(exc)).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if state.engine_failed or not client.alive:
-            return JSONResponse({"status": "engine failed", "error": state.engine_failed},
-                                status_code=503)
+            why = None if state.engine_failed is None else public_line(state.engine_failed)
+            return JSONResponse({"status": "engine failed", "error": why}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -119,10 +137,12 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
         if state.draining:
             raise APIError(503, "the server is shutting down", None, "draining",
                            headers={"Retry-After": "1"})
-        job = make_job(await request.body())
+        body = await request.body()
+        job = await asyncio.to_thread(make_job, body)  # tokenizing a long prompt takes a while
         seats = client.reserve(job.num_seqs)
         if job.stream:
-            return EventStream(handlers.stream(job, seats), on_close=seats.release)
+            return EventStream(handlers.stream(job, seats), on_close=seats.release,
+                               request_id=job.id)
         try:
             body = await _unless_disconnected(request, handlers.respond(job, seats))
         finally:
@@ -137,8 +157,17 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     async def chat(request: Request) -> Response:
         return await generate(request, handlers.chat_job)
 
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     app.add_middleware(CountRequests, client=client)
+    if allowed_origins:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
+
+
+def _traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
 
 
 async def _watch_engine(client: EngineClient, state: ServerState,
@@ -176,17 +205,25 @@ class EventStream(Response):
     """A text/event-stream response that stops (and closes its generator, which aborts the
     request's sequences) as soon as the client disconnects, even while no event is due."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
+                 request_id: str) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
-        self.events, self.on_close = events, on_close
+        self.events, self.on_close, self.request_id = events, on_close, request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:  # the client went away
+                raise
+            except Exception as exc:  # the headers are out: the error goes as an event
+                err = internal_error(log, self.request_id, "the stream failed", _traceback(exc))
+                event = b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         task = asyncio.ensure_future(pump())
@@ -257,7 +294,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
           max_queue: int = 1024, served_model_name: Optional[str] = None,
-          drain_timeout: float = 600.0, log_level: str = "info") -> int:
+          drain_timeout: float = 600.0, log_level: str = "info", api_key: Optional[str] = None,
+          allowed_origins: Sequence[str] = (),
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or an engine failure (1). Port 0 picks
     a free port; the line `moeserve: serving MODEL on http://HOST:PORT` says which."""
     if max_queue < 1:
@@ -279,7 +318,8 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
     try:
         engine = Engine(in_process=False, **dataclasses.asdict(cfg))
         app = build_app(engine, served_model_name=served_model_name, max_queue=max_queue,
-                        on_engine_death=on_death)
+                        on_engine_death=on_death, api_key=api_key,
+                        allowed_origins=allowed_origins, max_request_bytes=max_request_bytes)
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=drain_timeout)
         server = _Server(config, app.state.server)

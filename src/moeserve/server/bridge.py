@@ -13,6 +13,9 @@ their KV pages in the workers, and gives their places in the queue back.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -22,10 +25,12 @@ from typing import AsyncIterator, Optional, Sequence
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams
-from moeserve.server.errors import APIError
+from moeserve.server.errors import APIError, public_line, public_message
 from moeserve.server.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1
+LOGGED_ERRORS = 64  # distinct failures remembered, so that one rank's death is logged once
+log = logging.getLogger("moeserve.server")
 _POLL_S = 0.25  # how often a pump thread looks whether its sequence was given up
 
 
@@ -57,6 +62,8 @@ class EngineClient:
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # sequences submitted and not finished; touched on the loop only
         self.metrics = ServerMetrics(engine.kv_stats, lambda: self.in_flight)
+        # failure text -> the request id it was logged under
+        self._logged: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     @property
     def alive(self) -> bool:
@@ -80,10 +87,11 @@ class EngineClient:
         return Seats(self, num_seqs)
 
     async def run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                  seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
+                  seats: Seats, request_id: str) -> AsyncIterator[tuple[int, TokenOutput]]:
         """Submit one sequence per (prompt, params) and yield (index, output) as outputs come,
         until every sequence has finished (an output with a finish or an error). The seats
-        (from reserve) are given back when it ends."""
+        (from reserve) are given back when it ends. An output's error is one line for the
+        client, with `request_id`; the server log has the rest under that id."""
         assert seats.count == len(prompts)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[tuple[int, TokenOutput]] = asyncio.Queue()
@@ -94,8 +102,8 @@ class EngineClient:
                 try:
                     rid, q = self.engine.submit(ids, p, stream=True)
                 except EngineError as exc:
-                    raise APIError(503, f"the engine is not running: {exc}", None,
-                                   "engine_unavailable",
+                    raise APIError(503, f"the engine is not running: {public_line(str(exc))} "
+                                   f"(request id {request_id})", None, "engine_unavailable",
                                    headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                 seqs.append(_Seq(rid, time.monotonic()))
                 self.metrics.prompt_tokens.inc(len(ids))
@@ -107,6 +115,8 @@ class EngineClient:
                 self._observe(seqs[i], out)
                 if seqs[i].done:
                     left -= 1
+                if out.error is not None:
+                    out = dataclasses.replace(out, error=self._public(out.error, request_id))
                 yield i, out
         finally:
             stop.set()
@@ -115,6 +125,19 @@ class EngineClient:
                     self.engine.abort(s.rid)
                     self.metrics.finished.labels("abort").inc()
             seats.release()
+
+    def _public(self, error: str, request_id: str) -> str:
+        """`error` for the client; logged in full the first time it is seen (the death of a
+        rank fails every request with the same text)."""
+        first = self._logged.get(error)
+        if first is None:
+            self._logged[error] = request_id
+            if len(self._logged) > LOGGED_ERRORS:
+                self._logged.popitem(last=False)
+            log.error("request %s failed:\n%s", request_id, error.rstrip())
+        else:
+            log.error("request %s failed as request %s did (logged above)", request_id, first)
+        return public_message(error, request_id)
 
     def _observe(self, seq: _Seq, out: TokenOutput) -> None:
         m, now = self.metrics, time.monotonic()

@@ -1,15 +1,26 @@
-"""Errors as the OpenAI API returns them: {"error": {"message", "type", "param", "code"}}."""
+"""Errors as the OpenAI API returns them: {"error": {"message", "type", "param", "code"}}.
+
+What fails inside the server or the engine reaches a client as one short line and a request id;
+the whole story (a rank's traceback, internal paths) goes to the server log under that id.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+import uuid
 from typing import Any, Optional
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error",
-         500: "server_error", 503: "service_unavailable_error"}
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+         404: "invalid_request_error", 405: "invalid_request_error",
+         408: "invalid_request_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+PUBLIC_LINE_CHARS = 200
+# absolute paths (two or more parts) inside an exception's message: a client does not see them
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-~+@]+){2,}[\\/]?")
 
 
 class APIError(Exception):
@@ -59,3 +70,29 @@ def from_validation(exc: ValidationError) -> APIError:
 def unsupported(field: str) -> APIError:
     return bad_request(f"'{field}' is not supported by moeserve; remove it or leave it unset",
                        field, "unsupported_parameter")
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def public_line(detail: str) -> str:
+    """The first line of `detail` with paths taken out, short enough for a client."""
+    line = detail.strip().split("\n", 1)[0].strip()
+    line = _PATH.sub("<path>", line)
+    if len(line) > PUBLIC_LINE_CHARS:
+        line = line[:PUBLIC_LINE_CHARS - 3] + "..."
+    return line or "internal error"
+
+
+def internal_error(log: logging.Logger, request_id: str, what: str, detail: str,
+                   status: int = 500, code: str = "internal_error",
+                   headers: Optional[dict[str, str]] = None) -> APIError:
+    """An error for the client (`what`: the first line of `detail`, and the request id);
+    `detail` in full goes to `log` under the same id."""
+    log.error("request %s: %s\n%s", request_id, what, detail.rstrip())
+    return APIError(status, f"{what}: {public_message(detail, request_id)}", None, code, headers)
+
+
+def public_message(detail: str, request_id: str) -> str:
+    return f"{public_line(detail)} (request id {request_id}; the server log has the details)"

@@ -173,7 +173,7 @@ class OpenAIHandlers:
     def _outputs(self, job: Job, seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
         ids = [p.ids for p in job.prompts for _ in range(job.n)]
         params = [sp for per_prompt in job.params for sp in per_prompt]
-        return self.client.run(ids, params, seats)
+        return self.client.run(ids, params, seats, job.id)
 
     async def respond(self, job: Job, seats: Seats) -> dict[str, Any]:
         """The whole (non-streaming) response body."""
