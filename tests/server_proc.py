@@ -76,12 +76,13 @@ class ServerProcess:
 
 
 def http(server: ServerProcess, method: str, path: str, body: Any = None,
-         raw: Optional[bytes] = None, timeout: float = 60.0
-         ) -> tuple[int, dict[str, str], Any]:
-    """(status, headers with lower-case names, parsed JSON or text) of one request."""
+         raw: Optional[bytes] = None, timeout: float = 60.0,
+         headers: Optional[dict[str, str]] = None) -> tuple[int, dict[str, str], Any]:
+    """(status, headers with lower-case names, parsed JSON or text) of one request; `headers`
+    add to (or replace) Content-Type: application/json."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(server.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, headers, payload = resp.status, resp.headers, resp.read()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import http.client as httpclient
 import json
+import threading
+import time
 
 import openai
 import pytest
@@ -369,6 +371,42 @@ def test_unknown_route_and_method(server):
     assert status == 404 and err["error"]["code"] == "not_found"
     status, _, err = http(server, "GET", "/v1/completions")
     assert status == 405 and "error" in err
+
+
+def test_closed_by_default_json_only(server):
+    """No --api-key: no key asked; no --allowed-origins: no CORS headers for any origin; a POST
+    body a web page could send without a preflight (text/plain) is refused, not run."""
+    evil = {"Origin": "https://evil.example"}
+    status, headers, _ = http(server, "GET", "/v1/models", headers=evil)
+    assert status == 200 and not any(h.startswith("access-control-") for h in headers)
+    status, headers, _ = http(server, "OPTIONS", "/v1/completions", headers={
+        **evil, "Access-Control-Request-Method": "POST"})
+    assert status != 200 and not any(h.startswith("access-control-") for h in headers)
+    body = json.dumps(_post("/v1/completions", {})).encode()
+    status, headers, err = http(server, "POST", "/v1/completions", raw=body,
+                                headers={**evil, "Content-Type": "text/plain"})
+    assert status == 415 and err["error"]["code"] == "unsupported_media_type", err
+    assert not any(h.startswith("access-control-") for h in headers)
+
+
+def test_a_10mb_prompt_does_not_hold_up_the_server(server):
+    """The prompt is tokenized in a worker thread that releases the GIL: /health answers while
+    it runs (before, it waited for the whole tokenization, seconds)."""
+    body = json.dumps(_post("/v1/completions", {"prompt": "a " * 5_000_000})).encode()
+    result = []
+    big = threading.Thread(target=lambda: result.append(
+        http(server, "POST", "/v1/completions", raw=body, timeout=120)))
+    big.start()
+    gaps = []
+    while big.is_alive():
+        t0 = time.monotonic()
+        assert http(server, "GET", "/health")[0] == 200
+        gaps.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    big.join()
+    status, _, err = result[0]
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert gaps and max(gaps) < 1.0, f"/health took up to {max(gaps, default=0):.2f}s"
 
 
 # --- disconnects and load --------------------------------------------------------------------

@@ -109,7 +109,9 @@ def test_engine_death_fails_requests_and_exits(tmp_path):
         events = s.events()
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])
-        assert "error" in err and "rank 0" in err["error"]["message"]
+        message = err["error"]["message"]
+        assert "rank 0" in message and "request id cmpl-" in message, message
+        assert "Traceback" not in message and "/src/" not in message, message
         assert proc.proc.wait(timeout=60) == 1, proc.log()
         assert "the engine failed" in proc.log()
     finally:
