@@ -88,6 +88,12 @@ class EngineConfig:
     # --- runtime -----------------------------------------------------------------------------
     device: str = knob("auto", "Where the engine runs: cuda when a GPU is present (auto), or "
                        "cpu.", "--device", choices=DEVICES)
+    cpu_threads_per_rank: Optional[int] = knob(
+        None, "Torch threads of each rank process (torch.set_num_threads). Default on a CPU: "
+        "the cores this process may use divided by the ranks on this node, so that ranks do "
+        "not fight over cores; on a GPU torch's own default. A one-rank engine that runs in "
+        "the caller's process keeps its thread count unless this is given.",
+        "--cpu-threads-per-rank")
     random_seed: int = knob(0, "Seed of sampling for requests that give no seed.",
                             "--random-seed")
     moe_runner_backend: str = knob("auto", "Expert GEMMs: triton (fused kernel), grouped_mm "
@@ -219,7 +225,8 @@ def config_errors(cfg: EngineConfig) -> list[tuple[str, str]]:
                        ("speculative_num_draft_tokens", "--speculative-num-draft-tokens"),
                        ("cuda_graph_max_bs", "--cuda-graph-max-bs"),
                        ("piecewise_cuda_graph_max_tokens", "--piecewise-cuda-graph-max-tokens"),
-                       ("context_length", "--context-length")]:
+                       ("context_length", "--context-length"),
+                       ("cpu_threads_per_rank", "--cpu-threads-per-rank")]:
         positive(name, flag)
     if cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size == 0:
         errors.append(("--chunked-prefill-size 0 is not a chunk size.",

@@ -34,16 +34,20 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
-from moeserve.config.spec import ModelSpec
+from moeserve.config.spec import ModelSpec, ModelSpecError
 from moeserve.parallel.groups import ParallelState, init_parallel_state
 from moeserve.batch.step import StepTooLarge, gather_ints, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.batch.forward_batch import ForwardMode
+from moeserve.models.loader import WeightLoadError
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.scheduler import Scheduler
 
+# what a rank raises on input the user can fix: its message says what to change, a traceback
+# would only bury it
+USER_ERRORS = (WeightLoadError, ModelSpecError, FileNotFoundError, PermissionError)
 IDLE_TICK_S = 0.02  # how long rank 0 waits for new requests when no rank has work
 
 
@@ -194,6 +198,29 @@ def _drain(inbox: Any, block: bool) -> list[Message]:
     return msgs
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and taskset
+    narrow), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
+def torch_threads_for_rank(cfg: EngineConfig, device_type: str,
+                           cores: Optional[int] = None) -> Optional[int]:
+    """Torch threads for one rank process: --cpu-threads-per-rank when given; on a CPU the
+    node's cores shared evenly by its ranks (torch's default gives every rank all of them,
+    and ranks in lockstep then wait on each other's oversubscribed threads); None (torch's
+    default) on a GPU, where the host threads only launch kernels."""
+    if cfg.cpu_threads_per_rank is not None:
+        return cfg.cpu_threads_per_rank
+    if device_type != "cpu":
+        return None
+    ranks_here = max(1, cfg.tp_size // max(1, cfg.nnodes))
+    return max(1, (available_cores() if cores is None else cores) // ranks_here)
+
+
 def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str,
               inbox: Optional[Any], outbox: Any, eos_token_ids: tuple[int, ...]) -> None:
     """Entry point of a worker process: join the process group, build the rank, serve."""
@@ -205,19 +232,24 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.tp_size // cfg.nnodes)))
+        threads = torch_threads_for_rank(cfg, device.type)
+        if threads is not None:
+            torch.set_num_threads(threads)
         if cfg.tp_size > 1:
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=cfg.tp_size, timeout=timedelta(seconds=600))
         state = init_parallel_state(plan.layout, device)
         worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids)
-        outbox.put(("ready", rank))
+        outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads()}))
         serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None,
                    parent_pid)
         outbox.put(("exit", rank))
     except BaseException as exc:  # report why this rank stops, then stop
+        why = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, USER_ERRORS):  # ours to debug: where it happened
+            why += f"\n{traceback.format_exc()}"
         try:
-            outbox.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            outbox.put(("error", rank, why))
         finally:
             raise SystemExit(1)
     finally:
