@@ -3,16 +3,22 @@
 The engine process tokenizes, hands requests to rank 0 of the workers (one process per rank; a
 single rank runs in a thread of the engine's own process), and routes their outputs back to the
 callers. A rank that dies ends every request with an error naming the rank, within seconds.
+Rank processes are spawned, and spawn imports the caller's main script again in each of them:
+a script must create its Engine under `if __name__ == "__main__":`, and one that does not
+fails to start within seconds with that fix.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
+import sys
 import threading
 import time
 import uuid
 from typing import Any, Iterator, Optional, Sequence, Union
 
+import torch
 import torch.multiprocessing as mp
 
 from moeserve.config import EngineConfig
@@ -27,10 +33,23 @@ from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
 
 ParamsLike = Union[SamplingParams, dict, None]
 START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0  # shutdown waits this long for the ranks to finish, then kills them
+SPAWN_REIMPORT_EXIT = 3  # a rank process that found an Engine created while it imports __main__
+GUARD_HINT = ("the script creates its Engine at import time: every rank process imports the "
+              "script again (multiprocessing's spawn runs it as __mp_main__) and would start "
+              "ranks of its own. Put the code that creates the Engine under "
+              "`if __name__ == \"__main__\":`")
 
 
 class EngineError(RuntimeError):
     """The engine cannot start or cannot go on; the message says why and what to change."""
+
+
+def _importing_main_in_new_process() -> bool:
+    """True while multiprocessing bootstraps a spawned process: it imports the parent's main
+    script, and an Engine created there would spawn ranks of its own (the check is
+    multiprocessing's own, which it makes only when a Process starts)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def refusals(cfg: EngineConfig) -> list[str]:
@@ -62,6 +81,11 @@ class Engine:
                  **flags: Any) -> None:
         """in_process: run a single rank in a thread of this process (the default for
         tp_size 1) instead of a worker process of its own (what the server uses)."""
+        if _importing_main_in_new_process():
+            # a rank process importing an unguarded script: say so once, and end this process
+            # before it builds anything; the engine that spawned it sees the exit code
+            print(f"moeserve: error: {GUARD_HINT}", file=sys.stderr, flush=True)
+            raise SystemExit(SPAWN_REIMPORT_EXIT)
         try:
             cfg = EngineConfig(model=model, **flags)
         except TypeError as exc:
@@ -88,6 +112,7 @@ class Engine:
         self._closing = False
         self._procs: list[Any] = []
         self._thread: Optional[threading.Thread] = None
+        self.torch_threads: dict[int, int] = {}  # rank -> torch threads it runs with
         self._start(self.cfg.tp_size == 1 if in_process is None else in_process)
         self._router = threading.Thread(target=self._route, name="moeserve-router", daemon=True)
         self._router.start()
@@ -103,11 +128,15 @@ class Engine:
             from moeserve.parallel.groups import single_process_state
             from moeserve.parallel.devices import rank_device
 
-            state = single_process_state(self.plan.layout, rank_device(self.cfg, 0))
+            device = rank_device(self.cfg, 0)
+            if self.cfg.cpu_threads_per_rank is not None:  # this process is the caller's:
+                torch.set_num_threads(self.cfg.cpu_threads_per_rank)  # only when asked
+            state = single_process_state(self.plan.layout, device)
             worker = RankWorker(self.cfg, self.spec, self.plan, state, self.eos_token_ids)
             self._thread = threading.Thread(target=self._run_in_thread, args=(worker,),
                                             name="moeserve-rank0", daemon=True)
             self._thread.start()
+            self.torch_threads = {0: torch.get_num_threads()}
             return
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
@@ -120,22 +149,45 @@ class Engine:
                                   self.eos_token_ids))
             p.start()
             self._procs.append(p)
-        ready: set[int] = set()
+        self._wait_ready(local)
+
+    def _wait_ready(self, local: int) -> None:
+        """Wait for every local rank's "ready"; a rank that reports an error or dies first
+        fails the start at once, with its reason."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(ready) < local:
+        while len(self.torch_threads) < local:
             try:
-                msg = self._outbox.get(timeout=1.0)
+                msg = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 msg = None
             if msg and msg[0] == "ready":
-                ready.add(msg[1])
-            elif msg and msg[0] == "error":
-                self._kill()
-                raise EngineError(f"rank {msg[1]} failed to start: {msg[2]}")
-            dead = [p for p in self._procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                self._kill()
-                raise EngineError(f"ranks did not start: {dead or 'timeout'}")
+                self.torch_threads[msg[1]] = msg[2]["torch_threads"]
+                continue
+            if msg and msg[0] == "error":
+                self._fail_start(f"rank {msg[1]} failed to start: {msg[2]}")
+            died = self._died()
+            if died:
+                try:  # a rank that raised has put its reason on the queue before it exited
+                    msg = self._outbox.get(timeout=1.0)
+                except queue.Empty:
+                    msg = None
+                if msg and msg[0] == "error":
+                    self._fail_start(f"rank {msg[1]} failed to start: {msg[2]}")
+                codes = [p.exitcode for p in self._procs]
+                if SPAWN_REIMPORT_EXIT in codes:
+                    self._fail_start(f"{died} before it was ready: {GUARD_HINT}")
+                self._fail_start(f"{died} before it was ready (its stderr above says why; if "
+                                 f"this script creates the Engine outside an `if __name__ == "
+                                 f"\"__main__\":` guard, add one)")
+            if time.monotonic() > deadline:
+                self._fail_start(f"the ranks did not start within {START_TIMEOUT_S:.0f} s "
+                                 f"({len(self.torch_threads)} of {local} ready)")
+        self.torch_threads = dict(sorted(self.torch_threads.items()))
+
+    def _fail_start(self, why: str) -> None:
+        self._dead = why
+        self._kill()
+        raise EngineError(why)
 
     def _run_in_thread(self, worker: RankWorker) -> None:
         try:
@@ -147,17 +199,23 @@ class Engine:
                               f"{traceback.format_exc()}"))
 
     def shutdown(self) -> None:
+        """Stop the ranks: they finish their step and exit, or are killed after
+        STOP_TIMEOUT_S; never blocks longer (it also runs at interpreter exit)."""
         if self._closing:
             return
         self._closing = True
         if self._dead is None:
             self._inbox.put(Message("shutdown"))
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=STOP_TIMEOUT_S)
             self._release_device_memory()
         for p in self._procs:
-            p.join(timeout=30)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
+        if hasattr(self._inbox, "cancel_join_thread"):
+            # a message no rank will read must not hold the interpreter's exit
+            self._inbox.cancel_join_thread()
         self._fail_all("the engine was shut down")
 
     @staticmethod
@@ -165,8 +223,6 @@ class Engine:
         """An in-process rank's tensors die with its thread; hand the allocator's cached blocks
         back too, so that the next engine (or another process) on this GPU can have them."""
         import gc
-
-        import torch
 
         gc.collect()
         if torch.cuda.is_available():
@@ -176,6 +232,8 @@ class Engine:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+        for p in self._procs:
+            p.join(timeout=5.0)  # reap; a SIGKILLed process ends at once
 
     def __enter__(self) -> "Engine":
         return self
