@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import sys
 from typing import Any, Optional
 
 from moeserve.config import add_config_arguments, config_from_args
-from moeserve.config.spec import ModelSpecError
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -194,21 +194,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_error(exc: BaseException, args: argparse.Namespace) -> Optional[str]:
+    """The one-line message for a mistake the user can fix (the exception's message says
+    what to change), or None for an error of ours, whose traceback is kept."""
+    from moeserve.models.loader import WeightLoadError
+    from moeserve.runtime.engine import EngineError
+
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        where = f"--host {getattr(args, 'host', '?')} --port {getattr(args, 'port', '?')}"
+        return (f"cannot listen on {where}: {exc.strerror}; give another --port (0 picks a "
+                f"free one) or --host")
+    if isinstance(exc, (ValueError, EngineError, WeightLoadError, FileNotFoundError,
+                        PermissionError, IsADirectoryError, NotADirectoryError)):
+        return str(exc)
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelSpecError as exc:
-        print(f"moeserve: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("moeserve: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:
-        from moeserve.runtime.engine import EngineError
-        from moeserve.runtime.sampling import SamplingParamsError
-
-        if isinstance(exc, (EngineError, SamplingParamsError, ValueError)):
-            print(f"moeserve: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        message = _user_error(exc, args)
+        if message is None:
+            raise
+        print(f"moeserve: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
