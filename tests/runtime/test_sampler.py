@@ -337,3 +337,82 @@ def test_extreme_uniforms_pick_the_ends_of_the_allowed_set():
             probs = torch.softmax(logits[r].double() / p.temperature, -1)
             expect = pick(allowed, key=lambda t: (-probs[t].item(), t))
             assert tokens[r].item() == expect, (r, u)
+
+
+# --- inputs that are not numbers -------------------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+MODES = {  # one of each way to pick a token
+    "greedy": SamplingParams(temperature=0.0),
+    "top_k=1": SamplingParams(top_k=1, temperature=0.8),
+    "plain": SamplingParams(),
+    "cold": SamplingParams(temperature=1.01e-5),
+    "hot": SamplingParams(temperature=1e30),
+    "top_k": SamplingParams(top_k=3, seed=5),
+    "top_p": SamplingParams(top_p=1e-9),
+    "min_p": SamplingParams(min_p=1.0),
+    "all filters": SamplingParams(top_k=2, top_p=0.3, min_p=0.9, temperature=0.5, seed=2**64 - 1),
+    "penalties": SamplingParams(repetition_penalty=1e-6, frequency_penalty=-2.0,
+                                presence_penalty=2.0, temperature=0.7),
+    "logprobs": SamplingParams(logprobs=True, top_logprobs=20, temperature=1.0,
+                               repetition_penalty=2.0),
+}
+
+
+def _crafted_rows(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    rows = {"-inf": torch.full((vocab,), -INF), "nan": torch.full((vocab,), NAN),
+            "+inf": torch.full((vocab,), INF), "float max": torch.full((vocab,), 3.4e38),
+            "+-max": torch.tensor([3.4e38, -3.4e38] * (vocab // 2))}
+    some = torch.randn(vocab, generator=g) * 5
+    some[[2, 7]] = INF
+    rows["two +inf"] = some
+    some = torch.randn(vocab, generator=g) * 5
+    some[::2] = NAN
+    rows["half nan"] = some
+    some = torch.full((vocab,), -INF)
+    some[9] = 1.0
+    rows["one finite"] = some
+    rows["huge"] = torch.randn(vocab, generator=g) * 1e37
+    return rows
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_any_logits_give_a_token_in_range(mode):
+    """Rows with no finite logit, +inf, NaN and overflowing values, in every sampling mode:
+    the sampler returns a token of the vocabulary for each and finite logprobs, never fails."""
+    vocab = 24
+    rows = _crafted_rows(vocab)
+    logits = torch.stack(list(rows.values()))
+    p = MODES[mode]
+    n = len(rows)
+    prompts = [[0, 9, 2] for _ in range(n)]
+    outputs = [[7, 7, 3] for _ in range(n)]
+    for step in range(3):
+        out = _sample(logits, [p] * n, [o + [1] * step for o in outputs], prompts,
+                      sampler=Sampler(seed=step))
+        tokens = out.token_ids_B
+        assert tokens.dtype == torch.int64 and tokens.shape == (n,)
+        assert ((tokens >= 0) & (tokens < vocab)).all(), tokens
+        got = dict(zip(rows, tokens.tolist()))
+        if not p.greedy:
+            # +inf dominates: only the +inf tokens can be drawn; a lone finite logit wins
+            assert got["two +inf"] in (2, 7) and got["one finite"] == 9, got
+            assert got["half nan"] % 2 == 1, got  # a NaN logit is never drawn
+        if p.logprobs:
+            assert torch.isfinite(out.logprobs_B).all()
+            assert torch.isfinite(out.top_logprobs_BN).all()
+            top = out.top_token_ids_BN
+            assert ((top >= 0) & (top < vocab)).all()
+
+
+def test_a_row_that_keeps_nothing_takes_its_most_likely_token():
+    """Filters that would keep no token (a SamplingBatch built by hand, outside the ranges
+    SamplingParams allows) fall back to the most likely token, not to index -1."""
+    vocab = 10
+    logits = _logits(12, 3, vocab)
+    batch = SamplingBatch.build([SamplingParams()] * 3, [[]] * 3, None, vocab)
+    batch = dataclasses.replace(batch, top_k_S=torch.zeros(3, dtype=torch.int64),
+                                min_p_S=torch.full((3,), 2.0), top_p_S=torch.zeros(3))
+    tokens = sample_from_logits(logits, batch, torch.tensor([0.0, 0.5, 1.0]))
+    assert torch.equal(tokens, logits.argmax(-1))

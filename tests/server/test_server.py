@@ -300,7 +300,7 @@ BAD = {
     "bad-role": ("/v1/chat/completions", _post("/v1/chat/completions", {
         "messages": [{"role": "robot", "content": "hi"}]}), 400, "messages.0.role",
         "invalid_value"),
-    "temperature-range": ("/v1/completions", _post("/v1/completions", {"temperature": 5}),
+    "temperature-range": ("/v1/completions", _post("/v1/completions", {"temperature": -1}),
                           400, "temperature", "invalid_value"),
     "missing-prompt": ("/v1/completions", _post("/v1/completions", drop=("prompt",)), 400,
                        "prompt", "missing_required_parameter"),

@@ -12,6 +12,13 @@ One step, in order (as vLLM):
      by inverse CDF over that prefix with ONE uniform number per row, so it is inside the allowed
      set by construction.
 
+No input makes a step fail, and every token is in [0, V): a greedy row's argmax is defined for
+any row (torch counts NaN as the largest); a sampling row's scaled logits are made finite first
+(NaN and -inf the lowest float, +inf the highest: a row with +inf samples among its +inf tokens,
+one with no number at all samples uniformly), so its most likely token always survives the
+filters; a row that keeps nothing would take its most likely token. Logprobs are made finite
+(-inf and NaN the lowest float) so that they serialise. All of it stays on the device.
+
 The uniform of a row with a seed is a counter-based hash of (seed, output step): the token then
 depends on the request alone, not on the batch it runs in, the device, or a retract and
 recompute. Rows without a seed draw their uniform from the sampler's own generator.
@@ -187,7 +194,8 @@ def sample_from_logits(x_SV: torch.Tensor, batch: SamplingBatch,
                        uniform_S: torch.Tensor) -> torch.Tensor:
     """Temperature, top-k, min-p, top-p, then inverse CDF with one uniform per row."""
     S, V = x_SV.shape
-    probs = torch.softmax(x_SV / batch.temperature_S[:, None], dim=-1)
+    scaled = _finite(x_SV / batch.temperature_S[:, None])
+    probs = torch.softmax(scaled, dim=-1)
     p_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
     keep = torch.arange(V, device=x_SV.device)[None, :] < batch.top_k_S[:, None]
     keep &= p_sorted >= batch.min_p_S[:, None] * p_sorted[:, :1]
@@ -203,8 +211,15 @@ def sample_from_logits(x_SV: torch.Tensor, batch: SamplingBatch,
     n_kept = keep.sum(dim=-1, keepdim=True)  # the kept tokens are a prefix of the sorted row
     target = uniform_S[:, None] * cdf[:, -1:]
     pos = torch.searchsorted(cdf, target, right=True)
-    pos = torch.minimum(pos, n_kept - 1)
+    pos = torch.minimum(pos, n_kept - 1).clamp_(min=0)  # (nothing kept: the most likely)
     return order.gather(1, pos).squeeze(1)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """`x` (a fresh tensor, changed in place) with NaN and -inf the lowest float32 and +inf the
+    highest: softmax of a row is then defined, and its largest entry is at least 1 / V."""
+    f = torch.finfo(x.dtype)
+    return x.nan_to_num_(nan=f.min, posinf=f.max, neginf=f.min)
 
 
 @dataclass(frozen=True)
@@ -238,8 +253,8 @@ class Sampler:
         if not batch.want_logprobs:
             return SamplerOutput(tokens)
         raw = torch.log_softmax(logits_BV.float(), dim=-1)
-        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        chosen = _finite(raw.gather(1, tokens[:, None]).squeeze(1))
         if batch.max_top_logprobs == 0:
             return SamplerOutput(tokens, chosen)
         top = raw.topk(batch.max_top_logprobs, dim=-1)
-        return SamplerOutput(tokens, chosen, top.values, top.indices)
+        return SamplerOutput(tokens, chosen, _finite(top.values), top.indices)

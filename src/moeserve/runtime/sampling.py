@@ -1,7 +1,8 @@
 """Sampling parameters of one request, and the stop conditions that end it.
 
 `SamplingParams` is what a user asks for (Engine API, CLI, OpenAI server); it is validated once,
-here, with errors that name the field. `StopChecker` decides, token by token and then on the
+here, with errors that name the field and its allowed range (RANGES, which the server's request
+models check too). `StopChecker` decides, token by token and then on the
 detokenised text, when a request is finished and why; the scheduler and detokenizer call it.
 """
 
@@ -12,11 +13,77 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+MAX_N = 128  # choices per request of the server (a SamplingParams is one choice)
+# the smallest repetition penalty: a logit divided by it stays finite below 1e32, where a
+# penalty whose float32 is 0 or subnormal sends the logits of the prompt's tokens to inf
+MIN_REPETITION_PENALTY = 1e-6
+MAX_STOP_STRINGS = 64  # stop strings are matched per token: their count and length are bounded
+MAX_STOP_CHARS = 1024
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter has a value we cannot honour; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one field allows: a finite number (or an integer) in [lo, hi], with lo
+    excluded where `lo_open`."""
+
+    lo: float
+    hi: float = math.inf
+    lo_open: bool = False
+    integer: bool = False
+
+    def __str__(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        lo = f"{self.lo:g}" if isinstance(self.lo, float) else str(self.lo)
+        hi = f"{self.hi:g}" if isinstance(self.hi, float) else str(self.hi)
+        if self.hi == math.inf:
+            return f"{kind} {'>' if self.lo_open else '>='} {lo}"
+        return f"{kind} in {'(' if self.lo_open else '['}{lo}, {hi}]"
+
+    def contains(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if self.integer:
+            if not isinstance(v, int):
+                return False
+        else:  # the sampler holds it as a float: an int too large for one is out of range
+            try:
+                v = float(v)
+            except OverflowError:
+                return False
+            if not math.isfinite(v):
+                return False
+        return (self.lo < v if self.lo_open else self.lo <= v) and v <= self.hi
+
+
+# The allowed range of every numeric sampling field, as vLLM and SGLang draw them; the Engine
+# API (SamplingParams) and the OpenAI server (protocol.py) both check these. top_k: -1 or 0 is
+# off. seed: any signed or unsigned 64-bit integer.
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(1, integer=True),
+    "temperature": Range(0.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, integer=True),
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(-(2**63), 2**64 - 1, integer=True),
+    "repetition_penalty": Range(MIN_REPETITION_PENALTY, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    "n": Range(1, MAX_N, integer=True),
+}
+STOP_RULE = (f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+             f"of at most {MAX_STOP_CHARS} characters each")
+
+
+def check_range(name: str, value: object) -> None:
+    """Raise SamplingParamsError, naming `name` and its range, unless RANGES allows `value`."""
+    if not RANGES[name].contains(value):
+        _fail(name, value, str(RANGES[name]))
 
 
 @dataclass(frozen=True)
@@ -55,23 +122,18 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        _int("max_new_tokens", self.max_new_tokens, lo=1)
-        _float("temperature", self.temperature, lo=0.0)
-        _float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _int("top_k", self.top_k, lo=-1)
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                     "repetition_penalty", "frequency_penalty", "presence_penalty",
+                     "top_logprobs"):
+            check_range(name, getattr(self, name))
         if self.top_k == 0:  # HF and newer vLLM spell "off" as 0; keep one spelling
             object.__setattr__(self, "top_k", -1)
-        _float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
-            _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
-        _float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        object.__setattr__(self, "stop", _stop_strings(self.stop))
+            check_range("seed", self.seed)
+        object.__setattr__(self, "stop", stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         _bool("ignore_eos", self.ignore_eos)
         _bool("logprobs", self.logprobs)
-        _int("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise SamplingParamsError(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True; set logprobs=True or "
@@ -88,26 +150,7 @@ class SamplingParams:
 
 
 def _fail(name: str, value: object, want: str) -> None:
-    raise SamplingParamsError(f"{name}={value!r} is invalid: {name} must be {want}")
-
-
-def _int(name: str, v: object, lo: Optional[int] = None, hi: Optional[int] = None) -> None:
-    want = "an integer" + (f" >= {lo}" if lo is not None else "") + (
-        f" and <= {hi}" if hi is not None else "")
-    if isinstance(v, bool) or not isinstance(v, int):
-        _fail(name, v, want)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        _fail(name, v, want)
-
-
-def _float(name: str, v: object, lo: float, hi: Optional[float] = None,
-           lo_open: bool = False) -> None:
-    want = (f"a number {'>' if lo_open else '>='} {lo}"
-            + (f" and <= {hi}" if hi is not None else ""))
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        _fail(name, v, want)
-    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
-        _fail(name, v, want)
+    raise SamplingParamsError(f"{name}={_short(value)} is invalid: {name} must be {want}")
 
 
 def _bool(name: str, v: object) -> None:
@@ -115,17 +158,28 @@ def _bool(name: str, v: object) -> None:
         _fail(name, v, "true or false")
 
 
-def _stop_strings(stop: Union[str, Iterable[str], None]) -> tuple[str, ...]:
+def stop_strings(stop: Union[str, Iterable[str], None]) -> tuple[str, ...]:
+    """`stop` as a tuple of strings; SamplingParamsError unless it follows STOP_RULE."""
     if stop is None:
         return ()
     try:
         items = (stop,) if isinstance(stop, str) else tuple(stop)
     except TypeError:
         items = (stop,)
-    for s in items:
-        if not isinstance(s, str) or not s:
-            _fail("stop", stop, "a non-empty string or a list of non-empty strings")
+    if len(items) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items):
+        _fail("stop", stop, STOP_RULE)
     return items
+
+
+def _short(value: object) -> str:
+    """`value` as an error quotes it: a long list or string cut, a huge integer not spelled."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, (list, tuple)) and len(value) > 4:
+        return f"<a list of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _token_ids(ids: Union[Iterable[int], None]) -> tuple[int, ...]:

@@ -4,18 +4,34 @@ Strict: a wrong JSON type is an error, never coerced ("5" is not an int). A fiel
 an error (`extra="forbid"`); a field OpenAI defines that we do not implement is declared here so
 that `unsupported()` can name it in a clear error instead of a generic "extra field" one. Our
 extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are those SGLang and
-vLLM accept.
+vLLM accept. The ranges of the sampling fields are those of runtime/sampling.RANGES, checked here
+(before the prompt is tokenized) with the same rule the engine applies.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from moeserve.runtime.sampling import MAX_TOP_LOGPROBS
+from moeserve.runtime.sampling import RANGES, STOP_RULE, SamplingParamsError, stop_strings
 
-MAX_N = 128  # choices per request
+# an API field -> its rule in RANGES, where the names differ
+_RULE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+         "logprobs": "top_logprobs"}
+_RANGED = ("n", "max_tokens", "temperature", "top_p", "seed", "presence_penalty",
+           "frequency_penalty", "top_k", "min_p", "repetition_penalty")
+
+
+def _in_range(value: Any, info: ValidationInfo) -> Any:
+    """A field validator: the value unless it is outside its range in RANGES."""
+    if value is None:
+        return value
+    rule = _RULE.get(info.field_name, info.field_name)
+    if not RANGES[rule].contains(value):
+        raise PydanticCustomError("invalid_value", "must be {want}", {"want": str(RANGES[rule])})
+    return value
 
 
 class _Strict(BaseModel):
@@ -30,25 +46,37 @@ class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
     model: str
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     user: Optional[str] = None  # an end-user id for the operator's logs; no effect on output
     # extensions (SGLang / vLLM)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     # defined by OpenAI, not implemented: rejected with a message when set (see unsupported())
     logit_bias: Optional[dict[str, Any]] = None
+
+    _ranged = field_validator(*_RANGED)(_in_range)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: Any) -> Any:
+        try:
+            stop_strings(value)
+        except SamplingParamsError:
+            raise PydanticCustomError("invalid_value", "must be {want}",
+                                      {"want": STOP_RULE}) from None
+        return value
 
     def unsupported(self) -> Optional[str]:
         """The first field that is set but that we do not implement, else None."""
@@ -59,11 +87,13 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: Optional[int] = None
     echo: bool = False
     # not implemented
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+
+    _ranged_logprobs = field_validator("logprobs")(_in_range)
 
     def unsupported(self) -> Optional[str]:
         if self.best_of is not None and self.best_of != self.n:
@@ -95,9 +125,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Optional[int] = None
     # not implemented
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -105,6 +135,8 @@ class ChatCompletionRequest(_Sampling):
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
+
+    _ranged_chat = field_validator("max_completion_tokens", "top_logprobs")(_in_range)
 
     def unsupported(self) -> Optional[str]:
         for name in ("tools", "functions", "function_call", "parallel_tool_calls"):
