@@ -264,12 +264,12 @@ class Engine:
                         pend = self._pending.get(out.rid)
                     if pend is None:
                         continue  # ended here already (stop string), or shut down
-                    out, stopped_here = pend.translate(out)
-                    if out.finish is not None:
+                    out, ended_here = pend.translate(out)  # a failure there ends only it
+                    if out.finish is not None or out.error is not None:
                         with self._lock:
                             self._pending.pop(out.rid, None)
                             self._load[pend.dp_rank] -= 1
-                        if stopped_here:
+                        if ended_here:
                             self.abort(out.rid)
                     pend.outputs.put(out)
             elif msg is not None and msg[0] == "error" and not self._closing:

@@ -7,8 +7,11 @@ a seed, choice j samples with seed + j, so that n > 1 gives n different (reprodu
 from __future__ import annotations
 
 import json
+import logging
 import time
+import traceback
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -18,13 +21,15 @@ from moeserve.runtime.limits import PromptError, check_prompt, output_limit
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams, SamplingParamsError
 from moeserve.server.bridge import EngineClient, Seats
-from moeserve.server.errors import APIError, bad_request, from_validation, unsupported
+from moeserve.server.errors import (APIError, bad_request, from_validation, internal_error,
+                                   unsupported)
 from moeserve.server.formatting import chat_logprobs, completion_logprobs
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.server.text import TextCodec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 API_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field -> API field
+log = logging.getLogger("moeserve.server")
 
 
 @dataclass
@@ -119,6 +124,10 @@ class OpenAIHandlers:
             if getattr(req, name) is not None:
                 extra[name] = getattr(req, name)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < self.codec.vocab_size]
+        if bad:  # one outside the vocabulary could never end the output
+            raise bad_request(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.codec.vocab_size})", "stop_token_ids")
         out = []
         for j in range(req.n):
             seed = None if req.seed is None else (req.seed + j) % 2**64 if req.seed >= 0 \
@@ -178,17 +187,23 @@ class OpenAIHandlers:
     async def respond(self, job: Job, seats: Seats) -> dict[str, Any]:
         """The whole (non-streaming) response body."""
         states = [ChoiceState() for _ in range(job.num_seqs)]
-        async for i, out in self._outputs(job, seats):
-            _check(out)
-            s = states[i]
-            s.text.append(out.text)
-            s.token_ids += out.token_ids
-            s.logprobs += out.logprobs
-            if out.finish is not None:
-                s.finish, s.cached = _finish_reason(out), out.cached_tokens
-        choices = []
-        for i, s in enumerate(states):
-            choices.append(self._choice(job, i, s, "".join(s.text), s.logprobs, s.finish))
+        try:  # what fails here fails this request (a 500 with its id), and aborts its sequences
+            async with aclosing(self._outputs(job, seats)) as outputs:
+                async for i, out in outputs:
+                    _check(out)
+                    s = states[i]
+                    s.text.append(out.text)
+                    s.token_ids += out.token_ids
+                    s.logprobs += out.logprobs
+                    if out.finish is not None:
+                        s.finish, s.cached = _finish_reason(out), out.cached_tokens
+            choices = []
+            for i, s in enumerate(states):
+                choices.append(self._choice(job, i, s, "".join(s.text), s.logprobs, s.finish))
+        except APIError:
+            raise
+        except Exception as exc:
+            raise internal_error(log, job.id, "the response failed", _detail(exc)) from None
         return {"id": job.id, "object": "text_completion" if job.kind == "completion"
                 else "chat.completion", "created": job.created, "model": job.model,
                 "choices": choices, "usage": self._usage(job, states),
@@ -236,21 +251,25 @@ class OpenAIHandlers:
         head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}
         usage_null = {"usage": None} if job.include_usage else {}
         try:
-            async for i, out in self._outputs(job, seats):
-                _check(out)
-                s = states[i]
-                s.token_ids += out.token_ids
-                finish = None
-                if out.finish is not None:
-                    finish, s.cached = _finish_reason(out), out.cached_tokens
-                if not (out.text or out.logprobs or finish or not s.started):
-                    continue
-                choice = self._choice(job, i, s, out.text, out.logprobs, finish, delta=True)
-                yield _sse({**head, "choices": [choice], **usage_null})
+            async with aclosing(self._outputs(job, seats)) as outputs:
+                async for i, out in outputs:
+                    _check(out)
+                    s = states[i]
+                    s.token_ids += out.token_ids
+                    finish = None
+                    if out.finish is not None:
+                        finish, s.cached = _finish_reason(out), out.cached_tokens
+                    if not (out.text or out.logprobs or finish or not s.started):
+                        continue
+                    choice = self._choice(job, i, s, out.text, out.logprobs, finish,
+                                          delta=True)
+                    yield _sse({**head, "choices": [choice], **usage_null})
             if job.include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage(job, states)})
         except APIError as exc:
             yield _sse(exc.body())
+        except Exception as exc:  # this request's output: it fails, with its id; others go on
+            yield _sse(internal_error(log, job.id, "the stream failed", _detail(exc)).body())
         yield b"data: [DONE]\n\n"
 
 
@@ -273,6 +292,11 @@ def _finish_reason(out: TokenOutput) -> str:
 def _check(out: TokenOutput) -> None:
     if out.error is not None:
         raise APIError(500, f"generation failed: {out.error}", None, "generation_failed")
+
+
+def _detail(exc: Exception) -> str:
+    """The exception on the first line (what a client sees of it), then the traceback."""
+    return f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
