@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences (prompts x n) in flight beyond which the server answers 503 "
                    "with Retry-After")
     s.add_argument("--drain-timeout", type=float, default=600.0,
-                   help="on SIGTERM, seconds to let requests in flight finish before aborting")
+                   help="on SIGTERM or SIGINT, seconds to let requests in flight finish "
+                   "(/health and new requests answer 503 meanwhile); those left then end with "
+                   "an error (a stream: an error event, then [DONE]). A second signal stops at "
+                   "once")
     s.add_argument("--api-key", default=None,
                    help="ask for 'Authorization: Bearer KEY' on every route but /health "
                    "(without it, no key is asked)")

@@ -1,4 +1,5 @@
-"""`moeserve serve` under a queue limit, at SIGTERM, and when its engine dies.
+"""`moeserve serve` under a queue limit, at SIGTERM and SIGINT, when its drain runs out of
+time, when its engine dies, and when a rank stalls (the watchdog).
 
 These need servers of their own (a limit of 2 sequences; a server that the test stops).
 """
@@ -7,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
+import threading
 import time
 from pathlib import Path
 
@@ -59,24 +61,29 @@ def test_queue_limit_answers_503(server):
     assert status == 200 and r["choices"][0]["text"] is not None
 
 
-def _refused(server: ServerProcess) -> bool:
-    try:
-        with socket.create_connection((server.host, server.port), timeout=2):
-            return False
-    except OSError:
-        return True
+def _wait_for_health(server: ServerProcess, status: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got, _, body = http(server, "GET", "/health", timeout=5)
+        if got == status:
+            return body
+        assert time.monotonic() < deadline, f"/health still answers {got}: {body}"
+        time.sleep(0.05)
 
 
-def test_sigterm_drains_requests_in_flight(server):
-    n_tokens = 200
+def _drains(server: ServerProcess, stop, n_tokens: int = 200) -> None:
+    """Start two streams, call `stop()`, and check the drain: /health and new requests answer
+    503 while the streams run to their end; then the server exits 0."""
     streams = [SSEClient(server, "/v1/completions", stream_body(n_tokens)) for _ in range(2)]
     for s in streams:
         assert s.status == 200 and s.next_event() is not None
-    server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while not _refused(server):  # no new connections once draining
-        assert time.monotonic() < deadline, "the server still accepts connections"
-        time.sleep(0.1)
+    stop()
+    body = _wait_for_health(server, 503, 10)
+    assert body["status"] == "draining", body
+    status, headers, err = http(server, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "late", "max_tokens": 2})
+    assert status == 503 and err["error"]["code"] == "draining", err
+    assert int(headers["retry-after"]) >= 1
     assert server.proc.poll() is None, "the server exited before its requests finished"
     for s in streams:
         events = s.events()
@@ -84,8 +91,48 @@ def test_sigterm_drains_requests_in_flight(server):
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == n_tokens
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-    assert server.terminate(timeout=60) == 0, server.log()
+    assert server.proc.wait(timeout=60) == 0, server.log()
     assert "drained and stopped" in server.log()
+
+
+def test_sigterm_drains_requests_in_flight(server):
+    _drains(server, lambda: server.proc.send_signal(signal.SIGTERM))
+
+
+def test_sigint_drains_like_sigterm(tmp_path):
+    proc = ServerProcess(tmp_path / "server.log")
+    try:
+        # Ctrl-C in a terminal signals the whole process group, the rank processes too
+        _drains(proc, lambda: os.killpg(proc.proc.pid, signal.SIGINT))
+        assert "KeyboardInterrupt" not in proc.log(), proc.log()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+
+
+def test_drain_timeout_ends_open_requests_with_an_error(tmp_path):
+    proc = ServerProcess(tmp_path / "server.log", "--drain-timeout", "1")
+    try:
+        s = SSEClient(proc, "/v1/completions", stream_body(1500))
+        assert s.status == 200 and s.next_event() is not None
+        plain: dict = {}
+        t = threading.Thread(target=lambda: plain.update(r=http(
+            proc, "POST", "/v1/completions", {"model": MODEL, "prompt": "never done",
+                                              "max_tokens": 1500, "ignore_eos": True})))
+        t.start()
+        time.sleep(0.5)  # the plain request is in
+        proc.proc.send_signal(signal.SIGTERM)
+        events = s.events()
+        assert events[-1] == "[DONE]", events[-3:]
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "draining" and "--drain-timeout" in err["message"], err
+        t.join(timeout=30)
+        status, _, body = plain["r"]
+        assert status == 503 and body["error"]["code"] == "draining", body
+        assert proc.proc.wait(timeout=60) == 0, proc.log()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
 
 
 def _children(pid: int) -> list[int]:
@@ -94,6 +141,55 @@ def _children(pid: int) -> list[int]:
         text = (task / "children").read_text().split()
         out += [int(x) for x in text]
     return out
+
+
+def _rank_pids(proc: ServerProcess) -> list[int]:
+    workers = [c for c in _children(proc.proc.pid)
+               if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    m = re.search(r"rank processes \(pids, by rank\): \[([\d, ]+)\]", proc.log())
+    assert m is not None, proc.log()
+    logged = [int(x) for x in m.group(1).split(",")]
+    assert sorted(logged) == sorted(workers), (logged, workers)
+    return logged
+
+
+def test_stalled_rank_fails_every_client_and_the_server_exits(tmp_path):
+    watchdog = 3.0
+    proc = ServerProcess(tmp_path / "server.log", "--watchdog-timeout", str(watchdog))
+    (rank,) = _rank_pids(proc)
+    try:
+        streams = [SSEClient(proc, "/v1/completions", stream_body(1500)) for _ in range(2)]
+        for s in streams:
+            assert s.status == 200 and s.next_event() is not None
+        plain: dict = {}
+        t = threading.Thread(target=lambda: plain.update(r=http(
+            proc, "POST", "/v1/completions", {"model": MODEL, "prompt": "stuck",
+                                              "max_tokens": 1500, "ignore_eos": True})))
+        t.start()
+        time.sleep(0.3)
+        os.kill(rank, signal.SIGSTOP)
+        stopped = time.monotonic()
+        health = _wait_for_health(proc, 503, watchdog + 5)
+        assert health["status"] == "engine failed" and "stalled" in health["error"], health
+        for s in streams:
+            events = s.events()
+            assert events[-1] == "[DONE]"
+            message = json.loads(events[-2])["error"]["message"]
+            assert "stalled" in message and "--watchdog-timeout" in message, message
+        t.join(timeout=watchdog + 5)
+        assert time.monotonic() - stopped < watchdog + 5
+        status, _, body = plain["r"]
+        assert status >= 500 and "stalled" in body["error"]["message"], body
+        assert proc.proc.wait(timeout=60) == 1, proc.log()
+        assert "the engine failed" in proc.log()
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(rank, sig)
+            except ProcessLookupError:
+                pass
+        if proc.proc.poll() is None:
+            proc.kill()
 
 
 def test_engine_death_fails_requests_and_exits(tmp_path):

@@ -119,6 +119,11 @@ class EngineConfig:
         "--disable-pdl")
     skip_tokenizer_init: bool = knob(False, "Run without a tokenizer: token ids in and out.",
                                      "--skip-tokenizer-init")
+    watchdog_timeout: float = knob(
+        300.0, "Seconds without a finished step, while requests are pending, after which the "
+        "engine counts as stalled (a stopped or hung rank): every pending request fails with "
+        "an error and the engine stops (the server then exits with code 1, for a supervisor "
+        "to restart it). 0 or less turns the watchdog off.", "--watchdog-timeout")
     nnodes: int = knob(1, "Nodes that together run the --tp-size ranks.", "--nnodes")
     node_rank: int = knob(0, "This node's index in [0, --nnodes).", "--node-rank")
     dist_init_addr: Optional[str] = knob(None, "HOST:PORT of node 0 for the rendezvous "

@@ -2,7 +2,9 @@
 
 The engine process tokenizes, hands requests to rank 0 of the workers (one process per rank; a
 single rank runs in a thread of the engine's own process), and routes their outputs back to the
-callers. A rank that dies ends every request with an error naming the rank, within seconds.
+callers. A rank that dies ends every request with an error naming the rank, within seconds;
+a rank that stops making progress (stopped, hung in a collective or on its device) does the same
+after --watchdog-timeout seconds without a finished step while requests are pending.
 Rank processes are spawned, and spawn imports the caller's main script again in each of them:
 a script must create its Engine under `if __name__ == "__main__":`, and one that does not
 fails to start within seconds with that fix.
@@ -113,6 +115,9 @@ class Engine:
         self._procs: list[Any] = []
         self._thread: Optional[threading.Thread] = None
         self.torch_threads: dict[int, int] = {}  # rank -> torch threads it runs with
+        # time.monotonic() of rank 0's latest finished iteration, written by rank 0 (shared
+        # memory; CLOCK_MONOTONIC is one clock for every process of the machine)
+        self._heartbeat: Any = multiprocessing.RawValue("d", time.monotonic())
         self._start(self.cfg.tp_size == 1 if in_process is None else in_process)
         self._router = threading.Thread(target=self._route, name="moeserve-router", daemon=True)
         self._router.start()
@@ -146,7 +151,7 @@ class Engine:
             p = ctx.Process(target=rank_main, name=f"moeserve-rank{rank}", daemon=True,
                             args=(rank, self.cfg, self.plan, f"tcp://{addr}",
                                   self._inbox if rank == 0 else None, self._outbox,
-                                  self.eos_token_ids))
+                                  self.eos_token_ids, self._heartbeat if rank == 0 else None))
             p.start()
             self._procs.append(p)
         self._wait_ready(local)
@@ -191,7 +196,7 @@ class Engine:
 
     def _run_in_thread(self, worker: RankWorker) -> None:
         try:
-            serve_loop(worker, self._inbox, self._outbox)
+            serve_loop(worker, self._inbox, self._outbox, heartbeat=self._heartbeat)
         except BaseException as exc:  # the one rank died: say why to every caller
             import traceback
 
@@ -204,11 +209,13 @@ class Engine:
         if self._closing:
             return
         self._closing = True
-        if self._dead is None:
+        if self._dead is None or self._thread is not None:
+            # an in-process rank that the watchdog gave up on may still wake: let it end then
             self._inbox.put(Message("shutdown"))
         deadline = time.monotonic() + STOP_TIMEOUT_S
         if self._thread is not None:
-            self._thread.join(timeout=STOP_TIMEOUT_S)
+            # a stalled thread cannot be killed; one that died has ended already
+            self._thread.join(timeout=STOP_TIMEOUT_S if self._dead is None else 1.0)
             self._release_device_memory()
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -280,7 +287,7 @@ class Engine:
                 why = f"rank {msg[1]} failed: {msg[2]}"
                 self._stop_with(f"{died}; then {why}" if died else why)
                 return
-            died = self._died()
+            died = self._died() or self._stalled()
             if died and not self._closing:
                 self._stop_with(died)
                 return
@@ -297,6 +304,25 @@ class Engine:
         _, rank, code = min(dead)
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         return f"rank {rank} died ({how})"
+
+    def _stalled(self) -> Optional[str]:
+        """Why the engine counts as stalled: requests are pending and rank 0 has finished no
+        iteration for --watchdog-timeout seconds; else None."""
+        limit = self.cfg.watchdog_timeout
+        if limit <= 0 or not self._pending:
+            return None
+        idle = time.monotonic() - self._heartbeat.value
+        if idle <= limit:
+            return None
+        return (f"the engine stalled: no step finished in {idle:.0f} s while "
+                f"{len(self._pending)} requests were pending (--watchdog-timeout {limit:g}); "
+                "a rank is stopped or hung, so the engine stops")
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of this node's rank processes, by rank (empty for an in-process
+        rank)."""
+        return [p.pid for p in self._procs]
 
     def _stop_with(self, why: str) -> None:
         self._dead = why

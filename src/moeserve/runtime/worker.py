@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -145,9 +147,13 @@ class RankWorker:
 
 
 def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
-               parent_pid: Optional[int] = None) -> None:
+               parent_pid: Optional[int] = None, heartbeat: Optional[Any] = None) -> None:
     """Run iterations until a shutdown message. Rank 0 holds the engine's inbox and outbox;
-    with `parent_pid`, it also shuts down when the engine's process is gone (killed)."""
+    with `parent_pid`, it also shuts down when the engine's process is gone (killed).
+    `heartbeat` (a shared double) gets time.monotonic() after every iteration: the engine's
+    watchdog reads it. An idle rank 0 iterates every IDLE_TICK_S, so only a stuck step (a
+    stopped or hung peer, a device that never finishes) leaves it old; writing it is a store
+    to shared memory, with no lock and no device sync."""
     state = worker.state
     multi = state.world.size > 1
     has_work = False
@@ -183,6 +189,8 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
             msgs = box[0]
         outs, stop, has_work = worker.iteration(msgs, publish)
         publish(outs)
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
         if stop:
             return
 
@@ -222,8 +230,13 @@ def torch_threads_for_rank(cfg: EngineConfig, device_type: str,
 
 
 def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str,
-              inbox: Optional[Any], outbox: Any, eos_token_ids: tuple[int, ...]) -> None:
+              inbox: Optional[Any], outbox: Any, eos_token_ids: tuple[int, ...],
+              heartbeat: Optional[Any] = None) -> None:
     """Entry point of a worker process: join the process group, build the rank, serve."""
+    # Ctrl-C reaches the terminal's whole process group: only the engine's process decides
+    # what it means (the server drains); a rank that raised KeyboardInterrupt mid-step would
+    # fail every request in flight
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
         from moeserve.parallel.devices import rank_device
@@ -242,7 +255,7 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids)
         outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads()}))
         serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None,
-                   parent_pid)
+                   parent_pid, heartbeat if rank == 0 else None)
         outbox.put(("exit", rank))
     except BaseException as exc:  # report why this rank stops, then stop
         why = f"{type(exc).__name__}: {exc}"

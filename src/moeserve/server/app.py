@@ -1,9 +1,13 @@
 """`moeserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over an Engine.
 
 The engine's ranks run in worker processes; this process tokenizes, renders chat templates,
-formats responses and streams them. SIGTERM (or Ctrl-C) drains: the server stops accepting
-connections, /health answers 503, requests in flight finish (up to --drain-timeout seconds, then
-they are aborted), the engine shuts down, and the process exits 0.
+formats responses and streams them. SIGTERM or SIGINT (Ctrl-C) drains: /health and new
+requests answer 503 (the socket stays open, so that a load balancer sees the 503 rather than a
+refused connection), requests in flight finish; those left after --drain-timeout seconds end
+with an error (a stream: an error event, then [DONE]); the engine shuts down, and the process
+exits 0. A second signal stops at once. When the engine fails (a rank died, or the watchdog
+found no step finished in --watchdog-timeout seconds), every request in flight gets an error,
+/health answers 503, and the process exits 1, for a supervisor to restart it.
 
 With --api-key every route but /health asks for `Authorization: Bearer KEY`; POST bodies are
 JSON only and at most --max-request-bytes (server/guard.py); CORS headers are sent only for the
@@ -44,18 +48,24 @@ log = logging.getLogger("moeserve.server")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/plan", "/health",
              "/metrics")
 ENGINE_WATCH_S = 1.0
+DRAIN_POLL_S = 0.1
+DRAIN_GRACE_S = 5.0  # after the drain: for the last responses and error events to go out
+FAILED_LINGER_S = 1.0  # a failed engine's /health 503 stays visible this long before the exit
 
 
 @dataclasses.dataclass
 class ServerState:
-    draining: bool = False
+    draining: bool = False  # set by a signal handler; the drain task acts on it
     engine_failed: Optional[str] = None
+    # set when --drain-timeout runs out: the requests still open end with an error
+    drain_expired: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_queue: int = 1024,
               on_engine_death: Optional[Callable[[str], None]] = None,
               api_key: Optional[str] = None, allowed_origins: Sequence[str] = (),
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain_timeout: float = 600.0,
+              on_drained: Optional[Callable[[], None]] = None) -> FastAPI:
     if engine.tokenizer is None:
         raise ValueError("moeserve serve needs the model's tokenizer (prompts, chat templates, "
                          "stop strings); drop --skip-tokenizer-init")
@@ -72,8 +82,10 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watch = asyncio.create_task(_watch_engine(client, state, on_engine_death))
+        drain = asyncio.create_task(_drain_when_asked(client, state, drain_timeout, on_drained))
         yield
         watch.cancel()
+        drain.cancel()
 
     app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -103,7 +115,8 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if state.engine_failed or not client.alive:
-            why = None if state.engine_failed is None else public_line(state.engine_failed)
+            failure = state.engine_failed or client.failure  # the watch task lags by a tick
+            why = None if failure is None else public_line(failure)
             return JSONResponse({"status": "engine failed", "error": why}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -142,9 +155,10 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
         seats = client.reserve(job.num_seqs)
         if job.stream:
             return EventStream(handlers.stream(job, seats), on_close=seats.release,
-                               request_id=job.id)
+                               request_id=job.id, expired=state.drain_expired)
         try:
-            body = await _unless_disconnected(request, handlers.respond(job, seats))
+            body = await _unless_disconnected(request, handlers.respond(job, seats),
+                                              state.drain_expired)
         finally:
             seats.release()
         return JSONResponse(body)
@@ -178,21 +192,61 @@ async def _watch_engine(client: EngineClient, state: ServerState,
         return
     state.engine_failed = client.failure
     log.error("the engine failed, the server stops: %s", state.engine_failed)
+    # the engine has failed every request; their responses go out, and a health probe sees
+    # the 503, before the server stops
+    await asyncio.sleep(FAILED_LINGER_S)
+    await _until_idle(client, DRAIN_GRACE_S)
     if on_death is not None:
         on_death(state.engine_failed)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, unless the client disconnects first: then cancel it (which aborts its
-    sequences and frees their KV pages)."""
+async def _until_idle(client: EngineClient, timeout: float) -> None:
+    """Wait until no sequence is in flight, or `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while client.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+
+
+async def _drain_when_asked(client: EngineClient, state: ServerState, drain_timeout: float,
+                            on_drained: Optional[Callable[[], None]]) -> None:
+    """Once a signal sets `state.draining`: let the requests in flight finish, for at most
+    drain_timeout seconds; then end those left with an error, and stop the server. Polling
+    keeps the signal handler trivial (it runs between any two bytecodes of the loop)."""
+    while not state.draining:
+        await asyncio.sleep(DRAIN_POLL_S)
+    log.info("draining: %d sequences in flight, for at most %g s", client.in_flight,
+             drain_timeout)
+    await _until_idle(client, drain_timeout)
+    if client.in_flight:
+        log.warning("--drain-timeout %g s ran out: %d sequences end with an error",
+                    drain_timeout, client.in_flight)
+        state.drain_expired.set()
+        await _until_idle(client, DRAIN_GRACE_S)
+    if on_drained is not None:
+        on_drained()
+
+
+def _drain_error() -> APIError:
+    return APIError(503, "the server shut down before the request finished (--drain-timeout "
+                    "ran out); retry it", None, "draining", headers={"Retry-After": "1"})
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any],
+                               expired: asyncio.Event) -> Any:
+    """Await `work`, unless the client disconnects or the drain runs out of time first: then
+    cancel it (which aborts its sequences and frees their KV pages)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request.receive))
-    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    drain = asyncio.ensure_future(expired.wait())
+    done, _ = await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    drain.cancel()
     if task in done:
-        watch.cancel()
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    if drain in done:
+        raise _drain_error()
     raise APIError(499, "the client closed the connection", None, "client_closed")
 
 
@@ -203,18 +257,23 @@ async def _disconnected(receive: Receive) -> None:
 
 class EventStream(Response):
     """A text/event-stream response that stops (and closes its generator, which aborts the
-    request's sequences) as soon as the client disconnects, even while no event is due."""
+    request's sequences) as soon as the client disconnects, even while no event is due; when
+    the drain runs out of time (`expired`), it ends with an error event and [DONE]."""
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
-                 request_id: str) -> None:
+                 request_id: str, expired: asyncio.Event) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self.events, self.on_close, self.request_id = events, on_close, request_id
+        self.expired = expired
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = [False]
+
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            started[0] = True
             try:
                 async for chunk in self.events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -228,16 +287,31 @@ class EventStream(Response):
 
         task = asyncio.ensure_future(pump())
         watch = asyncio.ensure_future(_disconnected(receive))
+        drain = asyncio.ensure_future(self.expired.wait())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
+            if drain.done() and not task.done() and not watch.done():
+                task.cancel()  # ends the generator, which aborts the request's sequences
+                await asyncio.gather(task, return_exceptions=True)
+                await self._end_with(send, started[0], _drain_error())
         finally:
-            for t in (task, watch):
+            for t in (task, watch, drain):
                 t.cancel()
-            done = await asyncio.gather(task, watch, return_exceptions=True)
+            done = await asyncio.gather(task, watch, drain, return_exceptions=True)
             await self.events.aclose()  # type: ignore[attr-defined]
             self.on_close()  # for a stream whose generator never started
         if isinstance(done[0], Exception) and not isinstance(done[0], OSError):
             log.error("a stream failed", exc_info=done[0])  # OSError: the client went away
+
+    @staticmethod
+    async def _end_with(send: Send, started: bool, err: APIError) -> None:
+        """End the stream with `err` as an event, then [DONE]."""
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8")]})
+        event = b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class CountRequests:
@@ -267,19 +341,19 @@ class CountRequests:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, which also marks the app as draining when a signal asks it to stop,
-    and does not raise the signal again once drained (uvicorn's default), so that `serve`
-    shuts the engine down and returns its exit code."""
+    """uvicorn's server, where SIGTERM and SIGINT both start the app's drain (which stops the
+    server when done) instead of closing the socket at once, and a second signal stops now.
+    It does not raise the signal again once drained (uvicorn's default), so that `serve` shuts
+    the engine down and returns its exit code."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.app_state = state
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.app_state.draining:  # a second signal: stop waiting for requests
+            self.should_exit = self.force_exit = True
         self.app_state.draining = True
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting for requests
-        self.should_exit = True
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -315,14 +389,21 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
         if server is not None:
             server.should_exit = True
 
+    def on_drained() -> None:
+        if server is not None:
+            server.should_exit = True
+
     try:
         engine = Engine(in_process=False, **dataclasses.asdict(cfg))
         app = build_app(engine, served_model_name=served_model_name, max_queue=max_queue,
                         on_engine_death=on_death, api_key=api_key,
-                        allowed_origins=allowed_origins, max_request_bytes=max_request_bytes)
+                        allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
+                        drain_timeout=drain_timeout, on_drained=on_drained)
+        # the app drains first (_drain_when_asked); uvicorn's own wait is only a backstop
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=drain_timeout)
+                                timeout_graceful_shutdown=DRAIN_GRACE_S)
         server = _Server(config, app.state.server)
+        log.info("rank processes (pids, by rank): %s", engine.rank_pids)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
         print(f"moeserve: serving {served_model_name or cfg.model} on "
