@@ -69,21 +69,6 @@ def test_stop_tokens_and_length():
     assert c.check_token(5, 1) is None and c.check_token(5, 2) == Finish("length")
 
 
-def test_stop_strings():
-    c = StopChecker(SamplingParams(stop=["END", "\n\n"]))
-    assert c.check_text("hello E", 1) is None
-    # a match spanning the previous text and the new characters
-    assert c.check_text("hello EN", 1) is None
-    assert c.check_text("hello END more", 6) == (Finish("stop", "END"), "hello ")
-    # the earliest of several matches wins, whatever the order of the stop list
-    assert c.check_text("a\n\nbEND", 7) == (Finish("stop", "\n\n"), "a")
-    assert StopChecker(SamplingParams()).check_text("END", 3) is None
-    # hold back a tail that may become a stop string, not one that cannot
-    assert c.streamable_len("abc EN") == 4
-    assert c.streamable_len("abc\n") == 3
-    assert c.streamable_len("abc ND") == 6
-
-
 # --- counter-based uniforms ------------------------------------------------------------------
 
 def _fmix32_ref(h: int) -> int:

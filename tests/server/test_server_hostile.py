@@ -215,6 +215,7 @@ case("method-post-health", b"{}", "/health")
 case("method-options-no-cors", None, C, "OPTIONS")
 case("model-route-unknown", None, "/v1/models/gpt-unknown", "GET")
 case("route-traversal", None, "/v1/../../etc/passwd", "GET")
+case("route-trailing-slash", with_(C), C + "/")
 for ctype in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
               "application/xml", "text/json", "application/jsonx", ""):
     case(f"content-type-{ctype.split(';')[0].replace('/', '-') or 'empty'}", with_(H), H,

@@ -2,8 +2,8 @@
 
 `SamplingParams` is what a user asks for (Engine API, CLI, OpenAI server); it is validated once,
 here, with errors that name the field and its allowed range (RANGES, which the server's request
-models check too). `StopChecker` decides, token by token and then on the
-detokenised text, when a request is finished and why; the scheduler and detokenizer call it.
+models check too). `StopChecker` decides, token by token, when a request is finished and why
+(stop strings are matched on the detokenised text by runtime/output.py's StopMatcher).
 """
 
 from __future__ import annotations
@@ -208,9 +208,9 @@ class Finish:
 
 
 class StopChecker:
-    """The stop conditions of one request: call `check_token` after each sampled token, and
-    `check_text` after the detokenizer has appended its text. `max_output` is the request's
-    length limit (runtime/limits.output_limit; max_new_tokens when not given)."""
+    """The token stop conditions of one request: call `check_token` after each sampled token.
+    `max_output` is the request's length limit (runtime/limits.output_limit; max_new_tokens
+    when not given)."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = (),
                  max_output: Optional[int] = None) -> None:
@@ -218,7 +218,6 @@ class StopChecker:
         self.max_output = params.max_new_tokens if max_output is None else max_output
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
-        self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
     def check_token(self, token_id: int, num_output_tokens: int) -> Optional[Finish]:
         """After `token_id` was appended, the output holds `num_output_tokens` tokens. The token
@@ -230,28 +229,3 @@ class StopChecker:
         if num_output_tokens >= self.max_output:
             return Finish("length")
         return None
-
-    def check_text(self, text: str, num_new_chars: int) -> Optional[tuple[Finish, str]]:
-        """`text` is the output text so far, of which the last `num_new_chars` are new. If a stop
-        string now appears, return the finish and the text cut before the earliest match.
-        Only the new characters (plus the overlap a match can span) are searched."""
-        if not self.max_stop_len:
-            return None
-        start = max(0, len(text) - num_new_chars - self.max_stop_len + 1)
-        best: Optional[tuple[int, str]] = None
-        for s in self.params.stop:
-            i = text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        return Finish("stop", best[1]), text[:best[0]]
-
-    def streamable_len(self, text: str) -> int:
-        """How many characters of an unfinished output may be streamed: a tail that could be the
-        start of a stop string is held back until the next token decides."""
-        for k in range(min(self.max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.params.stop):
-                return len(text) - k
-        return len(text)

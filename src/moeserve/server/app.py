@@ -87,8 +87,9 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
         watch.cancel()
         drain.cancel()
 
+    # no 307 to the slash-less path: a client that posts to /v1/completions/ gets a 404 body
     app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
     app.state.server = state
     app.state.client = client
 
