@@ -4,6 +4,7 @@ spawn import.
 
     @pytest.mark.gpu        needs a CUDA GPU
     @pytest.mark.gpu(2)     needs 2 CUDA GPUs
+    @pytest.mark.slow       minutes long, skipped unless asked for (the soak: MOESERVE_SOAK=1)
 
 `python -m pytest -q -m gpu` runs the GPU tests on a GPU machine; elsewhere they are skipped.
 """
@@ -24,6 +25,7 @@ if str(HERE) not in sys.path:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs (skipped with fewer)")
     config.addinivalue_line("markers", "multiproc: spawns gloo processes")
+    config.addinivalue_line("markers", "slow: minutes long, run on request (MOESERVE_SOAK=1)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -125,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
                  max_queue=args.max_queued_requests, served_model_name=args.served_model_name,
                  drain_timeout=args.drain_timeout, log_level=args.log_level,
                  api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                 request_read_timeout=args.request_read_timeout,
                  allowed_origins=[o.strip() for arg in args.allowed_origins
                                   for o in arg.split(",") if o.strip()])
 
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(without it, no key is asked)")
     s.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
                    help="larger request bodies are refused with 413")
+    s.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this many seconds of the "
+                   "connection opening (or of the previous response), else the connection is "
+                   "closed; its body within as many seconds of the headers, else 408")
     s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins (or comma lists of them, '*' for any) whose web pages may call "
                    "the server (CORS); without it, no CORS headers are sent")

@@ -1,8 +1,9 @@
-"""The server's guard: --api-key, JSON-only bodies, --max-request-bytes, --allowed-origins.
+"""The server's guard: --api-key, JSON-only bodies, --max-request-bytes, --allowed-origins,
+--request-read-timeout.
 
-One server (tiny preset, CPU) with all three flags serves every test of this module. Raw
+One server (tiny preset, CPU) with all these flags serves every test of this module. Raw
 sockets send what an HTTP client library would not: a Content-Length with no body, a chunked
-upload that does not stop, a body cut off halfway.
+upload that does not stop, a body cut off halfway, headers or a body a byte at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ KEY = "sk-test-5f0c2a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 64 * 1024
 ORIGIN = "https://app.example"
+READ_TIMEOUT_S = 2.0
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "ignore_eos": True}
@@ -34,7 +36,8 @@ ROUTES = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
 def server(tmp_path_factory):
     proc = ServerProcess(tmp_path_factory.mktemp("guard") / "server.log", "--api-key", KEY,
                          "--max-request-bytes", str(LIMIT),
-                         "--allowed-origins", f"{ORIGIN},https://other.example")
+                         "--allowed-origins", f"{ORIGIN},https://other.example",
+                         "--request-read-timeout", str(READ_TIMEOUT_S))
     yield proc
     assert proc.terminate() == 0, proc.log()
 
@@ -182,6 +185,97 @@ def test_a_client_that_sends_half_its_body_and_leaves(server):
     assert_serving(server)
     after = server.log()[len(before):]
     assert "Traceback" not in after and "ERROR" not in after, after
+
+
+# --- slow clients ------------------------------------------------------------------------------
+
+def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """What the server sent until it closed the connection, and the seconds that took."""
+    start, data = time.monotonic(), b""
+    sock.settimeout(limit_s)
+    while True:
+        try:
+            got = sock.recv(65536)
+        except ConnectionResetError:
+            got = b""
+        if not got:
+            return data, time.monotonic() - start
+        data += got
+
+
+def test_a_body_that_does_not_arrive_gets_408(server):
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    try:
+        sock.sendall(post_head("\r\nContent-Length: 100").encode() + b"\r\n\r\n" + b"{" * 10)
+        data, took = read_until_closed(sock, READ_TIMEOUT_S + 3)
+    finally:
+        sock.close()
+    assert took < READ_TIMEOUT_S + 3, took
+    status, body = status_and_body(data)
+    assert status == 408, data
+    assert "--request-read-timeout" in error_body(status, body, "request_timeout")["message"]
+    assert_serving(server)
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408(server):
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    start = time.monotonic()
+    try:
+        sock.sendall(post_head("\r\nContent-Length: 1000").encode() + b"\r\n\r\n")
+        while not select.select([sock], [], [], 0.2)[0] and time.monotonic() - start < 10:
+            sock.sendall(b" ")
+        data, _ = read_until_closed(sock, READ_TIMEOUT_S + 3)
+    finally:
+        sock.close()
+    assert time.monotonic() - start < READ_TIMEOUT_S + 3
+    assert status_and_body(data)[0] == 408, data
+    assert_serving(server)
+
+
+def test_headers_that_do_not_arrive_close_the_connection(server):
+    # a connection that sends nothing, and one that sends its headers a byte at a time: no
+    # response can be framed before the request line is in, so the server closes them
+    for trickle in (b"", post_head().encode()):
+        sock = socket.create_connection((server.host, server.port), timeout=30)
+        start, data = time.monotonic(), b""
+        try:
+            for byte in trickle:
+                if select.select([sock], [], [], 0.2)[0]:
+                    break
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    break
+            data, _ = read_until_closed(sock, READ_TIMEOUT_S + 3)
+        finally:
+            sock.close()
+        took = time.monotonic() - start
+        assert data == b"" and took < READ_TIMEOUT_S + 3, (trickle[:20], data, took)
+    assert_serving(server)
+
+
+def test_a_body_left_unread_is_not_waited_for(server):
+    # a 404 answers before the body is read; the rest, sent a byte at a time, is not awaited
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    start, data = time.monotonic(), b""
+    try:
+        sock.sendall(post_head("\r\nContent-Length: 1000").replace(
+            "/v1/completions", "/v1/nothing").encode() + b"\r\n\r\n")
+        while time.monotonic() - start < READ_TIMEOUT_S + 3:
+            if select.select([sock], [], [], 0.2)[0]:
+                got = sock.recv(65536)
+                if not got:
+                    break
+                data += got
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                break
+    finally:
+        sock.close()
+    assert time.monotonic() - start < READ_TIMEOUT_S + 3
+    assert data.startswith(b"HTTP/1.1 404"), data
+    assert_serving(server)
 
 
 # --- CORS ---------------------------------------------------------------------------------------

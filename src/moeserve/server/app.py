@@ -39,8 +39,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from moeserve.config import EngineConfig
 from moeserve.runtime.engine import Engine
 from moeserve.server.bridge import EngineClient
+from moeserve.server.connection import timed_h11_protocol
 from moeserve.server.errors import APIError, internal_error, new_request_id, public_line
-from moeserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from moeserve.server.guard import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S,
+                                   RequestGuard)
 from moeserve.server.openai_api import Job, OpenAIHandlers
 from moeserve.server.text import TextCodec
 
@@ -65,7 +67,8 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
               on_engine_death: Optional[Callable[[str], None]] = None,
               api_key: Optional[str] = None, allowed_origins: Sequence[str] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain_timeout: float = 600.0,
-              on_drained: Optional[Callable[[], None]] = None) -> FastAPI:
+              on_drained: Optional[Callable[[], None]] = None,
+              request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> FastAPI:
     if engine.tokenizer is None:
         raise ValueError("moeserve serve needs the model's tokenizer (prompts, chat templates, "
                          "stop strings); drop --skip-tokenizer-init")
@@ -172,7 +175,8 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     async def chat(request: Request) -> Response:
         return await generate(request, handlers.chat_job)
 
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       read_timeout=request_read_timeout)
     app.add_middleware(CountRequests, client=client)
     if allowed_origins:  # outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
@@ -371,11 +375,13 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
           max_queue: int = 1024, served_model_name: Optional[str] = None,
           drain_timeout: float = 600.0, log_level: str = "info", api_key: Optional[str] = None,
           allowed_origins: Sequence[str] = (),
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or an engine failure (1). Port 0 picks
     a free port; the line `moeserve: serving MODEL on http://HOST:PORT` says which."""
     if max_queue < 1:
         raise ValueError(f"--max-queued-requests must be at least 1, got {max_queue}")
+    protocol = timed_h11_protocol(request_read_timeout)
     logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _listen(host, port)
@@ -399,10 +405,11 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
         app = build_app(engine, served_model_name=served_model_name, max_queue=max_queue,
                         on_engine_death=on_death, api_key=api_key,
                         allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
-                        drain_timeout=drain_timeout, on_drained=on_drained)
+                        drain_timeout=drain_timeout, on_drained=on_drained,
+                        request_read_timeout=request_read_timeout)
         # the app drains first (_drain_when_asked); uvicorn's own wait is only a backstop
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=DRAIN_GRACE_S)
+                                timeout_graceful_shutdown=DRAIN_GRACE_S, http=protocol)
         server = _Server(config, app.state.server)
         log.info("rank processes (pids, by rank): %s", engine.rank_pids)
         bound = sock.getsockname()

@@ -5,12 +5,16 @@ supervisor or a load balancer needs no key. The key is compared in constant time
 Content-Type is not application/json is refused with 415: a web page can send a `text/plain`
 body to any host without a CORS preflight, never an `application/json` one. The body limit is
 checked on Content-Length before a byte is read, and again while the body is read (a chunked
-upload), so that a larger body is never held in memory.
+upload), so that a larger body is never held in memory. The body must arrive within
+--request-read-timeout seconds of the headers (408 otherwise), so that a client that sends it a
+byte at a time cannot hold a connection and a handler forever; connection.py bounds the headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from typing import Any, Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,16 +24,21 @@ from moeserve.server.errors import APIError
 OPEN_PATHS = ("/health",)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, api_key: Optional[str] = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> None:
         if api_key is not None and not api_key:
             raise ValueError("--api-key is empty; give a key or leave the flag out")
         if max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
-        self.app, self.max_bytes = app, max_request_bytes
+        if not read_timeout > 0:
+            raise ValueError(f"--request-read-timeout must be more than 0 seconds, "
+                             f"got {read_timeout:g}")
+        self.app, self.max_bytes, self.read_timeout = app, max_request_bytes, read_timeout
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -71,15 +80,26 @@ class RequestGuard:
                         "request_too_large", headers={"Connection": "close"})
 
     def _limited(self, receive: Receive) -> Receive:
-        seen = 0
+        seen, body_done = 0, False
+        deadline = time.monotonic() + self.read_timeout
 
         async def receive_limited() -> Message:
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, body_done
+            if body_done:  # what comes now is only the disconnect, whenever it comes
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within "
+                               f"{self.read_timeout:g} s (--request-read-timeout)", None,
+                               "request_timeout", headers={"Connection": "close"}) from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
                     raise self._too_large()
+                body_done = not msg.get("more_body", False)
+            else:
+                body_done = True
             return msg
 
         return receive_limited
