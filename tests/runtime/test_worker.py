@@ -24,13 +24,13 @@ def _worker(overlap: bool, **flags) -> RankWorker:
 
 def _count_launches(worker: RankWorker) -> list[int]:
     launches = []
-    launch = worker.runner.launch
+    launch = worker.runner.launch_forward  # (the worker launches a step in two halves)
 
     def counted(batch, *a, **k):
         launches.append(0 if batch is None else len(batch.reqs))
         return launch(batch, *a, **k)
 
-    worker.runner.launch = counted
+    worker.runner.launch_forward = counted
     return launches
 
 
@@ -146,13 +146,13 @@ def test_tokens_in_flight_go_out_before_a_prefill_is_launched():
     the decode step before it: they are published first."""
     worker = _worker(True)
     events = []
-    launch = worker.runner.launch
+    launch = worker.runner.launch_forward
 
     def logged(batch, *a, **k):
         events.append(("launch", None if batch is None else batch.mode.name))
         return launch(batch, *a, **k)
 
-    worker.runner.launch = logged
+    worker.runner.launch_forward = logged
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     first = Message("add", RequestInput("a", tuple(range(1, 9)), params, 0, True))
     second = Message("add", RequestInput("b", tuple(range(3, 14)), params, 0, True))

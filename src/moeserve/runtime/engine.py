@@ -28,6 +28,7 @@ from moeserve.config.spec import load_model_spec
 from moeserve.parallel.net import free_port
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.parallel.devices import runtime_config
+from moeserve.runtime.grammar import GrammarSpec
 from moeserve.runtime.output import RequestState
 from moeserve.runtime.request import RequestInput, TokenOutput
 from moeserve.runtime.sampling import SamplingParams
@@ -370,13 +371,17 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def submit(self, input_ids: Sequence[int], params: ParamsLike = None,
-               stream: bool = False) -> tuple[str, "queue.Queue[TokenOutput]"]:
-        """Queue one request; returns its id and the queue its outputs arrive on."""
-        rid, outputs, inp = self._request(input_ids, params, stream)
+               stream: bool = False, grammar: Optional[GrammarSpec] = None
+               ) -> tuple[str, "queue.Queue[TokenOutput]"]:
+        """Queue one request; returns its id and the queue its outputs arrive on. With
+        `grammar` (runtime/grammar.py) every output token follows it, and its end ends the
+        request (finish reason "stop"); an invalid one raises GrammarError."""
+        rid, outputs, inp = self._request(input_ids, params, stream, grammar)
         self._inbox.put(Message("add", inp))
         return rid, outputs
 
-    def _request(self, input_ids: Sequence[int], params: ParamsLike, stream: bool
+    def _request(self, input_ids: Sequence[int], params: ParamsLike, stream: bool,
+                 grammar: Optional[GrammarSpec] = None
                  ) -> tuple[str, "queue.Queue[TokenOutput]", RequestInput]:
         """Check one request and register it; the caller queues the RequestInput."""
         if self._dead is not None:
@@ -392,6 +397,8 @@ class Engine:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine runs with "
                              "--skip-tokenizer-init; use stop_token_ids")
+        if grammar is not None:
+            grammar.check()
         rid = uuid.uuid4().hex
         detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
         with self._lock:
@@ -400,7 +407,7 @@ class Engine:
             pend = self._pending[rid] = RequestState(rid, sp, dp, detok)
         # stop strings are matched on the text here, so their tokens must come every step
         every_step = stream or bool(sp.stop)
-        return rid, pend.outputs, RequestInput(rid, tuple(ids), sp, dp, every_step)
+        return rid, pend.outputs, RequestInput(rid, tuple(ids), sp, dp, every_step, grammar)
 
     def abort(self, rid: str) -> None:
         if self._dead is None and not self._closing:

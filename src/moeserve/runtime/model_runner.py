@@ -34,6 +34,7 @@ from moeserve.batch.step import StepContext
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.runtime.buffers import bind_buffers
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
+from moeserve.runtime.grammar import fill_bitmask
 from moeserve.runtime.prefill_graph import PrefillGraphRunner
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
@@ -211,9 +212,24 @@ class ModelRunner:
         """`run` without the wait: the forward and the sampling are queued on the device, the
         sampled tokens land in `next_tokens` (for the next step's placeholders) and start
         their copy to the host. Nothing here waits for the device."""
+        forwarded = self.launch_forward(batch, step, all_decode)
+        return None if forwarded is None else self.launch_sampling(*forwarded)
+
+    @torch.inference_mode()
+    def launch_forward(self, batch: Optional[ScheduledBatch], step: StepContext,
+                       all_decode: bool = False
+                       ) -> Optional[tuple[ScheduledBatch, torch.Tensor]]:
+        """The first half of `launch`: the forward, queued; (batch, its logits), or None for
+        an idle rank. The worker may process the step before this one in between (the
+        grammars of this batch need its tokens)."""
         logits_BV = self.forward(batch, step, all_decode)
-        if batch is None:
-            return None
+        return None if batch is None else (batch, logits_BV)
+
+    @torch.inference_mode()
+    def launch_sampling(self, batch: ScheduledBatch, logits_BV: torch.Tensor) -> LaunchedStep:
+        """The second half of `launch`: sampling queued after the forward; a request with a
+        grammar has its matcher fill its row of the token bitmask here, on the host, while
+        the device runs the forward."""
         rows = [i for i, s in enumerate(batch.samples) if s]
         if not rows:
             return LaunchedStep(batch, rows, torch.zeros(0, dtype=torch.int64), None, None,
@@ -227,8 +243,12 @@ class ModelRunner:
             # the step's own token is counted in num_output already
             steps=[r.num_output - 1 for r in reqs],
             # a decode row's placeholder: its token of the step before, still on the device
-            pending=[-1 - batch.new_tokens[i][0] if batch.new_tokens[i][0] < 0 else -1
-                     for i in rows], next_tokens=self.next_tokens)
+            # (one that the worker has processed since is in output_ids already)
+            pending=[-1 - batch.new_tokens[i][0]
+                     if batch.new_tokens[i][0] < 0 and batch.reqs[i].unresolved > 1 else -1
+                     for i in rows], next_tokens=self.next_tokens,
+            token_bitmask=fill_bitmask([r.matcher for r in reqs], logits_BV.shape[-1],
+                                       pin=self.device.type == "cuda"))
         if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
             logits_BV = logits_BV[torch.tensor(rows).to(logits_BV.device, non_blocking=True)]
         out = self.sampler(logits_BV, sb)

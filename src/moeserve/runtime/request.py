@@ -8,6 +8,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from moeserve.runtime.grammar import GrammarSpec
 from moeserve.runtime.limits import output_limit
 from moeserve.runtime.sampling import Finish, SamplingParams, StopChecker
 
@@ -22,13 +23,15 @@ class ReqState(enum.Enum):
 @dataclass(frozen=True)
 class RequestInput:
     """What a client submits; `rid` is unique per engine, `dp_rank` is where it runs; with
-    `stream` the workers report every step's tokens, else only the finished request."""
+    `stream` the workers report every step's tokens, else only the finished request; with
+    `grammar` every token it samples follows that grammar (runtime/grammar.py)."""
 
     rid: str
     input_ids: tuple[int, ...]
     params: SamplingParams
     dp_rank: int = 0
     stream: bool = False
+    grammar: Optional[GrammarSpec] = None
 
 
 @dataclass
@@ -83,6 +86,9 @@ class Req:
         # step is scheduled), the newest of them at row `future_row` of the step in flight
         self.unresolved = 0
         self.future_row = -1
+        # structured outputs: the xgrammar GrammarMatcher that has accepted output_ids (set by
+        # the scheduler when the request arrives with a grammar)
+        self.matcher: Any = None
 
     @property
     def all_ids(self) -> list[int]:

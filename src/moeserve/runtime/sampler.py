@@ -6,7 +6,8 @@ One step, in order (as vLLM):
   1. logprobs (when asked) from log_softmax of the raw logits, before anything below;
   2. penalties on the raw logits: repetition (HF: over prompt and output tokens), then frequency
      and presence (OpenAI: over output tokens);
-  3. greedy rows take the argmax;
+  3. each row's grammar bitmask (structured outputs): a token it forbids gets -inf;
+     then greedy rows take the argmax;
   4. sampling rows: divide by temperature, softmax, sort each row once; top-k and min-p keep a
      prefix of the sorted row, top-p keeps a prefix of the renormalised rest; the token is found
      by inverse CDF over that prefix with ONE uniform number per row, so it is inside the allowed
@@ -33,6 +34,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from moeserve.runtime.grammar import apply_bitmask
 from moeserve.runtime.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -87,6 +89,8 @@ class SamplingBatch:
     # logprobs: whether any row asks, and the largest top_logprobs of the batch
     want_logprobs: bool
     max_top_logprobs: int
+    # structured outputs: int32 [B, ceil(V / 32)], a set bit allows its token (runtime/grammar)
+    token_bitmask_BW: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
@@ -94,13 +98,15 @@ class SamplingBatch:
               device: torch.device | str = "cpu",
               steps: Optional[Sequence[int]] = None,
               pending: Optional[Sequence[int]] = None,
-              next_tokens: Optional[torch.Tensor] = None) -> "SamplingBatch":
+              next_tokens: Optional[torch.Tensor] = None,
+              token_bitmask: Optional[torch.Tensor] = None) -> "SamplingBatch":
         """`output_ids[r]` are the tokens row r generated so far; its step (the seeded
         uniform's counter) is their count, or `steps[r]` when given (tokens still on the
         device count too); `prompt_ids` are needed only when some row has a repetition
         penalty. `pending[r] >= 0`: row r also generated the token at that row of
         `next_tokens`, still on the device (the overlap schedule's token in flight); the
-        penalties count it there, without waiting for it."""
+        penalties count it there, without waiting for it. `token_bitmask` (on the host,
+        one row per row) restricts each row to the tokens its grammar allows."""
         B, V = len(params), vocab_size
         if len(output_ids) != B or (prompt_ids is not None and len(prompt_ids) != B):
             raise ValueError(f"{B} params but {len(output_ids)} output_ids rows"
@@ -158,6 +164,8 @@ class SamplingBatch:
             output_counts_BV=counts, seen_BV=seen,
             want_logprobs=any(p.logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            token_bitmask_BW=(None if token_bitmask is None
+                              else token_bitmask.to(device, non_blocking=True)),
         )
 
 
@@ -243,6 +251,10 @@ class Sampler:
 
     def __call__(self, logits_BV: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         x = apply_penalties(logits_BV, batch)
+        if batch.token_bitmask_BW is not None:
+            if x is logits_BV:  # (float32 logits come back unchanged: the raw ones stay)
+                x = x.clone()
+            apply_bitmask(x, batch.token_bitmask_BW)
         tokens = x.argmax(dim=-1)
         rows = batch.sample_rows_S
         if rows is not None:

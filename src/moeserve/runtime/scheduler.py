@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from moeserve.plan.budget import TokenBudget
 from moeserve.batch.forward_batch import ForwardMode
+from moeserve.runtime.grammar import GrammarBackend, GrammarError
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.limits import PromptError, check_prompt
 from moeserve.runtime.request import Req, ReqState, RequestInput, TokenOutput
 from moeserve.runtime.sampling import Finish
+from moeserve.runtime.tokenizer import TokenizerError
 
 
 @dataclass
@@ -48,7 +50,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, budget: TokenBudget, kv: KVManager,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (),
+                 grammars: Optional[Callable[[], GrammarBackend]] = None) -> None:
+        """`grammars` gives the rank's GrammarBackend (built on first use) for requests with
+        a grammar."""
+        self.grammars = grammars
         self.budget = budget
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
@@ -68,6 +74,16 @@ class Scheduler:
             self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc)))
             return
         req = Req(inp, self.eos, self._arrivals, ctx)
+        if inp.grammar is not None:
+            # compiled here, at the same point of the same iteration on every rank of the DP
+            # group, so that their decisions stay the same (a cached grammar costs nothing)
+            try:
+                if self.grammars is None:
+                    raise GrammarError("this scheduler has no grammar backend")
+                req.matcher = self.grammars().matcher(inp.grammar)
+            except (GrammarError, TokenizerError) as exc:
+                self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc)))
+                return
         self._arrivals += 1
         self.waiting.append(req)
 
@@ -253,7 +269,14 @@ class Scheduler:
             req.output_ids.append(token)
             if logprobs is not None and req.params.logprobs:
                 req.logprobs.append(logprobs[i])
+            if req.matcher is not None and not req.matcher.accept_token(token):
+                self.running.remove(req)  # (the mask allows no such token: our own bug)
+                outputs.append(self._finish(req, Finish("error"), error=(
+                    f"the sampled token {token} does not follow the request's grammar")))
+                continue
             finish = req.stop.check_token(token, len(req.output_ids))
+            if finish is None and req.matcher is not None and req.matcher.is_terminated():
+                finish = Finish("stop")  # the grammar has ended: nothing may follow
             if finish is not None:
                 self.running.remove(req)
                 outputs.append(self._finish(req, finish))

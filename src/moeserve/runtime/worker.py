@@ -23,6 +23,7 @@ waiting behind it would delay them by that much.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -42,6 +43,7 @@ from moeserve.batch.step import StepTooLarge, gather_ints, step_from_counts
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.batch.forward_batch import ForwardMode
 from moeserve.models.loader import WeightLoadError
+from moeserve.runtime.grammar import GrammarBackend
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
@@ -68,7 +70,8 @@ class RankWorker:
         kv = KVManager(self.runner.kv_pool, self.runner.req_pool,
                        prefix_cache=not cfg.disable_radix_cache)
         assert plan.budget is not None
-        self.scheduler = Scheduler(plan.budget, kv, eos_token_ids)
+        self.scheduler = Scheduler(plan.budget, kv, eos_token_ids, functools.cache(
+            lambda: GrammarBackend.for_model(cfg.model, spec, eos_token_ids)))
         self.is_dp_leader = state.attn_tp.rank == 0
         self.overlap = not cfg.disable_overlap_schedule
         self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
@@ -113,7 +116,12 @@ class RankWorker:
                 if publish is not None:
                     publish(outs)
                     outs = []
-            launched = self.runner.launch(batch, step, all_decode)
+            forwarded = self.runner.launch_forward(batch, step, all_decode)
+            if batch is not None and any(r.matcher is not None for r in batch.reqs):
+                # the grammars' masks need the tokens of the step before: they are read back
+                # and processed while the device runs this forward, then the masks filled
+                outs += self._collect()
+            launched = None if forwarded is None else self.runner.launch_sampling(*forwarded)
             outs += self._collect()  # the step before this one (done on the device by now)
             self.in_flight = launched
         if not self.overlap or not any(counts):
