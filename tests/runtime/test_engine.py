@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moeserve.runtime.engine import Engine, EngineError
+from moeserve.runtime.warmup import run_warmup, warm_up_prefill
 from moeserve.testing.tiny_models import make_hf_model, save_checkpoint
 
 ARCHS = {
@@ -119,18 +120,25 @@ def test_cli_generate_json_equals_transformers(checkpoints, arch, layout):
     assert all(r["finish_reason"] == "length" for r in results)
 
 
-def test_startup_prefill_warm_up_leaves_no_trace(checkpoints):
-    """The dummy prefills that compile the prefill path at startup (run on GPUs; here called
-    directly) take no KV slot or request row and change no later token."""
+def test_startup_warm_up_leaves_no_trace(checkpoints):
+    """Every eager variant of the warm-up list (run on GPUs at startup; here forced on the CPU)
+    takes no KV slot or request row, leaves the sampler's generator as it was and changes no
+    later token."""
     folder, ref = checkpoints["Qwen3MoeForCausalLM"]
     with Engine(folder, **BASE) as engine:
         runner = engine._thread._args[0].runner
+        wplan = runner.warmup_plan
+        assert run_warmup(runner, wplan).skipped == wplan.skipped is not None  # a CPU
         slots, rows = runner.kv_pool.available_slots, runner.req_pool.available_rows
-        # the powers of two and 127, up to the budget (128 tokens: the context length)
-        assert runner.warm_up_prefill() == [1, 2, 4, 8, 16, 32, 64, 127, 128]
-        assert runner.warm_up_prefill([5, 33]) == [5, 33]
+        generator = runner.sampler.generator.get_state()
+        report = run_warmup(runner, wplan, force=True)
+        eager = [v for v in wplan.variants if v.via == "eager"]
+        assert sum(report.ran.values()) == len(eager) > 0
+        # a prefill longer than a request row (the context, 128 tokens) runs as several
+        assert warm_up_prefill(runner, [5, 33, 300]) == [5, 33, 300]
         assert runner.kv_pool.available_slots == slots
         assert runner.req_pool.available_rows == rows
+        assert torch.equal(runner.sampler.generator.get_state(), generator)
         outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["token_ids"] for o in outs] == ref
 

@@ -124,6 +124,11 @@ class EngineConfig:
         "engine counts as stalled (a stopped or hung rank): every pending request fails with "
         "an error and the engine stops (the server then exits with code 1, for a supervisor "
         "to restart it). 0 or less turns the watchdog off.", "--watchdog-timeout")
+    compile_cache_dir: Optional[str] = knob(
+        None, "Folder of the persistent compile cache (Triton's kernels, TRITON_CACHE_DIR, and "
+        "torch inductor's), set in every rank before anything compiles, so that a second start "
+        "of the same config compiles nothing. Default: moeserve/compile under $XDG_CACHE_HOME "
+        "(~/.cache when unset).", "--compile-cache-dir")
     nnodes: int = knob(1, "Nodes that together run the --tp-size ranks.", "--nnodes")
     node_rank: int = knob(0, "This node's index in [0, --nnodes).", "--node-rank")
     dist_init_addr: Optional[str] = knob(None, "HOST:PORT of node 0 for the rendezvous "

@@ -12,6 +12,7 @@ fails to start within seconds with that fix.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
 import sys
@@ -29,10 +30,14 @@ from moeserve.parallel.net import free_port
 from moeserve.plan.capacity import CapacityPlan, build_plan
 from moeserve.parallel.devices import runtime_config
 from moeserve.runtime.grammar import GrammarSpec
+from moeserve.runtime.compile_cache import cached_kernels, use_compile_cache
 from moeserve.runtime.output import RequestState
 from moeserve.runtime.request import RequestInput, TokenOutput
 from moeserve.runtime.sampling import SamplingParams
+from moeserve.runtime.startup import phase_line, summary_line
 from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
+
+log = logging.getLogger(__name__)
 
 ParamsLike = Union[SamplingParams, dict, None]
 START_TIMEOUT_S = 600.0
@@ -81,9 +86,12 @@ class Engine:
     field is a keyword. Use as a context manager, or call shutdown()."""
 
     def __init__(self, model: str = "preset:tiny", *, in_process: Optional[bool] = None,
-                 **flags: Any) -> None:
+                 wait: bool = True, **flags: Any) -> None:
         """in_process: run a single rank in a thread of this process (the default for
-        tp_size 1) instead of a worker process of its own (what the server uses)."""
+        tp_size 1) instead of a worker process of its own (what the server uses).
+        wait=False (rank processes only): return once the ranks are spawned, while they load
+        and warm up; `ready` says when they are, `wait_ready()` waits for them (the server
+        answers /health meanwhile)."""
         if _importing_main_in_new_process():
             # a rank process importing an unguarded script: say so once, and end this process
             # before it builds anything; the engine that spawned it sees the exit code
@@ -116,12 +124,48 @@ class Engine:
         self._procs: list[Any] = []
         self._thread: Optional[threading.Thread] = None
         self.torch_threads: dict[int, int] = {}  # rank -> torch threads it runs with
+        self.rank_info: dict[int, dict[str, Any]] = {}  # rank -> what its ready message said
+        self.startup: dict[int, dict[str, float]] = {}  # rank -> startup phase -> seconds
+        self._ready = threading.Event()
+        self._ready_lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self.compile_cache = use_compile_cache(self.cfg)  # inherited by the ranks it spawns
+        self._kernels_before = cached_kernels(self.compile_cache)
         # time.monotonic() of rank 0's latest finished iteration, written by rank 0 (shared
         # memory; CLOCK_MONOTONIC is one clock for every process of the machine)
         self._heartbeat: Any = multiprocessing.RawValue("d", time.monotonic())
-        self._start(self.cfg.tp_size == 1 if in_process is None else in_process)
-        self._router = threading.Thread(target=self._route, name="moeserve-router", daemon=True)
-        self._router.start()
+        in_process = self.cfg.tp_size == 1 if in_process is None else in_process
+        if in_process and not wait:
+            raise EngineError("wait=False needs rank processes: pass in_process=False")
+        self._start(in_process)
+        if wait:
+            self.wait_ready()
+
+    @property
+    def ready(self) -> bool:
+        """Every rank has loaded, warmed up and captured its graphs."""
+        return self._ready.is_set()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank is ready (raises EngineError when one fails to start), then
+        log the startup's summary and start routing outputs."""
+        with self._ready_lock:
+            if self._ready.is_set():
+                return
+            if self._procs:
+                self._wait_ready(len(self._procs))
+            log.info(summary_line(time.monotonic() - self._t0, self.startup,
+                                  cached_kernels(self.compile_cache) - self._kernels_before,
+                                  str(self.compile_cache)))
+            self._router = threading.Thread(target=self._route, name="moeserve-router",
+                                            daemon=True)
+            self._router.start()
+            self._ready.set()
+
+    def _phase(self, rank: int, name: str, seconds: float, detail: str) -> None:
+        self.startup.setdefault(rank, {})[name] = seconds
+        if rank == 0:
+            log.info(phase_line(rank, name, seconds, detail))
 
     # --- lifecycle ------------------------------------------------------------------------
     def _start(self, in_process: bool) -> None:
@@ -138,7 +182,8 @@ class Engine:
             if self.cfg.cpu_threads_per_rank is not None:  # this process is the caller's:
                 torch.set_num_threads(self.cfg.cpu_threads_per_rank)  # only when asked
             state = single_process_state(self.plan.layout, device)
-            worker = RankWorker(self.cfg, self.spec, self.plan, state, self.eos_token_ids)
+            worker = RankWorker(self.cfg, self.spec, self.plan, state, self.eos_token_ids,
+                                report=lambda *a: self._phase(0, *a))
             self._thread = threading.Thread(target=self._run_in_thread, args=(worker,),
                                             name="moeserve-rank0", daemon=True)
             self._thread.start()
@@ -155,7 +200,6 @@ class Engine:
                                   self.eos_token_ids, self._heartbeat if rank == 0 else None))
             p.start()
             self._procs.append(p)
-        self._wait_ready(local)
 
     def _wait_ready(self, local: int) -> None:
         """Wait for every local rank's "ready"; a rank that reports an error or dies first
@@ -168,7 +212,13 @@ class Engine:
                 msg = None
             if msg and msg[0] == "ready":
                 self.torch_threads[msg[1]] = msg[2]["torch_threads"]
+                self.rank_info[msg[1]] = msg[2]
                 continue
+            if msg and msg[0] == "phase":
+                self._phase(*msg[1:])
+                continue
+            if self._closing:
+                self._fail_start("the engine was shut down while its ranks were starting")
             if msg and msg[0] == "error":
                 self._fail_start(f"rank {msg[1]} failed to start: {msg[2]}")
             died = self._died()
@@ -388,6 +438,9 @@ class Engine:
             raise EngineError(f"the engine has stopped: {self._dead}")
         if self._closing:
             raise EngineError("the engine is shut down")
+        if not self._ready.is_set():
+            raise EngineError("the engine is still starting (Engine.ready is False); call "
+                              "Engine.wait_ready() first")
         ids = [int(i) for i in input_ids]
         bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
         if bad:

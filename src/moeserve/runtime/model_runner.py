@@ -10,23 +10,19 @@ steps replay a CUDA graph of the plan's buckets when every rank of the step deco
 and the batch fits a bucket (runtime/cuda_graph.py); the other steps that fit the plan's
 prefill sizes replay the prefill graphs' pieces, with their attention eager between them
 (runtime/prefill_graph.py); the rest run eagerly. On a GPU, before the graphs are captured,
-the expert runners compile their kernels for every step size the plan admits and dummy
-prefills compile the rest of the prefill path, so that no request waits for a compile.
+the warm-up list of the plan runs (plan/warmup.py, runtime/warmup.py), so that no request
+waits for a compile; the startup's phases are timed (runtime/startup.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.layers.attention import PagedAttention
-from moeserve.layers.mla import MLAttention
-from moeserve.moe.experts.base import Experts
 from moeserve.config.spec import ModelSpec
 from moeserve.kernels.launch.choice import install, select_kernels
 from moeserve.parallel.groups import ParallelState
@@ -36,13 +32,21 @@ from moeserve.runtime.buffers import bind_buffers
 from moeserve.runtime.cuda_graph import DecodeGraphRunner
 from moeserve.runtime.grammar import fill_bitmask
 from moeserve.runtime.prefill_graph import PrefillGraphRunner
+from moeserve.runtime.startup import StartupClock
+from moeserve.runtime.warmup import check_captured, run_warmup
+from moeserve.plan.warmup import warmup_plan
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.batch.kv_cache import DUMMY_REQ_ROW, DUMMY_SLOT
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
-PREFILL_WARM_UP_MAX = 1024  # past 2 x ROPE_PROGRAMS (kernels/elementwise/fused.py): one head block
+
+
+def device_tables(device: torch.device) -> tuple[Optional[str], Optional[tuple[int, int]]]:
+    """The device's name and compute capability, which choose the MoE tile tables."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
 
 @dataclass
 class StepResult:
@@ -78,7 +82,10 @@ def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
-                 state: ParallelState, *, progress: Optional[bool] = None) -> None:
+                 state: ParallelState, *, progress: Optional[bool] = None,
+                 report: Optional[Callable[[str, float, str], None]] = None) -> None:
+        """report(phase, seconds, detail): called as each startup phase ends
+        (runtime/startup.py)."""
         from moeserve.models.build import load_model
 
         self.cfg, self.spec, self.plan, self.state = cfg, spec, plan, state
@@ -86,89 +93,37 @@ class ModelRunner:
         self.kernels = select_kernels(self.device, pdl=not cfg.disable_pdl)
         install(self.kernels)
         log.info("kernels %s", self.kernels.describe())
-        self.model = load_model(cfg, spec, state, plan, progress=progress)
-        self.buffers = bind_buffers(plan, self.device)
-        self.model.bind_buffers(self.buffers.model)
+        self.clock = StartupClock(report)
+        with self.clock.phase("weights"):
+            self.model = load_model(cfg, spec, state, plan, progress=progress)
+        with self.clock.phase("plan buffers") as note:
+            self.buffers = bind_buffers(plan, self.device)
+            self.model.bind_buffers(self.buffers.model)
+            note["detail"] = f"{len(plan.buffers)} records"
         self.kv_pool, self.req_pool = self.buffers.kv_pool, self.buffers.req_pool
         # the sampled tokens of the last step, which the next step's placeholders point into
         self.next_tokens = self.buffers.next_tokens
         self.sampler = Sampler(self.device, seed=cfg.random_seed)
-        if self.device.type == "cuda":
-            self.warm_up_experts()
-            self.warm_up_prefill()
-            self.warm_up_attention()
+        self.warmup_plan = warmup_plan(plan, *device_tables(self.device))
+        with self.clock.phase("warm-up compile") as note:
+            self.warmup = run_warmup(self, self.warmup_plan)
+            note["detail"] = f"{self.warmup.line()}; the list: {self.warmup_plan.summary()}"
         blocker = plan.backends.graph_blocker if plan.backends is not None else None
         if blocker and self.device.type == "cuda" and (plan.budget.decode_batch_sizes
                                                        or plan.budget.prefill_token_sizes):
             log.warning("steps run without CUDA graphs: %s (--disable-cuda-graph and "
                         "--disable-piecewise-cuda-graph silence this)", blocker)
-        self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
-            plan, self.model, state, self.buffers.decode_graph, self.kv_pool, self.req_pool)
-        self.prefill_graphs: Optional[PrefillGraphRunner] = PrefillGraphRunner.create(
-            plan, self.model, state, self.buffers.prefill_graph, self.kv_pool, self.req_pool,
-            self.next_tokens)
-
-    @torch.inference_mode()
-    def warm_up_attention(self) -> list[int]:
-        """The attention backend's per-shape builds for extends of up to the plan's extend
-        budget (AttentionBackend.warm_up). Returns the lengths run."""
-        layer = next((m for m in self.model.modules()
-                      if isinstance(m, (PagedAttention, MLAttention))), None)
-        if layer is None or self.plan.budget is None:
-            return []
-        t0 = time.perf_counter()
-        lengths = layer.backend.warm_up(layer, self.plan.budget.extend, self.kv_pool.dtype,
-                                        self.device)
-        if lengths:
-            log.info("attention warmed up for %d extend lengths (%d-%d) in %.1f s",
-                     len(lengths), lengths[0], lengths[-1], time.perf_counter() - t0)
-        return lengths
-
-    @torch.inference_mode()
-    def warm_up_experts(self) -> dict[tuple[int, int, int], list[int]]:
-        """Each distinct expert runner (local experts, hidden, intermediate) runs once per
-        tile config that a step of up to the plan's runner rows takes (Experts.warm_up).
-        Returns the row counts run by runner shape."""
-        plan = self.plan
-        if plan.budget is None or plan.layout is None or not self.spec.num_experts:
-            return {}
-        rows = plan.moe_runner_rows
-        t0 = time.perf_counter()
-        runs: dict[tuple[int, int, int], list[int]] = {}
-        for mod in self.model.modules():
-            key = (mod.num_local, mod.hidden, mod.i_local) if isinstance(mod, Experts) else None
-            if key is not None and key not in runs:
-                runs[key] = mod.warm_up(rows, self.device)
-        if any(runs.values()):
-            log.info("expert kernels warmed up for row counts %s in %.1f s",
-                     sorted({n for v in runs.values() for n in v}), time.perf_counter() - t0)
-        return runs
-
-    @torch.inference_mode()
-    def warm_up_prefill(self, sizes: Optional[list[int]] = None) -> list[int]:
-        """Eager prefills of one dummy request (row DUMMY_REQ_ROW, every K/V to DUMMY_SLOT,
-        nothing else touched) of each size. By default, as far as the budget allows, every
-        power of two up to PREFILL_WARM_UP_MAX tokens (the kernels that pick a shape by the
-        token count pick it by powers of two: the rope's head blocks) and 127 (Triton
-        specialises integer arguments on divisibility by 16). Every rank runs the same sizes
-        in the same order, so their collectives pair up. Returns the sizes run."""
-        from moeserve.batch.step import step_from_counts
-
-        plan, table = self.plan, self.req_pool.table
-        if plan.budget is None or plan.layout is None:
-            return []
-        limit = min(plan.budget.extend, table.shape[1])
-        if sizes is None:
-            top = min(limit, PREFILL_WARM_UP_MAX)
-            sizes = sorted({1 << b for b in range(top.bit_length())} | {min(127, top)})
-        for n in sizes:
-            table[DUMMY_REQ_ROW, :n] = DUMMY_SLOT
-            loc = torch.full((n,), DUMMY_SLOT, dtype=torch.int64, device=self.device)
-            fb = ForwardBatch.from_requests(ForwardMode.EXTEND, [[0] * n], [0], [DUMMY_REQ_ROW],
-                                            loc, table, self.kv_pool)
-            step = step_from_counts([n] * plan.layout.tp, plan.layout, self.state.rank, plan)
-            self.model(fb.input_ids, fb.positions, fb, step)
-        return sizes
+        with self.clock.phase("graph capture") as note:
+            self.graphs: Optional[DecodeGraphRunner] = DecodeGraphRunner.create(
+                plan, self.model, state, self.buffers.decode_graph, self.kv_pool,
+                self.req_pool)
+            self.prefill_graphs: Optional[PrefillGraphRunner] = PrefillGraphRunner.create(
+                plan, self.model, state, self.buffers.prefill_graph, self.kv_pool,
+                self.req_pool, self.next_tokens)
+            decode = [] if self.graphs is None else self.graphs.buckets
+            prefill = [] if self.prefill_graphs is None else self.prefill_graphs.sizes
+            check_captured(self.warmup_plan, decode, prefill)
+            note["detail"] = f"{len(decode)} decode and {len(prefill)} prefill sizes"
 
     def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
         if batch is None:

@@ -44,6 +44,7 @@ from moeserve.plan.capacity import CapacityPlan
 from moeserve.batch.forward_batch import ForwardMode
 from moeserve.models.loader import WeightLoadError
 from moeserve.runtime.grammar import GrammarBackend
+from moeserve.runtime.compile_cache import TRITON_ENV, use_compile_cache
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
@@ -64,9 +65,12 @@ class Message:
 
 class RankWorker:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec, plan: CapacityPlan,
-                 state: ParallelState, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 state: ParallelState, eos_token_ids: tuple[int, ...] = (),
+                 report: Optional[Callable[[str, float, str], None]] = None) -> None:
+        """report(phase, seconds, detail): each startup phase as it ends
+        (runtime/startup.py)."""
         self.cfg, self.plan, self.state = cfg, plan, state
-        self.runner = ModelRunner(cfg, spec, plan, state)
+        self.runner = ModelRunner(cfg, spec, plan, state, report=report)
         kv = KVManager(self.runner.kv_pool, self.runner.req_pool,
                        prefix_cache=not cfg.disable_radix_cache)
         assert plan.budget is not None
@@ -249,6 +253,7 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
     try:
         from moeserve.parallel.devices import rank_device
 
+        cache = use_compile_cache(cfg)  # before anything compiles
         device = rank_device(cfg, rank)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -260,8 +265,12 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=cfg.tp_size, timeout=timedelta(seconds=600))
         state = init_parallel_state(plan.layout, device)
-        worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids)
-        outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads()}))
+        worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids,
+                            report=lambda name, s, detail: outbox.put(
+                                ("phase", rank, name, s, detail)))
+        outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads(),
+                                    "compile_cache": str(cache),
+                                    "triton_cache_dir": os.environ.get(TRITON_ENV)}))
         serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None,
                    parent_pid, heartbeat if rank == 0 else None)
         outbox.put(("exit", rank))
