@@ -54,6 +54,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: tuple[int, ...] = ()
     extend_seq_lens_cpu: tuple[int, ...] = ()
     return_all_logits: bool = False  # else only each request's last new token gets logits
+    # rows that get logits too, after those of each request's last new token (the prompt
+    # positions of requests that asked for prompt logprobs)
+    extra_logit_rows: Optional[torch.Tensor] = None
     # (q, layer, fb) -> attention output in place of the layer's backend: set only while
     # runtime/prefill_graph.py captures, to end one graph piece at each attention
     attention_hook: Optional[Callable[..., torch.Tensor]] = field(default=None, repr=False)
@@ -69,16 +72,19 @@ class ForwardBatch:
     @property
     def logit_rows(self) -> Optional[torch.Tensor]:
         """Rows of the hidden states that get logits: None for all, else each request's last
-        new token."""
+        new token, then the extra rows."""
         if self.return_all_logits:
             return None
-        return torch.cumsum(self.extend_seq_lens, 0) - 1
+        last = torch.cumsum(self.extend_seq_lens, 0) - 1
+        return last if self.extra_logit_rows is None else torch.cat([last,
+                                                                     self.extra_logit_rows])
 
     @classmethod
     def from_requests(cls, mode: ForwardMode, new_tokens: Sequence[Sequence[int]],
                       prefix_lens: Sequence[int], req_rows: Sequence[int],
                       out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
-                      kv_pool: KVCachePool, return_all_logits: bool = False) -> "ForwardBatch":
+                      kv_pool: KVCachePool, return_all_logits: bool = False,
+                      extra_logit_rows: Sequence[int] = ()) -> "ForwardBatch":
         """A batch from per-request lists; `out_cache_loc` [T] must already be written into
         req_to_token at positions [prefix, prefix + new) of each request's row."""
         if mode is ForwardMode.DECODE and any(len(t) != 1 for t in new_tokens):
@@ -93,7 +99,8 @@ class ForwardBatch:
                    out_cache_loc.to(dev, torch.int64), torch.tensor(list(req_rows), **i64),
                    torch.tensor(seq, **i64), torch.tensor(list(prefix_lens), **i64),
                    torch.tensor(ext, **i64), req_to_token, kv_pool, tuple(seq),
-                   tuple(prefix_lens), tuple(ext), return_all_logits)
+                   tuple(prefix_lens), tuple(ext), return_all_logits,
+                   torch.tensor(list(extra_logit_rows), **i64) if extra_logit_rows else None)
 
     @classmethod
     def idle(cls, req_to_token: torch.Tensor, kv_pool: KVCachePool) -> "ForwardBatch":

@@ -453,7 +453,12 @@ class Engine:
         if grammar is not None:
             grammar.check()
         rid = uuid.uuid4().hex
-        detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
+        big = [t for t, _ in sp.logit_bias if t >= self.spec.vocab_size]
+        if big:
+            raise ValueError(f"logit_bias token ids {big[:5]} are outside the vocabulary "
+                             f"[0, {self.spec.vocab_size})")
+        detok = (self.tokenizer.detokenizer(ids, skip_special_tokens=sp.skip_special_tokens)
+                 if self.tokenizer is not None else None)
         with self._lock:
             dp = min(range(len(self._load)), key=lambda d: self._load[d])
             self._load[dp] += 1
@@ -482,7 +487,8 @@ class Engine:
                  ) -> Union[dict[str, Any], list[dict[str, Any]]]:
         """Generate for one prompt (returns a dict) or several (a list, in order, run
         concurrently). A result: text, token_ids, finish_reason, matched_stop, usage,
-        logprobs (when asked), error (None unless the request failed)."""
+        logprobs and prompt_logprobs (when asked: those of prompt tokens 1..), error (None
+        unless the request failed)."""
         batch, single = self._inputs(prompt, input_ids)
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(batch))
@@ -532,13 +538,14 @@ class Engine:
 
     def _collect(self, rid: str, q: "queue.Queue[TokenOutput]") -> dict[str, Any]:
         tokens: list[int] = []
-        text, logprobs = [], []
+        text, logprobs, prompt_lps = [], [], []
         n_prompt = cached = 0
         while True:
             out = self._next(q)
             tokens += out.token_ids
             text.append(out.text)
             logprobs += out.logprobs
+            prompt_lps += out.prompt_logprobs
             n_prompt, cached = out.prompt_tokens or n_prompt, out.cached_tokens or cached
             if out.finish is not None or out.error is not None:
                 break
@@ -548,11 +555,13 @@ class Engine:
                 "matched_stop": None if finish is None else finish.matched,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
                           "cached_tokens": cached},
-                "logprobs": logprobs or None, "error": out.error}
+                "logprobs": logprobs or None, "prompt_logprobs": prompt_lps or None,
+                "error": out.error}
 
 
 def _chunk(out: TokenOutput, n_prompt: int, generated: int) -> dict[str, Any]:
     return {"text": out.text, "token_ids": out.token_ids, "logprobs": out.logprobs or None,
+            "prompt_logprobs": out.prompt_logprobs or None,
             "finish_reason": None if out.finish is None else out.finish.reason,
             "matched_stop": None if out.finish is None else out.finish.matched,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": generated,

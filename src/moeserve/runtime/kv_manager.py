@@ -48,7 +48,7 @@ class KVManager:
         req.row = row
         req.kv_len = req.cached_len = 0
         del req.slots[:]
-        if self.radix is not None:
+        if self.radix is not None and not req.needs_prompt_logprobs:
             # at least the last token is computed again: its logits pick the next token
             match = self.radix.match_prefix(req.ids(0, req.seq_len - 1))
             if match.slots.numel():

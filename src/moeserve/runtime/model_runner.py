@@ -36,8 +36,8 @@ from moeserve.runtime.startup import StartupClock
 from moeserve.runtime.warmup import check_captured, run_warmup
 from moeserve.plan.warmup import warmup_plan
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
-from moeserve.runtime.sampler import Sampler, SamplingBatch
-from moeserve.runtime.scheduler import ScheduledBatch
+from moeserve.runtime.sampler import PromptLogprobs, Sampler, SamplingBatch, score_prompt
+from moeserve.runtime.scheduler import PromptLogprobRows, ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ def device_tables(device: torch.device) -> tuple[Optional[str], Optional[tuple[i
 class StepResult:
     token_ids: list[int]  # one per request of the batch (-1 where it did not sample)
     logprobs: Optional[list[Optional[dict[str, Any]]]]
+    # per request of the batch, its prompt tokens scored this step (None: no request asked)
+    prompt_logprobs: Optional[list[list[dict[str, Any]]]] = None
 
 
 @dataclass
@@ -65,6 +67,7 @@ class LaunchedStep:
     top_logprobs: Optional[torch.Tensor]
     top_token_ids: Optional[torch.Tensor]
     done: Optional[torch.cuda.Event]  # None on a CPU: the copies are done already
+    prompt: Optional[PromptLogprobs] = None  # on the host, filled once `done` has passed
 
 
 def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
@@ -128,9 +131,11 @@ class ModelRunner:
     def forward_batch(self, batch: Optional[ScheduledBatch]) -> ForwardBatch:
         if batch is None:
             return ForwardBatch.idle(self.req_pool.table, self.kv_pool)
+        scored = batch.prompt_logprobs
         return ForwardBatch.from_requests(
             batch.mode, batch.new_tokens, batch.prefix_lens, [r.row for r in batch.reqs],
-            batch.out_cache_loc, self.req_pool.table, self.kv_pool)
+            batch.out_cache_loc, self.req_pool.table, self.kv_pool,
+            extra_logit_rows=scored.rows if scored is not None else ())
 
     @torch.inference_mode()
     def forward(self, batch: Optional[ScheduledBatch], step: StepContext,
@@ -185,10 +190,21 @@ class ModelRunner:
         """The second half of `launch`: sampling queued after the forward; a request with a
         grammar has its matcher fill its row of the token bitmask here, on the host, while
         the device runs the forward."""
+        prompt = None
+        if batch.prompt_logprobs is not None:  # their logits follow those of the B requests
+            B, scored = len(batch.reqs), batch.prompt_logprobs
+            targets = torch.tensor(scored.targets).to(self.device, non_blocking=True)
+            prompt = score_prompt(logits_BV[B:], targets, scored.top)
+            logits_BV = logits_BV[:B]
+            copies, _ = copy_to_host([prompt.logprobs_R, prompt.ranks_R,
+                                      prompt.top_logprobs_RN, prompt.top_token_ids_RN],
+                                     self.device)
+            prompt = PromptLogprobs(*copies)
         rows = [i for i, s in enumerate(batch.samples) if s]
         if not rows:
+            _, done = copy_to_host([], self.device)
             return LaunchedStep(batch, rows, torch.zeros(0, dtype=torch.int64), None, None,
-                                None, None)
+                                None, done, prompt)
         reqs = [batch.reqs[i] for i in rows]
         params = [r.params for r in reqs]
         sb = SamplingBatch.build(
@@ -203,7 +219,8 @@ class ModelRunner:
                      if batch.new_tokens[i][0] < 0 and batch.reqs[i].unresolved > 1 else -1
                      for i in rows], next_tokens=self.next_tokens,
             token_bitmask=fill_bitmask([r.matcher for r in reqs], logits_BV.shape[-1],
-                                       pin=self.device.type == "cuda"))
+                                       pin=self.device.type == "cuda"),
+            banned=[r.stop.banned(r.num_output - 1) for r in reqs])
         if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
             logits_BV = logits_BV[torch.tensor(rows).to(logits_BV.device, non_blocking=True)]
         out = self.sampler(logits_BV, sb)
@@ -211,7 +228,7 @@ class ModelRunner:
 
         copies, done = copy_to_host([out.token_ids_B, out.logprobs_B, out.top_logprobs_BN,
                                      out.top_token_ids_BN], self.device)
-        return LaunchedStep(batch, rows, *copies, done)
+        return LaunchedStep(batch, rows, *copies, done, prompt)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and give them per request of its batch."""
@@ -235,5 +252,26 @@ class ModelRunner:
                 n = params.top_logprobs
                 logprobs[i] = {"token_id": sampled[j], "logprob": chosen[j],
                                "top": list(zip(top_id[j][:n], top_lp[j][:n])) if n else []}
-        return StepResult(tokens, logprobs)
+        scored = batch.prompt_logprobs
+        if launched.prompt is None or scored is None:
+            return StepResult(tokens, logprobs)
+        return StepResult(tokens, logprobs, _prompt_entries(batch, scored, launched.prompt))
+
+
+def _prompt_entries(batch: ScheduledBatch, scored: PromptLogprobRows,
+                    prompt: PromptLogprobs) -> list[list[dict[str, Any]]]:
+    """The scored prompt tokens of each request of the batch, each with its own number of top
+    tokens."""
+    lps, ranks = prompt.logprobs_R.tolist(), prompt.ranks_R.tolist()
+    top_lp = prompt.top_logprobs_RN.tolist() if prompt.top_logprobs_RN is not None else None
+    top_id = prompt.top_token_ids_RN.tolist() if prompt.top_token_ids_RN is not None else None
+    out: list[list[dict[str, Any]]] = []
+    j = 0
+    for req, count in zip(batch.reqs, scored.counts):
+        n = req.params.prompt_logprobs or 0
+        out.append([{"token_id": scored.targets[k], "logprob": lps[k], "rank": ranks[k],
+                     "top": list(zip(top_id[k][:n], top_lp[k][:n])) if n else []}
+                    for k in range(j, j + count)])
+        j += count
+    return out
 

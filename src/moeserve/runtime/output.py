@@ -106,6 +106,7 @@ class RequestState:
     outputs: "queue.Queue[TokenOutput]" = field(default_factory=queue.Queue)
     unsent: str = ""
     sent_chars: int = 0
+    tokens: int = 0  # output tokens translated
     submitted: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -135,7 +136,10 @@ class RequestState:
         for t in out.token_ids:
             piece = self.detok.add(t)
             kept.append(t)
+            self.tokens += 1
             hit = self.stop.feed(piece)
+            if hit is not None and self.tokens < self.params.min_tokens:
+                hit = None  # (as vLLM: stop strings count from the min_tokens-th token on)
             if hit is not None:  # it starts in the held-back tail or in this piece
                 self.unsent = (self.unsent + piece)[:max(0, hit[0] - self.sent_chars)]
                 break
@@ -150,5 +154,5 @@ class RequestState:
         text, self.unsent = self.unsent[:end], self.unsent[end:]
         self.sent_chars += end
         new = TokenOutput(out.rid, kept, finish, text, out.logprobs[:len(kept)],
-                          out.prompt_tokens, out.cached_tokens, out.error)
+                          out.prompt_tokens, out.cached_tokens, out.error, out.prompt_logprobs)
         return new, hit is not None and out.finish is None

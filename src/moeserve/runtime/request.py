@@ -47,6 +47,9 @@ class TokenOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: Optional[str] = None
+    # prompt logprobs (SamplingParams.prompt_logprobs) of prompt tokens 1.. as they are computed:
+    # {"token_id", "logprob", "rank", "top": [(id, logprob), ...]} each
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Req:
@@ -82,6 +85,11 @@ class Req:
         self.sent_tokens = 0
         self.logprobs: list[dict[str, Any]] = []
         self.sent_logprobs = 0
+        # prompt logprobs: those of prompt tokens 1..prompt_lp_scheduled are computed or in
+        # flight (a step's logits at position p give token p + 1's)
+        self.prompt_logprobs: list[dict[str, Any]] = []
+        self.sent_prompt_logprobs = 0
+        self.prompt_lp_scheduled = 0
         # overlap schedule: tokens sampled on the device but not yet read back (0 or 1 when a
         # step is scheduled), the newest of them at row `future_row` of the step in flight
         self.unresolved = 0
@@ -105,6 +113,13 @@ class Req:
         if stop <= n:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position's logits are still to compute for its prompt logprobs
+        (such a request takes no cached prefix: every position must run)."""
+        return (self.params.prompt_logprobs is not None
+                and self.prompt_lp_scheduled < len(self.prompt_ids) - 1)
 
     @property
     def pending(self) -> int:

@@ -3,12 +3,15 @@
 Legend: B rows (requests) of the step, V vocabulary, N top logprobs per row, S rows that sample.
 
 One step, in order (as vLLM):
-  1. logprobs (when asked) from log_softmax of the raw logits, before anything below;
-  2. penalties on the raw logits: repetition (HF: over prompt and output tokens), then frequency
-     and presence (OpenAI: over output tokens);
-  3. each row's grammar bitmask (structured outputs): a token it forbids gets -inf;
+  1. logprobs (when asked) from log_softmax of the raw logits, before anything below: the
+     model's own distribution, whatever the request's bias, penalties or temperature;
+  2. logit_bias added, and the tokens a row may not pick yet (min_tokens: EOS and stop token
+     ids) set to -inf, in one sparse scatter over (row, token) pairs;
+  3. penalties: repetition (HF: over prompt and output tokens), then frequency and presence
+     (OpenAI: over output tokens);
+  4. each row's grammar bitmask (structured outputs): a token it forbids gets -inf;
      then greedy rows take the argmax;
-  4. sampling rows: divide by temperature, softmax, sort each row once; top-k and min-p keep a
+  5. sampling rows: divide by temperature, softmax, sort each row once; top-k and min-p keep a
      prefix of the sorted row, top-p keeps a prefix of the renormalised rest; the token is found
      by inverse CDF over that prefix with ONE uniform number per row, so it is inside the allowed
      set by construction.
@@ -27,9 +30,10 @@ recompute. Rows without a seed draw their uniform from the sampler's own generat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -86,6 +90,10 @@ class SamplingBatch:
     presence_B: Optional[torch.Tensor]
     output_counts_BV: Optional[torch.Tensor]  # float32 counts of each token in the output
     seen_BV: Optional[torch.Tensor]  # bool: in prompt or output (repetition penalty)
+    # logit_bias and banned tokens: (row, token) pairs and what each adds (-inf: banned);
+    # None when no row has any
+    adjust_at_2E: Optional[torch.Tensor]  # int64
+    adjust_by_E: Optional[torch.Tensor]  # float32
     # logprobs: whether any row asks, and the largest top_logprobs of the batch
     want_logprobs: bool
     max_top_logprobs: int
@@ -99,13 +107,15 @@ class SamplingBatch:
               steps: Optional[Sequence[int]] = None,
               pending: Optional[Sequence[int]] = None,
               next_tokens: Optional[torch.Tensor] = None,
+              banned: Optional[Sequence[Collection[int]]] = None,
               token_bitmask: Optional[torch.Tensor] = None) -> "SamplingBatch":
         """`output_ids[r]` are the tokens row r generated so far; its step (the seeded
         uniform's counter) is their count, or `steps[r]` when given (tokens still on the
         device count too); `prompt_ids` are needed only when some row has a repetition
         penalty. `pending[r] >= 0`: row r also generated the token at that row of
         `next_tokens`, still on the device (the overlap schedule's token in flight); the
-        penalties count it there, without waiting for it. `token_bitmask` (on the host,
+        penalties count it there, without waiting for it. `banned[r]`: token ids row r may
+        not pick this step (StopChecker.banned: min_tokens). `token_bitmask` (on the host,
         one row per row) restricts each row to the tokens its grammar allows."""
         B, V = len(params), vocab_size
         if len(output_ids) != B or (prompt_ids is not None and len(prompt_ids) != B):
@@ -141,6 +151,25 @@ class SamplingBatch:
                     raise ValueError("prompt_ids are needed for a repetition penalty")
                 seen = (_token_counts(prompt_ids, V, device) > 0) | (counts > 0)
 
+        adjust_at = adjust_by = None
+        at_rows: list[int] = []
+        at_ids: list[int] = []
+        by: list[float] = []
+        for r, p in enumerate(params):
+            for tid, bias in p.logit_bias:
+                at_rows.append(r)
+                at_ids.append(tid)
+                by.append(bias)
+            for tid in (banned[r] if banned is not None else ()):
+                at_rows.append(r)
+                at_ids.append(tid)
+                by.append(-math.inf)
+        if by:
+            if max(at_ids) >= V:
+                raise ValueError(f"logit_bias and banned token ids must lie in [0, {V}); got "
+                                 f"{max(at_ids)}")
+            adjust_at, adjust_by = t([at_rows, at_ids], torch.int64), t(by, torch.float32)
+
         # the sampling rows' parameters in two host-to-device copies (one per dtype), none
         # when every row is greedy: a decode step pays for each copy on the host
         if rows:
@@ -162,6 +191,7 @@ class SamplingBatch:
             seeded_S=seeded, seed_lo_S=ints[3], seed_hi_S=ints[4], step_S=ints[5],
             repetition_B=repetition, frequency_B=frequency, presence_B=presence,
             output_counts_BV=counts, seen_BV=seen,
+            adjust_at_2E=adjust_at, adjust_by_E=adjust_by,
             want_logprobs=any(p.logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             token_bitmask_BW=(None if token_bitmask is None
@@ -184,12 +214,16 @@ def _token_counts(rows: Sequence[Sequence[int]], V: int, device) -> torch.Tensor
 
 
 def apply_penalties(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalised float32 logits; the input is left as it was. Without penalties, the logits
-    themselves (float32): nothing downstream writes into them, and a copy of [B, V] is 155 MB
-    at B = 256 with Qwen3's vocabulary."""
-    if batch.output_counts_BV is None:
-        return logits_BV.float()
+    """Biased and penalised float32 logits; the input is left as it was. Without bias, bans or
+    penalties, the logits themselves (float32): nothing downstream writes into them, and a
+    copy of [B, V] is 155 MB at B = 256 with Qwen3's vocabulary."""
     x = logits_BV.float()
+    if batch.adjust_at_2E is not None:  # (row, token) pairs are distinct but for a bias and a
+        # ban of one token, whose sum is -inf in either order: the scatter is deterministic
+        x = x.index_put((batch.adjust_at_2E[0], batch.adjust_at_2E[1]), batch.adjust_by_E,
+                        accumulate=True)
+    if batch.output_counts_BV is None:
+        return x
     if batch.seen_BV is not None:
         r = batch.repetition_B[:, None]
         x = torch.where(batch.seen_BV, torch.where(x > 0, x / r, x * r), x)
@@ -270,3 +304,26 @@ class Sampler:
             return SamplerOutput(tokens, chosen)
         top = raw.topk(batch.max_top_logprobs, dim=-1)
         return SamplerOutput(tokens, chosen, _finite(top.values), top.indices)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt tokens scored by the logits of the positions before them (legend: R rows)."""
+
+    logprobs_R: torch.Tensor  # float32: log-prob of each row's prompt token
+    ranks_R: torch.Tensor  # int64: 1 + how many tokens are more likely than it
+    top_logprobs_RN: Optional[torch.Tensor]  # float32, descending
+    top_token_ids_RN: Optional[torch.Tensor]  # int64
+
+
+def score_prompt(logits_RV: torch.Tensor, targets_R: torch.Tensor, top: int) -> PromptLogprobs:
+    """log_softmax of the raw logits at each row, as the sampled tokens' logprobs are taken:
+    the target's value, its rank, and the `top` largest."""
+    lp = torch.log_softmax(logits_RV.float(), dim=-1)
+    chosen = lp.gather(1, targets_R[:, None])
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    chosen = _finite(chosen.squeeze(1))
+    if top == 0:
+        return PromptLogprobs(chosen, ranks, None, None)
+    values, ids = lp.topk(top, dim=-1)
+    return PromptLogprobs(chosen, ranks, _finite(values), ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Iterable, Mapping, Optional, Union
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 MAX_N = 128  # choices per request of the server (a SamplingParams is one choice)
@@ -20,6 +20,7 @@ MIN_REPETITION_PENALTY = 1e-6
 MAX_STOP_STRINGS = 64  # stop strings are matched per token: their count and length are bounded
 MAX_STOP_CHARS = 1024
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (each is a scatter on the device)
 
 
 class SamplingParamsError(ValueError):
@@ -74,7 +75,10 @@ RANGES: dict[str, Range] = {
     "frequency_penalty": Range(-2.0, 2.0),
     "presence_penalty": Range(-2.0, 2.0),
     "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
     "n": Range(1, MAX_N, integer=True),
+    "min_tokens": Range(0, integer=True),
+    "logit_bias": Range(-100.0, 100.0),  # each value (as OpenAI)
 }
 STOP_RULE = (f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
              f"of at most {MAX_STOP_CHARS} characters each")
@@ -102,8 +106,18 @@ class SamplingParams:
     stop                strings that end the output; the matched string is not returned
     stop_token_ids      token ids that end the output (the token is kept in the token ids)
     ignore_eos          keep generating past the model's EOS tokens
-    logprobs            return the log-probability of each chosen token (raw logits)
+    logprobs            return the log-probability of each chosen token: log_softmax of the
+                        model's raw logits, before logit_bias, min_tokens, penalties and
+                        temperature (as OpenAI and vLLM report them)
     top_logprobs        also return this many most likely tokens per step (needs logprobs)
+    min_tokens          EOS and stop_token_ids cannot be sampled before this many output
+                        tokens, and no stop string ends the output within them
+    logit_bias          {token id: bias in [-100, 100]} added to the logits before sampling
+                        (-100 bans a token in effect, 100 all but forces it)
+    prompt_logprobs     also return, for every prompt token after the first, its log-prob
+                        given the tokens before it, its rank, and this many most likely tokens
+                        (None: off); the prompt is then computed in full (no prefix cache)
+    skip_special_tokens leave special tokens out of the text (the token ids keep them)
     """
 
     max_new_tokens: int = 128
@@ -120,12 +134,24 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a Mapping is accepted too
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
                      "repetition_penalty", "frequency_penalty", "presence_penalty",
-                     "top_logprobs"):
+                     "top_logprobs", "min_tokens"):
             check_range(name, getattr(self, name))
+        if self.min_tokens > self.max_new_tokens:
+            raise SamplingParamsError(
+                f"min_tokens={self.min_tokens} is invalid: min_tokens must be at most "
+                f"max_new_tokens={self.max_new_tokens}")
+        if self.prompt_logprobs is not None:
+            check_range("prompt_logprobs", self.prompt_logprobs)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        _bool("skip_special_tokens", self.skip_special_tokens)
         if self.top_k == 0:  # HF and newer vLLM spell "off" as 0; keep one spelling
             object.__setattr__(self, "top_k", -1)
         if self.seed is not None:
@@ -182,6 +208,35 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _logit_bias(bias: Union[Mapping[int, float], Iterable[tuple[int, float]], None]
+                ) -> tuple[tuple[int, float], ...]:
+    """`bias` as sorted (token id, bias) pairs, one per token id."""
+    want = (f"at most {MAX_LOGIT_BIAS} pairs of a non-negative token id and a bias "
+            f"{RANGES['logit_bias']}")
+    try:
+        items = list(bias.items() if isinstance(bias, Mapping) else (bias or ()))
+        pairs = {int(t) if not isinstance(t, bool) and isinstance(t, int) else -1: v
+                 for t, v in items}
+    except (TypeError, ValueError):
+        _fail("logit_bias", bias, want)
+    if (len(pairs) != len(items) or len(pairs) > MAX_LOGIT_BIAS or any(t < 0 for t in pairs)
+            or not all(RANGES["logit_bias"].contains(v) for v in pairs.values())):
+        _fail("logit_bias", bias, want)
+    return tuple(sorted((t, float(v)) for t, v in pairs.items()))
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded with `seed`: the seed itself for the
+    first, for the others a 64-bit mix of (seed, choice) (SplitMix64), so that each choice is
+    its own stream, and the choices of seed s never replay those of another seed."""
+    if choice == 0:
+        return seed
+    z = (seed + choice * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
 def _token_ids(ids: Union[Iterable[int], None]) -> tuple[int, ...]:
     try:
         items = tuple(ids) if ids is not None else ()
@@ -218,6 +273,12 @@ class StopChecker:
         self.max_output = params.max_new_tokens if max_output is None else max_output
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self._ending = self.eos_token_ids | self.stop_token_ids
+
+    def banned(self, num_output_tokens: int) -> frozenset[int]:
+        """The token ids the sampler must not pick after `num_output_tokens` output tokens:
+        those that would end the output, while min_tokens is not reached."""
+        return self._ending if num_output_tokens < self.params.min_tokens else frozenset()
 
     def check_token(self, token_id: int, num_output_tokens: int) -> Optional[Finish]:
         """After `token_id` was appended, the output holds `num_output_tokens` tokens. The token

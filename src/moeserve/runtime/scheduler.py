@@ -11,6 +11,11 @@ resolves on the device. A request that that token will end by length is left out
 step; one that it ends by a stop token runs one row more, whose token `process` drops. A
 retraction needs the tokens themselves and waits for them (`needs_tokens`); penalties count
 the token in flight on the device (SamplingBatch.build's `pending`).
+
+Prompt logprobs: a request that asks for them takes no cached prefix, and each step's chunk
+of its prompt gets logits at every position (`PromptLogprobRows`), not only at the last; those
+rows are at most max_running_requests a step, so that the step's logits stay within twice a
+full batch's: a longer prompt is prefilled in chunks of that many tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ from moeserve.runtime.sampling import Finish
 from moeserve.runtime.tokenizer import TokenizerError
 
 
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """The rows of a step (indices into its tokens) whose logits score a prompt token, that
+    token, and how many of the rows belong to each request of the batch, in order."""
+
+    rows: list[int]
+    targets: list[int]
+    counts: list[int]
+    top: int  # the most top tokens one of those requests asks for
+
+
 @dataclass
 class ScheduledBatch:
     """One forward of this DP rank: requests, and for each the tokens it computes now."""
@@ -42,6 +58,7 @@ class ScheduledBatch:
     out_cache_loc: torch.Tensor  # [T] slots of the new tokens
     samples: list[bool]  # whether each request samples a token after this forward
     has_futures: bool = False  # some new token is a placeholder (see the module's doc)
+    prompt_logprobs: Optional[PromptLogprobRows] = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,9 +154,12 @@ class Scheduler:
         room = b.max_running_requests - len(self.running)
         reqs: list[Req] = []
         takes: list[int] = []
+        lp_left = b.max_running_requests  # prompt logprob rows of this step
         chunked, self.chunked = self.chunked, None
         for req in ([chunked] if chunked else []) + list(self.waiting):
-            if left <= 0 or room <= 0 or not self.kv.admit(req):
+            scores = req.needs_prompt_logprobs
+            if (left <= 0 or room <= 0 or (scores and lp_left <= 0)
+                    or not self.kv.admit(req)):
                 break
             if req.first_run:
                 req.prompt_cached_tokens, req.first_run = req.cached_len, False
@@ -148,6 +168,8 @@ class Scheduler:
                 take = min(take, left)
             elif take > left and reqs:
                 break
+            if scores:
+                take = min(take, lp_left)
             # leave room for the next decode step of everything already running
             reserve = len(self.running) + len(reqs) + 1 + self._page_slack()
             if self.kv.available_slots < take + reserve or self.kv.reserve(req, take) is None:
@@ -162,6 +184,7 @@ class Scheduler:
             reqs.append(req)
             takes.append(take)
             left -= take
+            lp_left -= take if scores else 0
             room -= 1
             if req.pending > 0:
                 self.chunked = req
@@ -216,7 +239,8 @@ class Scheduler:
             loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
         samples = [r.kv_len == r.seq_len + r.unresolved for r in reqs]
         return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples,
-                              any(r.unresolved for r in reqs))
+                              any(r.unresolved for r in reqs),
+                              _prompt_logprob_rows(reqs, prefix, takes))
 
     def _retract(self, req: Req) -> None:
         """Preempt a request: its K/V goes to the prefix cache (or is freed), and it waits at
@@ -254,11 +278,15 @@ class Scheduler:
 
     # --- results --------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, token_ids: Sequence[int],
-                logprobs: Optional[Sequence[dict[str, Any]]] = None) -> list[TokenOutput]:
+                logprobs: Optional[Sequence[dict[str, Any]]] = None,
+                prompt_logprobs: Optional[Sequence[list[dict[str, Any]]]] = None
+                ) -> list[TokenOutput]:
         """Apply one forward's sampled tokens (one per request of the batch; ignored where the
-        request did not sample) and return the news for the engine."""
+        request did not sample) and prompt logprobs, and return the news for the engine."""
         outputs: list[TokenOutput] = []
         for i, req in enumerate(batch.reqs):
+            if prompt_logprobs is not None and req.state is not ReqState.FINISHED:
+                req.prompt_logprobs += prompt_logprobs[i]
             if not batch.samples[i]:
                 continue
             req.unresolved -= 1
@@ -288,8 +316,10 @@ class Scheduler:
         out = TokenOutput(req.rid, req.output_ids[req.sent_tokens:],
                           logprobs=req.logprobs[req.sent_logprobs:],
                           prompt_tokens=len(req.prompt_ids),
-                          cached_tokens=req.prompt_cached_tokens)
+                          cached_tokens=req.prompt_cached_tokens,
+                          prompt_logprobs=req.prompt_logprobs[req.sent_prompt_logprobs:])
         req.sent_tokens, req.sent_logprobs = len(req.output_ids), len(req.logprobs)
+        req.sent_prompt_logprobs = len(req.prompt_logprobs)
         return out
 
     def _finish(self, req: Req, finish: Finish, error: Optional[str] = None) -> TokenOutput:
@@ -299,3 +329,27 @@ class Scheduler:
         out = self._delta(req)
         out.finish, out.error = finish, error
         return out
+
+
+def _prompt_logprob_rows(reqs: list[Req], prefix: list[int],
+                         takes: list[int]) -> Optional[PromptLogprobRows]:
+    """The rows of a step whose logits score prompt tokens not yet scheduled for scoring:
+    position p (row start + p - prefix of its request) scores prompt token p + 1."""
+    rows: list[int] = []
+    targets: list[int] = []
+    counts: list[int] = []
+    start = 0
+    for req, p, t in zip(reqs, prefix, takes):
+        n = 0
+        if req.needs_prompt_logprobs:
+            lo, hi = max(p, req.prompt_lp_scheduled), min(p + t, len(req.prompt_ids) - 1)
+            n = max(0, hi - lo)
+            rows += range(start + lo - p, start + hi - p)
+            targets += req.prompt_ids[lo + 1:hi + 1]
+            req.prompt_lp_scheduled = max(req.prompt_lp_scheduled, hi)
+        counts.append(n)
+        start += t
+    if not rows:
+        return None
+    top = max(r.params.prompt_logprobs or 0 for r, n in zip(reqs, counts) if n)
+    return PromptLogprobRows(rows, targets, counts, top)

@@ -138,7 +138,8 @@ class RankWorker:
         if launched is None:
             return []
         result = self.runner.collect(launched)
-        return self.scheduler.process(launched.batch, result.token_ids, result.logprobs)
+        return self.scheduler.process(launched.batch, result.token_ids, result.logprobs,
+                                      result.prompt_logprobs)
 
     def stats(self) -> dict[str, int]:
         """KV and queue figures of this DP rank (for /metrics and tests)."""
