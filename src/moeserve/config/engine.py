@@ -36,6 +36,11 @@ class EngineConfig:
                             "weights.", "--load-format", choices=LOAD_FORMATS)
     dtype: str = knob("auto", "Weight and activation dtype; auto takes the checkpoint's "
                       "torch_dtype (bfloat16 when absent).", "--dtype", choices=DTYPES)
+    quantization: Optional[str] = knob(
+        None, "fp8: quantize the weights at load into float8_e4m3fn with 128x128 block scales "
+        "(activations per token per 128 columns at run time), as DeepSeek-V3 and Qwen3 FP8 "
+        "checkpoints ship them; such checkpoints are served in fp8 without this flag.",
+        "--quantization", choices=("fp8",))
     context_length: Optional[int] = knob(None, "Max tokens of one request (prompt + output); "
                                          "default: the model's max_position_embeddings.",
                                          "--context-length")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moeserve.config.presets import PRESETS
+from moeserve.config.quant import QuantizationError, QuantSpec, checkpoint_quant
 
 
 class ModelSpecError(ValueError):
@@ -75,6 +76,8 @@ class ModelSpec:
     rms_norm_eps: float
     hidden_act: str
     torch_dtype: str
+    # the checkpoint's own weight quantization (config.json's quantization_config)
+    quant: Optional[QuantSpec] = None
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -123,6 +126,10 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
             f"unsupported architecture {archs or '(none given)'} in {name or 'config.json'}; "
             f"moeserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
     g = cfg.get
+    try:
+        quant = checkpoint_quant(cfg)
+    except QuantizationError as exc:
+        raise ModelSpecError(f"{name or 'config.json'}: {exc}") from exc
     rope_theta, rope_scaling = _rope(cfg)
     hidden, heads, layers = g("hidden_size"), g("num_attention_heads"), g("num_hidden_layers")
     common = dict(
@@ -137,6 +144,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         num_shared_experts=0, shared_expert_intermediate_size=0, shared_expert_gate=False,
         scoring="softmax", topk_method="greedy", n_group=1, topk_group=1,
         routed_scaling_factor=1.0, mla=None, qk_norm="none", attention_bias=False,
+        quant=quant,
     )
     if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = g("decoder_sparse_step", 1) or 1

@@ -7,6 +7,7 @@ layer runs its torch formulation of the same function.
     router       softmax top-k; logits GEMM + top-k         (kernels/moe/router.py)
     skinny       1-16 row projections                       (kernels/skinny/gemm.py)
     mla          latent attention's norm + rope + cache store (kernels/mla/kernels.py)
+    fp8          W8A8 block-scaled projections, activation quantizer (kernels/fp8/gemm.py)
 """
 
 from __future__ import annotations
@@ -45,3 +46,10 @@ def mla(device: torch.device) -> Optional[ModuleType]:
         return None
     from moeserve.kernels.mla import kernels
     return kernels
+
+
+def fp8(device: torch.device) -> Optional[ModuleType]:
+    if not kernels_for(device).triton:
+        return None
+    from moeserve.kernels.fp8 import gemm
+    return gemm

@@ -12,6 +12,11 @@ rows/columns (layers/weights.py), so a rank never materialises another rank's sh
 
 `linear` is F.linear, except for the few rows of a decode step on a GPU: those go through the
 skinny-GEMM kernel (kernels/skinny/gemm.py), which streams the weight at the memory's rate.
+
+With `quant` (config/quant.py) a layer holds its weight in float8_e4m3fn with block scales
+(`weight_scale_inv`) and computes W8A8: the activation quantized per token per block_k
+columns, by the device's FP8 kernels (kernels/fp8, chosen once with the KernelSet) or their
+torch formulation. A shard or a stacked part that splits a scale block fails at construction.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from torch import nn
 
 from moeserve.kernels import ops as K
 from moeserve.kernels.skinny.tiles import MOST_ROWS, beats_cublas
-from moeserve.layers.weights import copy_into, empty_param, expect_shape, read, shard_range
+from moeserve.config.quant import QuantSpec
+from moeserve.kernels.fp8 import reference as fp8_ref
+from moeserve.layers.weights import (check_segments, check_shard_blocks, copy_into, empty_param,
+                                     expect_shape, quant_param, read, scale_param, shard_range)
 from moeserve.parallel.groups import Axis
 
 SKINNY_MAX_ROWS = MOST_ROWS  # up to this many rows a GPU projection is a GEMV (skinny_tiles)
@@ -51,10 +59,18 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+           residual: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+           block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
     kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
-    its epilogue."""
+    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels."""
+    if scale is not None:
+        assert block is not None
+        ops = K.fp8(x.device)
+        if ops is not None:
+            return ops.fp8_linear(x, weight, scale, block, bias, residual)
+        y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
+        return y if residual is None else y + residual
     y = None
     if x.is_cuda and x.dim() and beats_cublas(x.numel() // max(1, x.shape[-1]), *weight.shape):
         y = skinny(x, weight, bias, residual=residual)
@@ -62,6 +78,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             return y
     y = nn.functional.linear(x, weight, bias)
     return y if residual is None else y + residual
+
+
+def quantize_rows(x_TK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 rows, float32 scales [T, ceil(K/group)]): each row quantized per `group` columns,
+    by the device's FP8 kernel or its torch formulation."""
+    ops = K.fp8(x_TK.device)
+    if ops is not None:
+        return ops.quantize_groups(x_TK, group)
+    return fp8_ref.quantize_groups(x_TK, group)
 
 
 # ------------------------------------------------------------------------------------------
@@ -82,30 +107,53 @@ def _split(total: int, axis: Axis, what: str) -> int:
     return total // axis.size
 
 
+def init_weight(module: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
+             quant: Optional[QuantSpec]) -> None:
+    """module.weight [out, in] in `dtype`, or in fp8 beside its weight_scale_inv."""
+    module.quant = quant
+    module.block = None if quant is None else quant.block
+    if quant is None:
+        module.weight = empty_param(out_features, in_features, dtype=dtype)
+        module.weight_scale_inv = None
+    else:
+        module.weight = empty_param(out_features, in_features, dtype=fp8_ref.FP8)
+        module.weight_scale_inv = scale_param(out_features, in_features, block=quant.block)
+
+
+def weight_dest(module: nn.Module, param_name: str) -> Any:
+    """Where checkpoint tensor `param_name` goes: the (quantized) weight or the bias."""
+    if param_name == "weight":
+        return quant_param(module.weight, module.weight_scale_inv, module.block)
+    return getattr(module, param_name)
+
+
 # ------------------------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
     """y_TO = x_TI @ W_OI.T + b_O with O = out_features / tp on each rank."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, axis: Axis,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant: Optional[QuantSpec] = None):
         super().__init__()
         self.in_features, self.out_features, self.axis = in_features, out_features, axis
         self.out_local = _split(out_features, axis, "output features")
-        self.weight = empty_param(self.out_local, in_features, dtype=dtype)
+        if quant is not None:
+            check_shard_blocks("output features", out_features, self.out_local, axis.size,
+                               quant.block_n)
+        init_weight(self, self.out_local, in_features, dtype, quant)
         self.bias = empty_param(self.out_local, dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return linear(x_TI, self.weight, self.bias)
+        return linear(x_TI, self.weight, self.bias, scale=self.weight_scale_inv,
+                      block=self.block)
 
     def load_weight(self, param_name: str, src: Any) -> None:
         """param_name: "weight" [out, in] or "bias" [out], the full checkpoint tensor."""
-        param = getattr(self, param_name)
         full = (self.out_features, self.in_features) if param_name == "weight" \
             else (self.out_features,)
         expect_shape(param_name, src, full)
         rows = shard_range(self.axis.rank, self.out_local)
-        copy_into(param, read(src, rows=rows), param_name)
+        copy_into(weight_dest(self, param_name), read(src, rows=rows), param_name)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -115,7 +163,8 @@ class MergedColumnParallelLinear(nn.Module):
     bias starts at zero, so a shard whose checkpoint has none adds nothing."""
 
     def __init__(self, in_features: int, out_features: Sequence[int], *, bias: bool,
-                 axis: Axis, dtype: torch.dtype, replicated: Sequence[bool] = ()):
+                 axis: Axis, dtype: torch.dtype, replicated: Sequence[bool] = (),
+                 quant: Optional[QuantSpec] = None):
         super().__init__()
         self.in_features, self.axis = in_features, axis
         self.out_features = tuple(out_features)
@@ -123,12 +172,18 @@ class MergedColumnParallelLinear(nn.Module):
         self.out_locals = tuple(o if whole else _split(o, axis, "output features")
                                 for o, whole in zip(out_features, self.replicated))
         self.offsets = tuple(sum(self.out_locals[:i]) for i in range(len(out_features)))
-        self.weight = empty_param(sum(self.out_locals), in_features, dtype=dtype)
+        if quant is not None:
+            for o, local, whole in zip(self.out_features, self.out_locals, self.replicated):
+                check_shard_blocks("output features", o, local, 1 if whole else axis.size,
+                                   quant.block_n)
+            check_segments("stacked projections", self.out_locals, quant.block_n)
+        init_weight(self, sum(self.out_locals), in_features, dtype, quant)
         self.bias = nn.Parameter(torch.zeros(sum(self.out_locals), dtype=dtype),
                                  requires_grad=False) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return linear(x_TI, self.weight, self.bias)
+        return linear(x_TI, self.weight, self.bias, scale=self.weight_scale_inv,
+                      block=self.block)
 
     def split(self, y_TO: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """forward's output as one view per shard."""
@@ -136,7 +191,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, src: Any, shard: int) -> None:
         """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
-        param = getattr(self, param_name)
+        param = weight_dest(self, param_name)
         out, local = self.out_features[shard], self.out_locals[shard]
         expect_shape(param_name, src, (out, self.in_features) if param_name == "weight"
                      else (out,))
@@ -151,7 +206,7 @@ class QKVParallelLinear(nn.Module):
     r // (tp / kv_heads), so every rank's query heads see the KV head they share."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
-                 bias: bool, axis: Axis, dtype: torch.dtype):
+                 bias: bool, axis: Axis, dtype: torch.dtype, quant: Optional[QuantSpec] = None):
         super().__init__()
         tp = axis.size
         if num_heads % tp:
@@ -168,16 +223,22 @@ class QKVParallelLinear(nn.Module):
         self.q_size = self.heads_local * head_dim
         self.kv_size = self.kv_heads_local * head_dim
         out = self.q_size + 2 * self.kv_size
-        self.weight = empty_param(out, hidden, dtype=dtype)
+        if quant is not None:
+            check_segments("q, k, v projections", (self.q_size, self.kv_size, self.kv_size),
+                           quant.block_n)
+            check_shard_blocks("v projection", num_kv_heads * head_dim, self.kv_size,
+                               axis.size // self.kv_replicas, quant.block_n)
+        init_weight(self, out, hidden, dtype, quant)
         self.bias = empty_param(out, dtype=dtype) if bias else None
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x_TH, self.weight, self.bias)
+        qkv = linear(x_TH, self.weight, self.bias, scale=self.weight_scale_inv,
+                     block=self.block)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def load_weight(self, param_name: str, src: Any, shard: str) -> None:
         """shard "q", "k" or "v": the full q_proj / k_proj / v_proj tensor."""
-        param = getattr(self, param_name)
+        param = weight_dest(self, param_name)
         d = self.head_dim
         if shard == "q":
             full, start, local, offset = self.num_heads * d, self.axis.rank * self.q_size, \
@@ -196,16 +257,19 @@ class RowParallelLinear(nn.Module):
     reduced sum carries it once."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, axis: Axis,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant: Optional[QuantSpec] = None):
         super().__init__()
         self.in_features, self.out_features, self.axis = in_features, out_features, axis
         self.in_local = _split(in_features, axis, "input features")
-        self.weight = empty_param(out_features, self.in_local, dtype=dtype)
+        if quant is not None:
+            check_shard_blocks("input features", in_features, self.in_local, axis.size,
+                               quant.block_k)
+        init_weight(self, out_features, self.in_local, dtype, quant)
         self.bias: Optional[nn.Parameter] = empty_param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.axis.rank == 0 else None
-        return linear(x_TI, self.weight, bias)
+        return linear(x_TI, self.weight, bias, scale=self.weight_scale_inv, block=self.block)
 
     def load_weight(self, param_name: str, src: Any) -> None:
         if param_name == "bias":
@@ -214,4 +278,4 @@ class RowParallelLinear(nn.Module):
             return
         expect_shape(param_name, src, (self.out_features, self.in_features))
         cols = shard_range(self.axis.rank, self.in_local)
-        copy_into(self.weight, read(src, cols=cols), param_name)
+        copy_into(weight_dest(self, "weight"), read(src, cols=cols), param_name)

@@ -37,7 +37,7 @@ absorbs it and attends in the latent space: every head reads the cached rows the
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,7 @@ from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLi
                                     RowParallelLinear)
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.config.quant import QuantSpec
 from moeserve.config.spec import MLASpec, ModelSpec
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
@@ -118,7 +119,11 @@ class MLAttention(nn.Module):
     """h_TH -> partial attention output [T, H] (o_proj without its reduction over attn_tp)."""
 
     def __init__(self, spec: ModelSpec, state: ParallelState, layer_id: int, dtype: torch.dtype,
-                 rotary: RotaryEmbedding, backend: AttentionBackend, *, interleaved_rope: bool):
+                 rotary: RotaryEmbedding, backend: AttentionBackend, *, interleaved_rope: bool,
+                 quant: Callable[..., Optional[QuantSpec]] = lambda *projs: None):
+        """quant: (projection names) -> their quantization. kv_b_proj stays in `dtype`
+        whatever the checkpoint holds (an fp8 one is dequantized at load): the backends
+        absorb its weight into the query and the output."""
         super().__init__()
         if spec.mla is None:
             raise ValueError(f"{spec.architecture} has no MLA dims (kv_lora_rank ...)")
@@ -136,18 +141,20 @@ class MLAttention(nn.Module):
         first_out = n * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank
         self.q_kv_a = MergedColumnParallelLinear(
             h, (first_out, m.kv_cache_dim), bias=self.bias, axis=axis, dtype=dtype,
-            replicated=(m.q_lora_rank is not None, True))
+            replicated=(m.q_lora_rank is not None, True),
+            quant=quant(self.q_name, "kv_a_proj_with_mqa"))
         if m.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, n * m.qk_head_dim, bias=False,
-                                                 axis=axis, dtype=dtype)
+                                                 axis=axis, dtype=dtype,
+                                                 quant=quant("q_b_proj"))
         # transformers builds these two norms with the default eps, not rms_norm_eps
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, dtype)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, n * (m.qk_nope_head_dim
                                                                    + m.v_head_dim),
                                               bias=False, axis=axis, dtype=dtype)
         self.o_proj = RowParallelLinear(n * m.v_head_dim, h, bias=self.bias, axis=axis,
-                                        dtype=dtype)
+                                        dtype=dtype, quant=quant("o_proj"))
         self.rotary, self.interleaved_rope = rotary, interleaved_rope
         self.scaling = mla_softmax_scale(m, spec.rope_scaling_dict, spec.max_position_embeddings)
 

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels import ops as K
-from moeserve.layers.linear import linear
+from moeserve.config.quant import QuantSpec
+from moeserve.layers.linear import init_weight, linear, weight_dest
 from moeserve.config.spec import ModelSpec
-from moeserve.layers.weights import WeightError, empty_param, load_gated_mlp
+from moeserve.layers.weights import (WeightError, check_segments, check_shard_blocks,
+                                     load_gated_mlp)
 from moeserve.layers.communicator import (gather_world_rows, layer_scatters, reduce_world_rows,
                                           world_buffer)
 from moeserve.batch.buffers import ModelBuffers
@@ -51,11 +53,23 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Proj(nn.Module):
-    """A bias-free weight [out, in], so that parameter names read `<proj>.weight`."""
+    """A bias-free weight [out, in], so that parameter names read `<proj>.weight` (in fp8
+    beside `<proj>.weight_scale_inv` with `quant`)."""
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype,
+                 quant: Optional[QuantSpec] = None) -> None:
         super().__init__()
-        self.weight = empty_param(out_features, in_features, dtype=dtype)
+        init_weight(self, out_features, in_features, dtype, quant)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+        return linear(x, self.weight, residual=residual, scale=self.weight_scale_inv,
+                      block=self.block)
+
+    @property
+    def dest(self) -> Any:
+        """Where the checkpoint's weight goes (layers/weights.copy_into)."""
+        return weight_dest(self, "weight")
 
 
 class DenseMLP(nn.Module):
@@ -63,7 +77,7 @@ class DenseMLP(nn.Module):
 
     def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype = torch.float32,
                  *, intermediate_size: Optional[int] = None, tp_size: Optional[int] = None,
-                 ) -> None:
+                 quant: Optional[QuantSpec] = None) -> None:
         super().__init__()
         lay = state.layout
         self.state = state
@@ -82,8 +96,12 @@ class DenseMLP(nn.Module):
         self.act = activation(spec.hidden_act)
         self.kernel_act = KERNEL_ACTS.get(spec.hidden_act)  # None: the torch formulation
         self.scattered = layer_scatters(lay, moe=False)
-        self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype)
-        self.down = _Proj(self.hidden, self.i_local, dtype)
+        if quant is not None:  # gate and up stacked in one weight; down split along its input
+            check_segments("MLP gate/up", (self.i_local, self.i_local), quant.block_n)
+            check_shard_blocks("MLP down input", self.intermediate, self.i_local,
+                               self.tp_size, quant.block_k)
+        self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype, quant)
+        self.down = _Proj(self.hidden, self.i_local, dtype, quant)
         self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
 
     def bind_buffers(self, buffers: ModelBuffers) -> None:
@@ -96,12 +114,12 @@ class DenseMLP(nn.Module):
                 ) -> torch.Tensor:
         """This rank's share of the MLP output (the whole output when replicated), plus
         `add_to` when given (in the down projection's launch on a decode step's rows)."""
-        gate_up = linear(x_NH, self.gate_up.weight)
+        gate_up = self.gate_up(x_NH)
         ops = K.elementwise(gate_up.device) if self.kernel_act else None
         h = ops.act_and_mul(gate_up, self.kernel_act) if ops is not None else None
         if h is None:
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
-        return linear(h, self.down.weight, residual=add_to)
+        return self.down(h, residual=add_to)
 
     def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""
@@ -120,7 +138,7 @@ class DenseMLP(nn.Module):
     def load_weight(self, name: str, src: Any) -> None:
         proj, _, param = name.partition(".")
         if param != "weight" or not load_gated_mlp(
-                proj, name, src, self.gate_up.weight, self.down.weight,
+                proj, name, src, self.gate_up.dest, self.down.dest,
                 intermediate=self.intermediate, rank=self.tp_rank):
             raise WeightError(f"a dense MLP has no checkpoint tensor {name!r}; it reads "
                               f"{', '.join(self.CHECKPOINT_NAMES)}")

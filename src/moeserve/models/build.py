@@ -20,6 +20,7 @@ from moeserve.layers.backends import create_attention_backend
 from moeserve.models import deepseek_v2, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
 from moeserve.models.decoder import ARCHITECTURES
 from moeserve.models.loader import load_weights
+from moeserve.models.quant import block_quant
 from moeserve.config.spec import ModelSpec, ModelSpecError, load_hf_config
 from moeserve.parallel.groups import ParallelState
 from moeserve.plan.capacity import CapacityPlan
@@ -54,7 +55,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
     runner."""
     from moeserve.layers.mlp import DenseMLP
     from moeserve.moe.dispatch import create_dispatcher
-    from moeserve.moe.layer import MoELayer
+    from moeserve.moe.layer import MoELayer, shared_expert_prefix
     from moeserve.layers.communicator import LayerCommunicator
 
     from moeserve.parallel.devices import resolve_backends
@@ -74,14 +75,21 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
         hf_config = load_hf_config(cfg.model)
     moe_layers = set(spec.moe_layers)
     dispatcher = None  # one for all MoE layers: they share the all-to-all workspace
+    quant = plan.quant
+    gated = ("gate_proj", "up_proj", "down_proj")
 
     def mlp_factory(layer_id: int) -> torch.nn.Module:
         nonlocal dispatcher
+        mlp = f"model.layers.{layer_id}.mlp"
         if layer_id not in moe_layers:
-            return DenseMLP(spec, state, dt)
+            return DenseMLP(spec, state, dt, quant=block_quant(cls, quant, mlp, gated))
         if dispatcher is None:
             dispatcher = create_dispatcher(spec, state, plan, dt)
-        return MoELayer(spec, state, plan, dt, layer_id, experts=experts, dispatcher=dispatcher)
+        shared = f"{mlp}.{shared_expert_prefix(spec)}"
+        routed = tuple(f"experts.{e}.{p}" for e in range(spec.num_experts) for p in gated)
+        return MoELayer(spec, state, plan, dt, layer_id, experts=experts, dispatcher=dispatcher,
+                        quant=block_quant(cls, quant, mlp, routed),
+                        shared_quant=block_quant(cls, quant, shared, gated))
 
     def comm_factory(layer_id: int) -> LayerCommunicator:
         return LayerCommunicator(state, moe=layer_id in moe_layers)
@@ -89,7 +97,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
     with torch.device(state.device):
         model = cls(spec, state, dt, hf_config=hf_config,
                     backend=create_attention_backend(attention_backend),
-                    mlp_factory=mlp_factory, comm_factory=comm_factory)
+                    mlp_factory=mlp_factory, comm_factory=comm_factory, quant=quant)
     return model.eval()
 
 

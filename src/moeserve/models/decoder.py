@@ -33,6 +33,15 @@ from moeserve.parallel.groups import ParallelState
 from moeserve.batch.buffers import ModelBuffers
 from moeserve.batch.forward_batch import ForwardBatch
 from moeserve.config.registry import Registry
+from moeserve.config.quant import QuantSpec
+from moeserve.models import quant as Q
+
+# (projection names of one block) -> their one quantization (models/quant.block_quant)
+QuantOf = Callable[..., Optional[QuantSpec]]
+
+
+def no_quant(*projections: str) -> Optional[QuantSpec]:
+    return None
 
 
 @dataclass(frozen=True)
@@ -57,15 +66,17 @@ class DecoderAttention(nn.Module):
     """h_TH -> partial attention output [T, H] (o_proj without its reduction over attn_tp)."""
 
     def __init__(self, spec: ModelSpec, state: ParallelState, layer_id: int, dtype: torch.dtype,
-                 opts: AttentionOptions, rotary: RotaryEmbedding, backend: AttentionBackend):
+                 opts: AttentionOptions, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantOf = no_quant):
         super().__init__()
         axis = state.attn_tp
         h, d = spec.hidden_size, spec.head_dim
         self.spec, self.opts, self.head_dim = spec, opts, d
         self.qkv_proj = QKVParallelLinear(h, d, spec.num_heads, spec.num_kv_heads,
-                                          bias=opts.qkv_bias, axis=axis, dtype=dtype)
+                                          bias=opts.qkv_bias, axis=axis, dtype=dtype,
+                                          quant=quant("q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(spec.num_heads * d, h, bias=opts.o_bias, axis=axis,
-                                        dtype=dtype)
+                                        dtype=dtype, quant=quant("o_proj"))
         qkv = self.qkv_proj
         self.q_norm: Optional[nn.Module] = None
         self.k_norm: Optional[nn.Module] = None
@@ -227,9 +238,9 @@ class MoECausalLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype, *,
                  hf_config: dict[str, Any], backend: AttentionBackend, mlp_factory: MLPFactory,
-                 comm_factory: Callable[[int], Any]):
+                 comm_factory: Callable[[int], Any], quant: Optional[QuantSpec] = None):
         super().__init__()
-        self.spec, self.state, self.dtype = spec, state, dtype
+        self.spec, self.state, self.dtype, self.quant = spec, state, dtype, quant
         # the one backend of every layer's attention (an architecture's factory may swap it)
         self.attention_backend = backend
         axis = state.attn_tp
@@ -258,7 +269,12 @@ class MoECausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling_dict,
                                       spec.max_position_embeddings)
         return lambda i: DecoderAttention(spec, self.state, i, self.dtype, opts, self.rotary,
-                                          backend)
+                                          backend, self.attention_quant(i))
+
+    def attention_quant(self, layer_id: int) -> QuantOf:
+        """The quantization of layer `layer_id`'s attention projections, by name."""
+        prefix = f"model.layers.{layer_id}.self_attn"
+        return lambda *projs: Q.block_quant(type(self), self.quant, prefix, projs)
 
     def ignores_checkpoint_tensor(self, name: str) -> bool:
         """True for a checkpoint tensor the model deliberately does not load (the loader
@@ -328,7 +344,13 @@ class MoECausalLM(nn.Module):
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             names += [p + "self_attn." + n for n in layer.self_attn.checkpoint_names()]
             names += [p + "mlp." + n for n in layer.mlp.checkpoint_names()]
+        if self.quant is not None and self.quant.from_checkpoint:
+            names += [Q.scale_of(n) for n in names if self.weight_quant(n) is not None]
         return names
+
+    def weight_quant(self, name: str) -> Optional[QuantSpec]:
+        """The quantization of canonical weight `name` (None: kept as the checkpoint has it)."""
+        return Q.weight_quant(type(self), self.quant, name)
 
     def _route(self, name: str) -> tuple[Any, str, str]:
         """(module, name relative to it, kind) for a canonical name."""
@@ -348,6 +370,9 @@ class MoECausalLM(nn.Module):
         raise KeyError(f"{self.architecture} has no checkpoint tensor {name!r}")
 
     def checkpoint_shape(self, name: str) -> tuple[int, ...]:
+        if Q.is_scale(name):
+            (n, k), q = self.checkpoint_shape(Q.weight_of(name)), self.quant
+            return (-(-n // q.block_n), -(-k // q.block_k))
         module, rest, kind = self._route(name)
         s = self.spec
         if kind == "top":
@@ -360,9 +385,15 @@ class MoECausalLM(nn.Module):
         return mlp_checkpoint_shape(s, rest)
 
     def needs(self, name: str) -> bool:
+        if Q.is_scale(name):  # read with its weight
+            return self.needs(Q.weight_of(name))
         module, rest, kind = self._route(name)
         return module.needs(rest) if kind == "mlp" else True
 
     def load_weight(self, name: str, src: Any) -> None:
+        """`src`: the tensor or slice of `name`; an Fp8Source (weight and scale together) for
+        a weight of an fp8 checkpoint."""
+        if Q.is_scale(name):
+            raise KeyError(f"{name} is read with {Q.weight_of(name)}, as one Fp8Source")
         module, rest, _ = self._route(name)
         module.load_weight(rest, src)

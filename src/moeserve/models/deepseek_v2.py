@@ -49,12 +49,6 @@ class _DeepseekCausalLM(MoECausalLM):
                                         spec.mla.qk_nope_head_dim, spec.mla.v_head_dim):
             raise ModelSpecError(f"{self.architecture} needs kv_lora_rank, qk_rope_head_dim, "
                                  "qk_nope_head_dim and v_head_dim in config.json")
-        quant = hf_config.get("quantization_config")
-        if quant:  # DeepSeek-V3's Hub weights are fp8 with *.weight_scale_inv block scales
-            raise ModelSpecError(
-                f"{self.architecture} checkpoint is quantized ({quant.get('quant_method', quant)}"
-                "); moeserve loads bf16/fp16/fp32 weights only: convert the checkpoint to bf16 "
-                "(e.g. DeepSeek's fp8_cast_bf16.py) and drop quantization_config")
         if hf_config.get("mlp_bias"):
             raise ModelSpecError(f"{self.architecture} with mlp_bias=true is not supported; "
                                  "DeepSeek checkpoints have no MLP biases")
@@ -65,7 +59,8 @@ class _DeepseekCausalLM(MoECausalLM):
         self.attention_backend = mla_backend
         interleaved = self.interleaved_rope(hf_config)
         return lambda i: MLAttention(spec, self.state, i, self.dtype, self.rotary, mla_backend,
-                                     interleaved_rope=interleaved)
+                                     interleaved_rope=interleaved,
+                                     quant=self.attention_quant(i))
 
     def ignores_checkpoint_tensor(self, name: str) -> bool:
         # the MTP layers that follow the decoder layers (see the module docstring)

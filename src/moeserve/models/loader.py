@@ -11,6 +11,13 @@ Names go through the architecture's `to_canonical` (Mixtral's w1/w2/w3). Experts
 as transformers 5 keeps them in memory (`experts.gate_up_proj` [E, 2I, H] and
 `experts.down_proj` [E, H, I]), are read as per-expert views of the fused tensor.
 
+FP8 checkpoints (config/quant.py): the model lists `W.weight_scale_inv` beside every weight it
+quantizes, so a scale that is missing, or one beside a weight kept as given, fails the name
+check; a float8 weight without a scale fails too. Each quantized weight is read together with
+its scale (layers/weights.Fp8Source, from whichever files hold them), so a rank reads the
+scale blocks of its own shard only. Fused experts carry their scales fused the same way
+(`experts.gate_up_proj_scale_inv` [E, 2I/bn, H/bk]).
+
 `--load-format dummy` fills every weight with deterministic uniform noise, generated per tensor
 from its name at full size and sharded like a checkpoint tensor, so every layout of one model
 gets the same weights. Scales keep activations finite at any depth: fan-in scaling for
@@ -19,6 +26,7 @@ matrices, 1 +- 0.1 for norms.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zlib
@@ -31,12 +39,14 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moeserve.config import EngineConfig
-from moeserve.layers.weights import ExpertView
+from moeserve.layers.weights import ExpertView, Fp8Source
+from moeserve.models import quant as Q
 
 INDEX_FILE = "model.safetensors.index.json"
 # tensors some checkpoints carry that are not weights of the model
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?")
+FP8_HEADER_DTYPES = ("F8_E4M3",)
 
 
 class WeightLoadError(RuntimeError):
@@ -76,29 +86,43 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_header(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+def _read_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every tensor of the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return [(k, tuple(f.get_slice(k).get_shape())) for k in f.keys()]
+            return [(k, tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                    for k in f.keys()]
     except (SafetensorError, OSError) as exc:
         raise WeightLoadError(f"{path} is truncated or not a safetensors file: {exc}") from exc
 
 
+def canonical_name(model: Any, key: str) -> str:
+    """The canonical name of checkpoint tensor `key` (a scale's: its weight's, + _scale_inv)."""
+    if Q.is_scale(key):
+        return Q.scale_of(model.to_canonical(Q.weight_of(key)))
+    return model.to_canonical(key)
+
+
 def _expand(model: Any, path: Path, key: str, shape: tuple[int, ...]) -> list[Entry]:
-    canonical = model.to_canonical(key)
+    canonical = canonical_name(model, key)
     m = _FUSED.fullmatch(canonical)
     if m is None:
         return [Entry(path, key, canonical)]
-    prefix, kind = m.groups()
+    prefix, kind, scale = m.groups()
+    suffix = "weight" + (scale or "")
     if len(shape) != 3:
         raise WeightLoadError(f"fused expert tensor {key} in {path.name} has shape "
                               f"{list(shape)}, expected [experts, rows, cols]")
     e_count, rows, cols = shape
     if kind == "down_proj":
-        return [Entry(path, key, f"{prefix}.{e}.down_proj.weight",
+        return [Entry(path, key, f"{prefix}.{e}.down_proj.{suffix}",
                       lambda s, e=e: ExpertView(s, e, 0, rows, cols)) for e in range(e_count)]
+    if rows % 2:  # a scale block holding the last gate rows and the first up rows
+        raise WeightLoadError(f"fused expert tensor {key} in {path.name} has {rows} rows: its "
+                              "gate and up halves share a scale block, which moeserve cannot "
+                              "split (the expert width must be a multiple of the block)")
     half = rows // 2  # gate rows first, then up rows
-    return [Entry(path, key, f"{prefix}.{e}.{proj}.weight",
+    return [Entry(path, key, f"{prefix}.{e}.{proj}.{suffix}",
                   lambda s, e=e, r0=r0: ExpertView(s, e, r0, half, cols))
             for e in range(e_count) for proj, r0 in (("gate_proj", 0), ("up_proj", half))]
 
@@ -114,11 +138,14 @@ def plan_checkpoint(model: Any, folder: Path) -> list[Entry]:
     tied = model.spec.tie_word_embeddings
     entries: dict[str, Entry] = {}
     unexpected: list[str] = []
+    fp8_keys: dict[str, str] = {}  # canonical name of each float8 tensor -> its key
     for path in checkpoint_files(folder):
-        for key, shape in _read_header(path):
+        for key, shape, dtype in _read_header(path):
             if (_IGNORED.fullmatch(key) or (tied and key == "lm_head.weight")
                     or model.ignores_checkpoint_tensor(key)):
                 continue
+            if dtype in FP8_HEADER_DTYPES:
+                fp8_keys.update((e.canonical, key) for e in _expand(model, path, key, shape))
             for entry in _expand(model, path, key, shape):
                 if entry.canonical not in expected:
                     unexpected.append(f"{key} (in {path.name})")
@@ -139,31 +166,58 @@ def plan_checkpoint(model: Any, folder: Path) -> list[Entry]:
     if missing:
         raise WeightLoadError(f"missing tensor(s) in {folder}: {_names(model, missing)}; the "
                               "checkpoint is incomplete or does not match config.json")
+    unscaled = sorted(fp8_keys[n] for n in fp8_keys if Q.scale_of(n) not in entries)
+    if unscaled:
+        raise WeightLoadError(f"float8 tensor(s) without a weight_scale_inv: "
+                              f"{', '.join(unscaled[:5])}; an fp8 checkpoint needs "
+                              "quantization_config (quant_method fp8, weight_block_size) in "
+                              "config.json and a scale beside each quantized weight")
     return list(entries.values())
+
+
+def _slice(entry: Entry, f: Any) -> Any:
+    src = f.get_slice(entry.key)
+    return entry.view(src) if entry.view else src
 
 
 def _load_one(model: Any, entry: Entry, src: Any) -> None:
     try:
-        model.load_weight(entry.canonical, entry.view(src) if entry.view else src)
+        model.load_weight(entry.canonical, src)
     except (ValueError, AssertionError) as exc:
         raise WeightLoadError(f"cannot load tensor {entry.key} from {entry.file.name}: "
                               f"{exc}") from exc
 
 
 def load_safetensors(model: Any, folder: str | Path, *, progress: bool = True) -> int:
-    """Stream `folder`'s tensors into `model`; returns how many this rank read."""
-    entries = [e for e in plan_checkpoint(model, Path(folder)) if model.needs(e.canonical)]
+    """Stream `folder`'s tensors into `model`; returns how many this rank read (a quantized
+    weight and its scale count once)."""
+    planned = [e for e in plan_checkpoint(model, Path(folder)) if model.needs(e.canonical)]
+    scales = {Q.weight_of(e.canonical): e for e in planned if Q.is_scale(e.canonical)}
+    entries = [e for e in planned if not Q.is_scale(e.canonical)]
     by_file: dict[Path, list[Entry]] = {}
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
-    with tqdm(total=len(entries), desc="Loading weights", unit="tensor",
-              disable=not progress) as bar:
+    with contextlib.ExitStack() as stack, tqdm(total=len(entries), desc="Loading weights",
+                                               unit="tensor", disable=not progress) as bar:
+        opened: dict[Path, Any] = {}
+
+        def open_file(path: Path) -> Any:
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(str(path), framework="pt",
+                                                             device="cpu"))
+            return opened[path]
+
         for path, file_entries in by_file.items():
             try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for entry in file_entries:
-                        _load_one(model, entry, f.get_slice(entry.key))
-                        bar.update()
+                f = open_file(path)
+                for entry in file_entries:
+                    src = _slice(entry, f)
+                    scale = scales.get(entry.canonical)
+                    if scale is not None:
+                        src = Fp8Source(src, _slice(scale, open_file(scale.file)),
+                                        model.quant.block, entry.key)
+                    _load_one(model, entry, src)
+                    bar.update()
             except SafetensorError as exc:
                 raise WeightLoadError(f"{path} could not be read (truncated or corrupt): "
                                       f"{exc}") from exc
@@ -189,7 +243,7 @@ def dummy_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: 
 
 
 def init_dummy_weights(model: Any, seed: int = 0, *, progress: bool = False) -> int:
-    names = [n for n in model.checkpoint_names() if model.needs(n)]
+    names = [n for n in model.checkpoint_names() if model.needs(n) and not Q.is_scale(n)]
     device = next(model.parameters()).device
     for name in tqdm(names, desc="Dummy weights", unit="tensor", disable=not progress):
         model.load_weight(name, dummy_tensor(name, model.checkpoint_shape(name), model.dtype,

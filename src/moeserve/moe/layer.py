@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels import ops as K
+from moeserve.config.quant import QuantSpec
+from moeserve.kernels.fp8 import reference as fp8
 from moeserve.layers.mlp import DenseMLP, _Proj
 from moeserve.config.spec import ModelSpec
 from moeserve.moe.dispatch import Dispatcher, create_dispatcher
@@ -50,15 +52,17 @@ class MoELayer(nn.Module):
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype = torch.float32, layer_id: int = 0, *,
                  experts: str = "reference", dispatcher: Optional[Dispatcher] = None,
-                 shared_prefix: Optional[str] = None) -> None:
+                 shared_prefix: Optional[str] = None, quant: Optional[QuantSpec] = None,
+                 shared_quant: Optional[QuantSpec] = None) -> None:
         """`dispatcher`: pass one dispatcher to every MoE layer of a model so that they share
-        the all-to-all workspace (the plan counts it once per rank); default: a new one."""
+        the all-to-all workspace (the plan counts it once per rank); default: a new one.
+        `quant` / `shared_quant`: fp8 weights of the routed / shared experts."""
         super().__init__()
         lay = state.layout
         self.spec, self.state, self.layer_id = spec, state, layer_id
         self.scattered = layer_scatters(lay, moe=True)
         self.gate = Router(spec, dtype)
-        self.experts = create_experts(experts, spec, state, dtype)
+        self.experts = create_experts(experts, spec, state, dtype, quant)
         self.experts.deterministic = plan.config.enable_deterministic_inference
         self.dispatcher = dispatcher or create_dispatcher(spec, state, plan, dtype)
         self.shared_prefix = shared_prefix or shared_expert_prefix(spec)
@@ -72,7 +76,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"shared experts split over {tp} ranks need a dispatcher that "
                                  f"reduces partial sums; {self.dispatcher.name} does not")
             self.shared_expert = DenseMLP(spec, state, dtype, tp_size=tp,
-                                          intermediate_size=spec.shared_expert_intermediate_size)
+                                          intermediate_size=spec.shared_expert_intermediate_size,
+                                          quant=shared_quant)
             if spec.shared_expert_gate:
                 self.shared_expert_gate = _Proj(1, spec.hidden_size, dtype)
 
@@ -89,7 +94,11 @@ class MoELayer(nn.Module):
                              f"this rank {step.num_rows(self.scattered)}")
         topk_ids_MK, topk_weights_MK = self.gate(x_MH, step.valid_rows(self.scattered))
         tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
-        y_NH = self.experts(tokens.x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK)
+        x_NH, x_scale = tokens.x_NH, tokens.x_scale_NG
+        if x_scale is not None and self.experts.quant is None:  # kept unquantized
+            x_NH = fp8.dequantize_groups(x_NH, x_scale, self.dispatcher.scale_group, x_MH.dtype)
+            x_scale = None
+        y_NH = self.experts(x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK, x_scale)
         if self.shared_on_dispatched:
             y_NH = self._add_shared(y_NH, tokens.x_NH)
         y_MH = self.dispatcher.combine(y_NH, handle)

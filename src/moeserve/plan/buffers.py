@@ -24,6 +24,7 @@ from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_h
 ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1}
 TOPK_ID_BYTES = 4  # top-k ids travel as int32
 TOPK_WEIGHT_BYTES = 4  # top-k weights travel as float32
+FP8_SCALE_BYTES = 4  # an fp8 row's group scales travel as float32
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ class BufferRecord:
         return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device=device)
 
 
-def token_payload_bytes(hidden: int, top_k: int, elem_bytes: int) -> int:
+def token_payload_bytes(hidden: int, top_k: int, elem_bytes: int,
+                        scale_group: Optional[int] = None) -> int:
     """One token row as the dispatchers move it (moe/dispatch/base.py packs it): hidden states
-    of `elem_bytes` each, then K int32 ids, then K float32 weights."""
-    return hidden * elem_bytes + top_k * (TOPK_ID_BYTES + TOPK_WEIGHT_BYTES)
+    of `elem_bytes` each, then (fp8 rows, quantized once before the exchange) one float32
+    scale per `scale_group` columns, then K int32 ids, then K float32 weights."""
+    scales = 0 if scale_group is None else -(-hidden // scale_group) * FP8_SCALE_BYTES
+    return hidden * elem_bytes + scales + top_k * (TOPK_ID_BYTES + TOPK_WEIGHT_BYTES)
 
 
 BUDGET_KNOBS = ("--chunked-prefill-size", "--max-prefill-tokens", "--max-running-requests",
@@ -60,16 +64,34 @@ BUDGET_KNOBS = ("--chunked-prefill-size", "--max-prefill-tokens", "--max-running
 GRAPH_KNOBS = ("--cuda-graph-max-bs", "--cuda-graph-bs", "--max-running-requests")
 
 
-def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str,
-                cap: int) -> list[BufferRecord]:
+def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
+                scale_group: Optional[int] = None) -> list[BufferRecord]:
     """The all-to-all workspace: per peer `cap` token slots (cap is per rank, never times ep).
-    Send and receive halves; the combine reuses them (its payload is smaller)."""
-    payload = token_payload_bytes(spec.hidden_size, spec.top_k, DTYPE_BYTES[dtype])
+    Send and receive halves; the combine reuses them."""
+    b = DTYPE_BYTES[dtype]
+    payload = token_payload_bytes(spec.hidden_size, spec.top_k, 1 if scale_group else b,
+                                  scale_group)
     knobs = ("--moe-a2a-max-tokens-per-rank", *BUDGET_KNOBS)
-    formula = "ep x cap x (H*{b} + K*8)".format(b=DTYPE_BYTES[dtype])
-    return [BufferRecord(f"a2a.{half}", (layout.ep, cap, payload), "uint8",
+    formula = f"ep x cap x (H*{b} + K*8)"
+    if scale_group:  # fp8 rows: a byte per value, a float32 scale per group
+        formula = f"ep x cap x (H + ceil(H/{scale_group})*4 + K*8)"
+        knobs = ("--quantization", *knobs)
+    row = a2a_row_bytes(spec.hidden_size, spec.top_k, b, scale_group)
+    if row != payload:  # fp8 tokens out, results back in the model's dtype: the larger row
+        formula = f"ep x cap x max(H + ceil(H/{scale_group})*4 + K*8, H*{b})"
+    return [BufferRecord(f"a2a.{half}", (layout.ep, cap, row), "uint8",
                          f"{formula} [{half} half; combine reuses it]", knobs)
             for half in ("send", "recv")]
+
+
+def a2a_row_bytes(hidden: int, top_k: int, elem_bytes: int,
+                  scale_group: Optional[int] = None) -> int:
+    """A row of the all-to-all send and receive halves, which carry the token payload out
+    (fp8 with its scales when scale_group is set) and the results back (H in the model's
+    dtype, `elem_bytes` each): the larger of the two."""
+    payload = token_payload_bytes(hidden, top_k, 1 if scale_group else elem_bytes,
+                                  scale_group)
+    return max(payload, hidden * elem_bytes)
 
 
 def moe_runner_rows(layout: ParallelLayout, budget: TokenBudget, cap: int) -> tuple[int, str]:

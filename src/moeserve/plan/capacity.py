@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from moeserve.config import EngineConfig, config_errors
+from moeserve.config.quant import QuantizationError, QuantSpec, resolve_quant
 from moeserve.config.spec import ModelSpec, load_model_spec
 from moeserve.kernels.launch.choice import KernelSet, select_kernels
 from moeserve.parallel.layout import ParallelLayout, Problem, layout_problems
 from moeserve.plan import buffers as B
 from moeserve.plan.budget import MODES, TokenBudget, moe_tokens_per_rank, token_budget
-from moeserve.plan.memory import (GB, DTYPE_BYTES, kv_bytes_per_token, resolve_dtype,
-                                  weight_params_per_rank)
+from moeserve.plan.memory import (GB, kv_bytes_per_token, resolve_dtype,
+                                  weight_bytes_per_rank)
 
 DEFAULT_GPU_MEMORY_GB = 80.0
 
@@ -85,6 +86,14 @@ class CapacityPlan:
     backends: Optional[Backends] = None
     # rows reaching one rank's expert runner in the worst forward (buffers.moe_runner_rows)
     moe_runner_rows: int = 0
+    # the weights' quantization (config/quant.py): the checkpoint's or --quantization's
+    quant: Optional[QuantSpec] = None
+
+    @property
+    def a2a_scale_group(self) -> Optional[int]:
+        """Columns per float32 scale of the all-to-all's fp8 token rows (None: rows travel in
+        the model's dtype): the activations' group of fp8 weights."""
+        return None if self.quant is None else self.quant.block_k
 
     @property
     def ok(self) -> bool:
@@ -111,6 +120,7 @@ class CapacityPlan:
         return {
             "model": self.spec.name, "architecture": self.spec.architecture,
             "dtype": self.dtype,
+            "quantization": None if self.quant is None else self.quant.describe(),
             "layout": None if self.layout is None else {
                 "tp": self.layout.tp, "dp": self.layout.dp, "attn_tp": self.layout.attn_tp,
                 "ep": self.layout.ep, "moe_tp": self.layout.moe_tp,
@@ -183,6 +193,11 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     spec = spec or load_model_spec(cfg.model)
     dtype = resolve_dtype(cfg, spec)
     problems = [Problem(m, f) for m, f in config_errors(cfg)]
+    try:
+        quant = resolve_quant(cfg.quantization, spec.quant)
+    except QuantizationError as exc:
+        quant = None
+        problems.append(Problem(str(exc), "use --quantization fp8, or leave it unset"))
     if not problems:
         problems += layout_problems(cfg, spec)
     backends = None
@@ -204,7 +219,8 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     records: list[B.BufferRecord] = []
     if layout.a2a:
         a2a_cap = cfg.moe_a2a_max_tokens_per_rank or worst
-        records += B.a2a_records(spec, layout, dtype, a2a_cap)
+        records += B.a2a_records(spec, layout, dtype, a2a_cap,
+                                 scale_group=quant and quant.block_k)
     runner_rows, rows_formula = B.moe_runner_rows(layout, budget, a2a_cap or worst)
     records += B.router_records(spec, layout, budget)
     if backends.experts == "triton":  # the only runner that takes a static workspace
@@ -219,11 +235,12 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     records.append(B.req_to_token_record(budget))
     records.append(B.next_token_record(budget))
 
-    memory, kv_tokens, mem_problems = _memory(cfg, spec, layout, budget, dtype, records)
+    memory, kv_tokens, mem_problems = _memory(cfg, spec, layout, budget, dtype, records, quant)
     problems += mem_problems
     records += B.kv_records(spec, layout, budget, dtype, kv_tokens)
     return CapacityPlan(cfg, spec, layout, dtype, budget, moe_tokens, a2a_cap, tuple(records),
-                        memory, tuple(problems), local_kernels(cfg), backends, runner_rows)
+                        memory, tuple(problems), local_kernels(cfg), backends, runner_rows,
+                        quant)
 
 
 def _budget_problems(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout,
@@ -268,13 +285,14 @@ def _budget_problems(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout,
 
 
 def _memory(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
-            dtype: str, records: list[B.BufferRecord]) -> tuple[MemoryPlan, int, list[Problem]]:
+            dtype: str, records: list[B.BufferRecord], quant: Optional[QuantSpec] = None
+            ) -> tuple[MemoryPlan, int, list[Problem]]:
     if cfg.gpu_memory_gb is not None:
         gpu = int(cfg.gpu_memory_gb * GB)
     else:
         gpu = local_gpu_memory_bytes() or int(DEFAULT_GPU_MEMORY_GB * GB)
     static = int(gpu * cfg.mem_fraction_static)
-    weights = weight_params_per_rank(spec, layout) * DTYPE_BYTES[dtype]
+    weights = weight_bytes_per_rank(spec, layout, dtype, quant)
     buffers = sum(r.bytes for r in records)
     per_token = kv_bytes_per_token(spec, layout, dtype)
     free = static - weights - buffers
@@ -290,7 +308,7 @@ def _memory(cfg: EngineConfig, spec: ModelSpec, layout: ParallelLayout, budget: 
     need_gpu = (weights + buffers + budget.context_length * per_token) / cfg.mem_fraction_static
     if free <= 0:
         problems.append(Problem(
-            f"{dtype} weights ({weights / GB:.1f} GB per rank) and static buffers "
+            f"{dtype if quant is None else 'fp8'} weights ({weights / GB:.1f} GB per rank) and static buffers "
             f"({buffers / GB:.2f} GB) do not fit the {static / GB:.1f} GB static budget "
             f"({gpu / GB:.0f} GB x --mem-fraction-static {cfg.mem_fraction_static}) of each of "
             f"the {layout.tp} ranks.", _what_fits(cfg, spec, need_gpu)))

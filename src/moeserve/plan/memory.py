@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from moeserve.config import EngineConfig
+from moeserve.config.quant import QuantSpec
 from moeserve.config.spec import ModelSpec
 from moeserve.parallel.layout import ParallelLayout
 
@@ -71,4 +74,55 @@ def weight_params_per_rank(spec: ModelSpec, layout: ParallelLayout) -> int:
     n_dense = len(spec.dense_layers)
     total += spec.num_layers * per_layer_common
     total += n_dense * dense + (spec.num_layers - n_dense) * (experts + router + shared)
+    return total
+
+
+def _fp8_matrices(spec: ModelSpec, layout: ParallelLayout, quant: QuantSpec
+                  ) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) per rank of every weight that `quant` stores in fp8 (the
+    projections models/quant.py names; latent attention's kv_b_proj stays in the model's
+    dtype), with modules_to_not_convert applied by module kind per layer."""
+    h, a = spec.hidden_size, layout.attn_tp
+    mats: list[tuple[int, int, int]] = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        if quant.converts(p + "self_attn.o_proj"):
+            if spec.mla is not None:
+                m, nh = spec.mla, spec.num_heads
+                if m.q_lora_rank:
+                    mats += [(1, m.q_lora_rank + m.kv_cache_dim, h),
+                             (1, nh * m.qk_head_dim // a, m.q_lora_rank)]
+                else:
+                    mats.append((1, nh * m.qk_head_dim // a + m.kv_cache_dim, h))
+                mats.append((1, h, nh * m.v_head_dim // a))
+            else:
+                q_width = spec.num_heads * spec.head_dim // a
+                kv_width = kv_heads_per_rank(spec, layout) * spec.head_dim
+                mats += [(1, q_width + 2 * kv_width, h), (1, h, q_width)]
+        if i in spec.dense_layers:
+            if quant.converts(p + "mlp.down_proj"):
+                i_local = spec.dense_intermediate_size // layout.dense_tp
+                mats += [(1, 2 * i_local, h), (1, h, i_local)]
+            continue
+        if quant.converts(p + "mlp.experts.0.down_proj"):
+            i_local = spec.moe_intermediate_size // layout.moe_tp
+            e_local = spec.num_experts // layout.ep
+            mats += [(e_local, 2 * i_local, h), (e_local, h, i_local)]
+        shared = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+        if spec.shared_expert_intermediate_size and quant.converts(f"{p}mlp.{shared}.down_proj"):
+            i_local = spec.shared_expert_intermediate_size // layout.shared_expert_tp
+            mats += [(1, 2 * i_local, h), (1, h, i_local)]
+    return mats
+
+
+def weight_bytes_per_rank(spec: ModelSpec, layout: ParallelLayout, dtype: str,
+                          quant: Optional[QuantSpec] = None) -> int:
+    """Bytes of the weights one rank holds: `dtype`, except fp8 weights (a byte each) and their
+    float32 block scales."""
+    total = weight_params_per_rank(spec, layout) * DTYPE_BYTES[dtype]
+    if quant is None:
+        return total
+    for count, n, k in _fp8_matrices(spec, layout, quant):
+        scales = -(-n // quant.block_n) * -(-k // quant.block_k) * 4
+        total -= count * (n * k * (DTYPE_BYTES[dtype] - 1) - scales)
     return total

@@ -25,6 +25,8 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
     spec, cfg = plan.spec, plan.config
     console.print(f"[bold]moeserve plan[/bold]: {spec.name} ({spec.architecture}), {plan.dtype}, "
                   f"{spec.num_experts} experts, top-{spec.top_k}")
+    if plan.quant is not None:
+        console.print(f"weights: {plan.quant.describe()}")
     if plan.layout is not None:
         console.print(f"layout: {plan.layout.describe()}")
     if plan.backends is not None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 if TYPE_CHECKING:  # torch is imported where a device is asked about: `moeserve plan` on a
     import torch  # machine without a GPU never needs it
 
-FAMILIES = ("elementwise", "router", "skinny", "mla")  # the families kernels/ops.py hands out
+FAMILIES = ("elementwise", "router", "skinny", "mla", "fp8")  # the families kernels/ops.py hands out
 
 
 @dataclass(frozen=True, kw_only=True)

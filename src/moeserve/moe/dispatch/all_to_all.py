@@ -10,7 +10,9 @@ on the plan and R, never on one rank's own count. A dispatcher built on its own,
 binder (tests, tools), allocates each step's blocks instead.
 
 Dispatch: slot s of block p on rank r carries the s-th of r's tokens that has an expert on rank
-p: its hidden state, all K ids and all K weights (the payload the plan sizes). Unused slots get
+p: its hidden state, all K ids and all K weights (the payload the plan sizes). With fp8
+weights (plan.a2a_scale_group) a row is quantized once, before the exchange, and travels as
+fp8 with its float32 group scales; the results come back in the model's dtype. Unused slots get
 ids -1. The receiving experts compute the weighted sum over the ids they own, so a token with
 two experts (or a duplicate id) on one rank is sent once and computed for both. Combine sends
 each slot's [H] result back through the same workspace and sums a token's results over the
@@ -25,8 +27,10 @@ from typing import Optional
 
 import torch
 
-from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
-                                        payload_bytes, unpack_tokens)
+from moeserve.layers.linear import quantize_rows
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, hidden_bytes,
+                                        pack_tokens, payload_bytes, unpack_tokens)
+from moeserve.plan.buffers import a2a_row_bytes
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.batch.buffers import A2AWorkspace, ModelBuffers
 from moeserve.batch.step import StepContext
@@ -57,13 +61,17 @@ class AllToAllDispatcher(Dispatcher):
         self.cap = plan.a2a_cap
         self.hidden, self.top_k = spec.hidden_size, spec.top_k
         self.experts_per_rank = spec.num_experts // lay.ep
-        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
+        self.scale_group = plan.a2a_scale_group
+        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
+        # a workspace row carries a token out and its result back
+        self.row_bytes = a2a_row_bytes(self.hidden, self.top_k, self.dtype.itemsize,
+                                       self.scale_group)
         self.workspace: Optional[A2AWorkspace] = None
 
     def bind(self, buffers: ModelBuffers) -> None:
         """The plan's a2a.send / a2a.recv, which every step's exchange then goes through."""
         ws = buffers.a2a
-        want = (self.state.layout.ep, self.cap, self.payload)
+        want = (self.state.layout.ep, self.cap, self.row_bytes)
         if ws is None:
             raise ValueError("the all_to_all dispatcher needs the plan's a2a.* records")
         for name, buf in (("a2a.send", ws.send), ("a2a.recv", ws.recv)):
@@ -108,9 +116,13 @@ class AllToAllDispatcher(Dispatcher):
         source.scatter_(0, flat_MP.reshape(-1), rows.reshape(-1))
         source_S = source[: p * r]
 
-        packed = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)
+        if self.scale_group:  # quantized once here, for every peer the row goes to
+            xq_MH, xs_MG = quantize_rows(x_MH, self.scale_group)
+            packed = pack_tokens(xq_MH, topk_ids_MK, topk_weights_MK, xs_MG)
+        else:
+            packed = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)
         empty = torch.zeros(1, self.payload, dtype=torch.uint8, device=dev)
-        hb = self.hidden * self.dtype.itemsize
+        hb = hidden_bytes(self.hidden, self.dtype, self.scale_group)
         empty[:, hb: hb + 4 * self.top_k] = 0xFF  # ids -1: the receiving experts skip it
         ws = self.workspace
         send = self._block(ws and ws.send, r, self.payload, dev)
@@ -119,7 +131,7 @@ class AllToAllDispatcher(Dispatcher):
         recv = self._block(ws and ws.recv, r, self.payload, dev)
         all_to_all_fixed(recv, send, self.axis)
         tokens = unpack_tokens(recv.view(p * r, self.payload), self.hidden, self.top_k,
-                               self.dtype)
+                               self.dtype, self.scale_group)
         return tokens, AllToAllHandle(num_tokens=m, capacity=r, source_S=source_S)
 
     def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:

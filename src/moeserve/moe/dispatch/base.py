@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -32,9 +32,11 @@ from moeserve.plan.capacity import CapacityPlan
 
 @dataclass(frozen=True, kw_only=True)
 class DispatchedTokens:
-    x_NH: torch.Tensor
+    x_NH: torch.Tensor  # the model's dtype, or float8_e4m3fn with x_scale_NG
     topk_ids_NK: torch.Tensor  # int32, global expert ids; -1: none
     topk_weights_NK: torch.Tensor  # float32
+    # float32 scales of fp8 rows, one per G columns (plan.a2a_scale_group); None: not fp8
+    x_scale_NG: Optional[torch.Tensor] = None
 
 
 class Dispatcher(ABC):
@@ -76,28 +78,46 @@ DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")
 
 # --- the token payload: one byte row per token (plan/buffers.token_payload_bytes) ----------
 
-def payload_bytes(hidden: int, top_k: int, dtype: torch.dtype) -> int:
-    """Hidden states in `dtype`, then K int32 ids, then K float32 weights."""
-    return token_payload_bytes(hidden, top_k, dtype.itemsize)
+def payload_bytes(hidden: int, top_k: int, dtype: torch.dtype,
+                  scale_group: Optional[int] = None) -> int:
+    """Hidden states in `dtype` (fp8 with scale_group: then a float32 scale per scale_group
+    columns), then K int32 ids, then K float32 weights."""
+    elem = 1 if scale_group else dtype.itemsize
+    return token_payload_bytes(hidden, top_k, elem, scale_group)
+
+
+def hidden_bytes(hidden: int, dtype: torch.dtype, scale_group: Optional[int] = None) -> int:
+    """Where a payload's ids start: after the hidden states (and their fp8 scales)."""
+    return payload_bytes(hidden, 0, dtype, scale_group)
 
 
 def pack_tokens(x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
-                topk_weights_MK: torch.Tensor) -> torch.Tensor:
-    """[M, payload] uint8 rows."""
-    parts = [x_MH.contiguous().view(torch.uint8),
-             topk_ids_MK.to(torch.int32).contiguous().view(torch.uint8),
-             topk_weights_MK.to(torch.float32).contiguous().view(torch.uint8)]
+                topk_weights_MK: torch.Tensor, x_scale_MG: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+    """[M, payload] uint8 rows (fp8 rows with their float32 scales when x_scale_MG is
+    given)."""
+    parts = [x_MH.contiguous().view(torch.uint8)]
+    if x_scale_MG is not None:
+        parts.append(x_scale_MG.to(torch.float32).contiguous().view(torch.uint8))
+    parts += [topk_ids_MK.to(torch.int32).contiguous().view(torch.uint8),
+              topk_weights_MK.to(torch.float32).contiguous().view(torch.uint8)]
     return torch.cat(parts, dim=1)
 
 
 def unpack_tokens(rows_NP: torch.Tensor, hidden: int, top_k: int,
-                  dtype: torch.dtype) -> DispatchedTokens:
+                  dtype: torch.dtype, scale_group: Optional[int] = None) -> DispatchedTokens:
     """Inverse of pack_tokens, on [N, payload] uint8 rows (copies: the rows may be a shared
-    workspace that the next exchange overwrites)."""
-    hb = hidden * dtype.itemsize
+    workspace that the next exchange overwrites); with scale_group, fp8 rows and scales."""
+    hb = hidden_bytes(hidden, dtype, scale_group)
     wb = hb + TOPK_ID_BYTES * top_k  # where the weights start
+    x_scale = None
+    if scale_group:
+        x_NH = rows_NP[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        x_scale = rows_NP[:, hidden:hb].contiguous().view(torch.float32)
+    else:
+        x_NH = rows_NP[:, :hb].contiguous().view(dtype)
     return DispatchedTokens(
-        x_NH=rows_NP[:, :hb].contiguous().view(dtype),
+        x_NH=x_NH, x_scale_NG=x_scale,
         topk_ids_NK=rows_NP[:, hb: wb].contiguous().view(torch.int32),
         topk_weights_NK=rows_NP[:, wb: wb + TOPK_WEIGHT_BYTES * top_k].contiguous()
         .view(torch.float32))

@@ -9,8 +9,14 @@ EP rank e holds experts [e E_local, (e+1) E_local) whole along H; moe_tp rank t 
 [t I_local, (t+1) I_local) of each one's intermediate dim, so its output is a partial sum that
 the dispatcher's combine reduces (once, with the expert-parallel exchange).
 
-forward(x_NH, topk_ids_NK, topk_weights_NK) -> y_NH: for each row, the sum over the ids this
-rank owns of weight x expert(x) (a duplicate id counts twice, as in the HF blocks); ids of
+With `quant` (config/quant.py) both are float8_e4m3fn beside their block scales, stacked the
+same way: w13_scale_inv [E_local, 2 I_local / bn, ceil(H / bk)], w2_scale_inv [E_local,
+ceil(H / bn), I_local / bk] (gate and up each fill whole blocks; a moe_tp shard keeps whole
+blocks of the down projection's input). Each GEMM is W8A8: its input quantized per row per bk
+columns (the gate_up input may arrive quantized from the dispatcher, with `x_scale`).
+
+forward(x_NH, topk_ids_NK, topk_weights_NK, x_scale) -> y_NH: for each row, the sum over the
+ids this rank owns of weight x expert(x) (a duplicate id counts twice, as in the HF blocks); ids of
 other ranks and -1 contribute nothing. With `deterministic` set (MoELayer sets it from
 --enable-deterministic-inference) each row's sum is added in a fixed order, never by atomic
 adds, so the same input gives the same bits on every run.
@@ -27,9 +33,12 @@ from torch import nn
 from moeserve.config.registry import Registry
 
 from moeserve.kernels.moe.align_torch import Workspace
+from moeserve.config.quant import QuantSpec
+from moeserve.kernels.fp8 import reference as fp8
 from moeserve.layers.mlp import activation
 from moeserve.config.spec import ModelSpec
-from moeserve.layers.weights import empty_param, load_gated_mlp
+from moeserve.layers.weights import (QuantParam, check_segments, check_shard_blocks,
+                                     empty_param, load_gated_mlp, scale_param)
 from moeserve.parallel.groups import ParallelState
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -38,7 +47,11 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class Experts(nn.Module, ABC):
     deterministic = False  # see the module's docstring
 
-    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype) -> None:
+    # False: the runner has no W8A8 path and refuses fp8 weights
+    supports_fp8 = False
+
+    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype,
+                 quant: Optional[QuantSpec] = None) -> None:
         super().__init__()
         lay = state.layout
         if spec.num_experts % lay.ep or spec.moe_intermediate_size % lay.moe_tp:
@@ -52,9 +65,35 @@ class Experts(nn.Module, ABC):
         self.moe_tp_rank, self.moe_tp_size = state.moe_tp.rank, lay.moe_tp
         self.i_local = spec.moe_intermediate_size // lay.moe_tp
         self.act = activation(spec.hidden_act)
-        self.w13 = empty_param(self.num_local, 2 * self.i_local, self.hidden, dtype=dtype)
-        self.w2 = empty_param(self.num_local, self.hidden, self.i_local, dtype=dtype)
+        self.dtype, self.quant = dtype, quant
+        self.block = None if quant is None else quant.block
+        w_dtype = dtype
+        if quant is not None:
+            if not self.supports_fp8:
+                raise ValueError(f"the {type(self).__name__} runner has no fp8 path; use "
+                                 "--moe-runner-backend triton (GPU) or reference")
+            check_segments("expert gate/up", (self.i_local, self.i_local), quant.block_n)
+            check_shard_blocks("expert down input", spec.moe_intermediate_size, self.i_local,
+                               lay.moe_tp, quant.block_k)
+            w_dtype = fp8.FP8
+        self.w13 = empty_param(self.num_local, 2 * self.i_local, self.hidden, dtype=w_dtype)
+        self.w2 = empty_param(self.num_local, self.hidden, self.i_local, dtype=w_dtype)
+        self.w13_scale_inv: Optional[torch.nn.Parameter] = None
+        self.w2_scale_inv: Optional[torch.nn.Parameter] = None
+        if quant is not None:
+            self.w13_scale_inv = scale_param(*self.w13.shape, block=quant.block)
+            self.w2_scale_inv = scale_param(*self.w2.shape, block=quant.block)
 
+    def input_rows(self, x_NH: torch.Tensor, x_scale: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(rows, their scales) as the gate_up GEMM takes them: fp8 with per-group scales for
+        fp8 weights (quantized here unless the dispatcher did), else in the model's dtype."""
+        if self.quant is None:
+            assert x_scale is None, "unquantized experts take rows in the model's dtype"
+            return x_NH, None
+        if x_scale is None:
+            return fp8.quantize_groups(x_NH, self.quant.block_k)
+        return x_NH, x_scale
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
 
@@ -68,7 +107,8 @@ class Experts(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         ...
 
     def bind_workspace(self, workspace: Optional[Workspace]) -> None:
@@ -91,7 +131,11 @@ class Experts(nn.Module, ABC):
                              f"{self.first_expert}..{self.first_expert + self.num_local - 1})")
         name = f"experts.{expert}.{proj}.weight"
         e = expert - self.first_expert
-        if not load_gated_mlp(proj, name, src, self.w13[e], self.w2[e],
+        w13, w2 = self.w13, self.w2
+        if self.quant is not None:
+            w13 = QuantParam(self.w13, self.w13_scale_inv, self.quant.block)
+            w2 = QuantParam(self.w2, self.w2_scale_inv, self.quant.block)
+        if not load_gated_mlp(proj, name, src, w13[e], w2[e],
                               intermediate=self.intermediate, rank=self.moe_tp_rank):
             raise ValueError(f"unknown expert projection {proj!r}; experts read {PROJECTIONS}")
 

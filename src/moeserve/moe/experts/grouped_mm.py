@@ -14,6 +14,8 @@ No host synchronisation: it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
@@ -25,7 +27,9 @@ class GroupedMMExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        assert x_scale is None, "this runner takes rows in the model's dtype"
         n, k = topk_ids_NK.shape
         if n == 0:
             return x_NH.new_zeros(0, self.hidden)

@@ -7,6 +7,12 @@ not use the expert) combines the results. That reads every expert's weights: a r
 a fast path (the grouped_mm and triton runners are). Forwards whose intermediates would be too
 large (big prefills) take the host-driven loop, outside any graph.
 
+With fp8 weights it runs W8A8 as the kernels do: the rows quantized per token per bk columns
+(or taken quantized from the dispatcher), each used expert's weights dequantized, gate_up in
+float32, the activation's output quantized per row per bk columns, down in float32: the
+torch formulation the Triton FP8 kernels are tested against. It finds each expert's rows on
+the host, so a CUDA graph does not capture it.
+
 It allocates its intermediates per call, sized by the step (which the runtime guard bounds by
 the plan), as every activation is; so does the grouped_mm runner. The plan's `moe.runner.*`
 records are the triton runner's workspace, and a plan for this runner has none.
@@ -15,9 +21,12 @@ Accumulation is in float32.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.fp8 import reference as fp8
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
 
 
@@ -29,9 +38,19 @@ DENSE_MAX_ELEMENTS = 1 << 28
 @EXPERT_RUNNERS.register("reference")
 class ReferenceExperts(Experts):
     graph_safe = True  # a captured forward takes the dense path: no host synchronisation
+    supports_fp8 = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.quant is not None:
+            self.graph_safe = False  # the fp8 path finds each expert's rows on the host
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        if self.quant is not None:
+            return self.forward_fp8(x_NH, topk_ids_NK, topk_weights_NK, x_scale)
+        assert x_scale is None, "unquantized experts take rows in the model's dtype"
         if x_NH.is_cuda:
             size = self.num_local * x_NH.shape[0] * (2 * self.i_local + self.hidden)
             if size <= DENSE_MAX_ELEMENTS or torch.cuda.is_current_stream_capturing():
@@ -78,3 +97,33 @@ class ReferenceExperts(Experts):
             out_NH.index_add_(0, rows, y.float() * weight[start: start + count, None])
             start += count
         return out_NH.to(x_NH.dtype)
+
+    def forward_fp8(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
+                    topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor]
+                    ) -> torch.Tensor:
+        """W8A8 with block scales (see the module's docstring), in the model's dtype."""
+        block, bk = self.quant.block, self.quant.block_k
+        xq, xs = self.input_rows(x_NH, x_scale)
+        x32_NH = fp8.dequantize_groups(xq, xs, bk)
+        row, k, expert = self.local_pairs(topk_ids_NK)
+        out_NH = torch.zeros(x_NH.shape[0], self.hidden, dtype=torch.float32,
+                             device=x_NH.device)
+        if row.numel() == 0:
+            return out_NH.to(self.dtype)
+        weight = topk_weights_NK[row, k].float()
+        order = torch.argsort(expert, stable=True)
+        row, expert, weight = row[order], expert[order], weight[order]
+        counts = torch.bincount(expert, minlength=self.num_local).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = row[start: start + count]
+            w13 = fp8.dequantize_blocks(self.w13[e], self.w13_scale_inv[e], block)
+            gate_up = x32_NH[rows] @ w13.T
+            h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
+            hd = fp8.dequantize_groups(*fp8.quantize_groups(h, bk), bk)
+            y = hd @ fp8.dequantize_blocks(self.w2[e], self.w2_scale_inv[e], block).T
+            out_NH.index_add_(0, rows, y * weight[start: start + count, None])
+            start += count
+        return out_NH.to(self.dtype)

@@ -81,7 +81,9 @@ class TritonFusedExperts(Experts):
         return sizes
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        assert x_scale is None, "this runner takes rows in the model's dtype"
         if not x_NH.is_cuda and not interpreting():
             raise ValueError("the triton expert runner needs CUDA tensors; on a CPU use "
                              "--moe-runner-backend reference")
