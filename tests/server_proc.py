@@ -28,7 +28,9 @@ URL_LINE = re.compile(r"moeserve: serving .* on (http://[\w.\[\]:]+)")
 
 
 class ServerProcess:
-    def __init__(self, log_path: Path, *flags: str) -> None:
+    def __init__(self, log_path: Path, *flags: str, wait_ready: bool = True) -> None:
+        """Start the server; with wait_ready, return once /health answers 200 (the server
+        listens while its engine starts, answering 503)."""
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -39,6 +41,22 @@ class ServerProcess:
         self.url = self._wait_for_url()
         self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if http(self, "GET", "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log()}")
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"the engine was not ready in {START_TIMEOUT_S}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -15,12 +15,17 @@ from moeserve.config import add_config_arguments, config_from_args
 def _plan(args: argparse.Namespace) -> int:
     from moeserve.plan.capacity import build_plan
     from moeserve.plan.report import print_plan
+    from moeserve.plan.warmup import local_warmup_plan
 
     plan = build_plan(config_from_args(args))
+    warmup = local_warmup_plan(plan)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps({**plan.to_json(), "warmup": warmup.to_json()}, indent=2))
     else:
         print_plan(plan)
+        if plan.ok:
+            print(f"warm-up before ready: {warmup.summary()}"
+                  + (f"; not run here: {warmup.skipped}" if warmup.skipped else ""))
     return 0 if plan.ok else 1
 
 

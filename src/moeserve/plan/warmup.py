@@ -42,7 +42,7 @@ from typing import Any, Optional
 from moeserve.kernels.attention.tiles import ATTENTION_TILES
 from moeserve.kernels.moe.configs import warm_up_sizes
 from moeserve.kernels.skinny.tiles import MOST_ROWS
-from moeserve.plan.capacity import CapacityPlan
+from moeserve.plan.capacity import CapacityPlan, local_gpu_name
 from moeserve.plan.capture import default_decode_batch_sizes
 
 CAPTURE, EAGER = "graph capture", "eager"
@@ -137,6 +137,17 @@ def warmup_plan(plan: CapacityPlan, device_name: Optional[str] = None,
     skipped = None if be.device == "cuda" else (
         f"the engine runs on {be.device}: its kernels are torch's, nothing compiles")
     return WarmupPlan(tuple(out), skipped)
+
+
+def local_warmup_plan(plan: CapacityPlan) -> WarmupPlan:
+    """The list a rank on this machine's first GPU would run (`moeserve plan`)."""
+    name = local_gpu_name(plan.config)
+    capability = None
+    if name is not None:
+        import torch
+
+        capability = torch.cuda.get_device_capability(torch.cuda.current_device())
+    return warmup_plan(plan, name, capability)
 
 
 def _decode_key(bs: int) -> str:

@@ -1,7 +1,9 @@
 """`moeserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over an Engine.
 
 The engine's ranks run in worker processes; this process tokenizes, renders chat templates,
-formats responses and streams them. SIGTERM or SIGINT (Ctrl-C) drains: /health and new
+formats responses and streams them. The server listens while the engine starts (its ranks load
+their weights, compile every kernel variant of the plan and capture their graphs): until it is
+ready, /health answers 503 "starting" and every other route 503 with Retry-After. SIGTERM or SIGINT (Ctrl-C) drains: /health and new
 requests answer 503 (the socket stays open, so that a load balancer sees the 503 rather than a
 refused connection), requests in flight finish; those left after --drain-timeout seconds end
 with an error (a stream: an error event, then [DONE]); the engine shuts down, and the process
@@ -52,6 +54,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/plan"
 ENGINE_WATCH_S = 1.0
 DRAIN_POLL_S = 0.1
 DRAIN_GRACE_S = 5.0  # after the drain: for the last responses and error events to go out
+STARTING_RETRY_S = 5  # Retry-After while the engine starts
 FAILED_LINGER_S = 1.0  # a failed engine's /health 503 stays visible this long before the exit
 
 
@@ -84,11 +87,12 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        start = asyncio.create_task(_wait_for_engine(engine))
         watch = asyncio.create_task(_watch_engine(client, state, on_engine_death))
         drain = asyncio.create_task(_drain_when_asked(client, state, drain_timeout, on_drained))
         yield
-        watch.cancel()
-        drain.cancel()
+        for task in (start, watch, drain):
+            task.cancel()
 
     # no 307 to the slash-less path: a client that posts to /v1/completions/ gets a 404 body
     app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -124,6 +128,9 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
             return JSONResponse({"status": "engine failed", "error": why}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.ready:
+            return JSONResponse({"status": "starting"}, status_code=503,
+                                headers={"Retry-After": str(STARTING_RETRY_S)})
         return JSONResponse({"status": "ok"})
 
     def model_card(model_id: str) -> dict[str, Any]:
@@ -175,6 +182,7 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     async def chat(request: Request) -> Response:
         return await generate(request, handlers.chat_job)
 
+    app.add_middleware(StartingGate, engine=engine)
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
                        read_timeout=request_read_timeout)
     app.add_middleware(CountRequests, client=client)
@@ -187,6 +195,34 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
 
 def _traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
+
+
+async def _wait_for_engine(engine: Engine) -> None:
+    """Let an engine that was created with wait=False finish starting (its ranks load, warm up
+    and capture while the server answers /health with 503)."""
+    if engine.ready:
+        return
+    try:
+        await asyncio.to_thread(engine.wait_ready)
+    except Exception as exc:  # EngineError: the engine is failed; the watch task acts on it
+        log.error("the engine failed to start: %s", exc)
+
+
+class StartingGate:
+    """ASGI middleware: until the engine is ready, every route but /health answers 503 with
+    Retry-After (inside the guard, so that the API key is checked first)."""
+
+    def __init__(self, app: ASGIApp, engine: Engine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or self.engine.ready or scope.get("path") == "/health"):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(503, "the engine is starting (loading weights, compiling kernels, "
+                       "capturing graphs); retry shortly", None, "starting",
+                       headers={"Retry-After": str(STARTING_RETRY_S)})
+        await err.response()(scope, receive, send)
 
 
 async def _watch_engine(client: EngineClient, state: ServerState,
@@ -401,7 +437,8 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
             server.should_exit = True
 
     try:
-        engine = Engine(in_process=False, **dataclasses.asdict(cfg))
+        # the server answers /health (503, starting) while the ranks load and warm up
+        engine = Engine(in_process=False, wait=False, **dataclasses.asdict(cfg))
         app = build_app(engine, served_model_name=served_model_name, max_queue=max_queue,
                         on_engine_death=on_death, api_key=api_key,
                         allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
@@ -415,7 +452,8 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
         print(f"moeserve: serving {served_model_name or cfg.model} on "
-              f"http://{shown}:{bound[1]}", flush=True)
+              f"http://{shown}:{bound[1]} (/health answers 503 until the engine is ready)",
+              flush=True)
         server.run(sockets=[sock])
     finally:
         if engine is not None:
