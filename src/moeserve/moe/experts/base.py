@@ -70,8 +70,8 @@ class Experts(nn.Module, ABC):
         w_dtype = dtype
         if quant is not None:
             if not self.supports_fp8:
-                raise ValueError(f"the {type(self).__name__} runner has no fp8 path; use "
-                                 "--moe-runner-backend triton (GPU) or reference")
+                raise ValueError(f"the {type(self).__name__} expert runner has no fp8 path; "
+                                 "use --moe-runner-backend reference for fp8 weights")
             check_segments("expert gate/up", (self.i_local, self.i_local), quant.block_n)
             check_shard_blocks("expert down input", spec.moe_intermediate_size, self.i_local,
                                lay.moe_tp, quant.block_k)

@@ -1,0 +1,142 @@
+"""Block-scaled FP8 on the GPU: the per-token-group activation quantizer and the W8A8 GEMM of
+the dense projections (kernels/fp8/reference.py is the same arithmetic in torch).
+
+    xq, xs = quantize_groups(x_TK, group)                 fp8 [T, K], float32 [T, ceil(K/group)]
+    y_TN = fp8_linear(x_TK, w_NK, w_scale, (bn, bk), bias, residual)
+
+The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
+scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
+float32. Decode-sized steps take 16-row tiles and narrow column tiles, so that the weight
+streams through many programs; prefills take 64/128-row tiles.
+
+Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
+cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
+into the next binade wrongly, then store the same bits as torch's `.to(float8_e4m3fn)`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10  # reference.AMAX_FLOOR
+
+
+@triton.jit
+def round_e4m3(v):
+    """v (|v| <= 448) rounded to a float8_e4m3fn value, in float32: add and subtract 2^(e+20)
+    (e the binade of |v|, at least e4m3's smallest normal, -6), whose ulp is e4m3's ulp
+    2^(e-3) there."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    magic = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 + 23)
+    r = (a + magic) - magic
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR) / FP8_MAX
+    q = round_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+def quantize_groups(x_TK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (fp8 [T, K], float32 scales [T, ceil(K/group)]), group amax / 448."""
+    x_TK = x_TK if x_TK.stride(-1) == 1 else x_TK.contiguous()
+    t, k = x_TK.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
+    s = torch.empty(t, groups, dtype=torch.float32, device=x_TK.device)
+    if t:
+        _quantize_groups_kernel[(t, groups)](x_TK, q, s, k, x_TK.stride(0), q.stride(0),
+                                             s.stride(0), GROUP=group,
+                                             BLOCK=triton.next_power_of_2(group))
+    return q, s
+
+
+@triton.jit
+def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, M, N, K,
+                       stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_rm,
+                       GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // BLOCK_K
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
+                    mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
+                    mask=col_ok[None, :] & (k[:, None] < K), other=0.0)
+        a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def gemm_tiles(m: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for m rows: narrow tiles for decode steps, wide ones for prefills."""
+    if m <= 16:
+        return 16, 64
+    if m <= 64:
+        return 64, 64
+    return 128, 128
+
+
+def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
+               w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
+               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """fp8 rows (with per-group scales) x fp8 weight (with block scales)^T, in out_dtype."""
+    m, k = xq_MK.shape
+    n = w_NK.shape[0]
+    bn, bk = block
+    out = torch.empty(m, n, dtype=out_dtype, device=xq_MK.device)
+    if m == 0:
+        return out
+    assert w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1 and xq_MK.stride(-1) == 1
+    block_m, block_n = gemm_tiles(m)
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
+                             bias if bias is not None else out, res, m, n, k,
+                             xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
+                             w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
+                             BLOCK_N=block_n, BLOCK_K=bk, HAS_BIAS=bias is not None,
+                             HAS_RES=residual is not None)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
+               block: tuple[int, int], bias: Optional[torch.Tensor] = None,
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
+    block-scaled GEMM; out in x's dtype."""
+    x_TK = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_groups(x_TK, block[1])
+    res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
+    y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
+    return y.view(*x.shape[:-1], w_NK.shape[0])

@@ -1,0 +1,109 @@
+"""Block-scaled FP8: the quantizers' round trip, the torch W8A8 product against a block-by-block
+loop of fp8 dots, and the Triton quantizer and GEMM against the torch formulation, under
+Triton's interpreter (fp8 loads, stores and dots run there) and on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreter import run_interpreted
+from moeserve.kernels.fp8 import reference as R
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("shape, block", [((48, 80), (16, 16)), ((3, 40, 70), (16, 32)),
+                                          ((256, 384), (128, 128))])
+def test_quantizer_round_trip(shape, block):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3
+    w[..., :5, :7] = 0  # an all-zero corner keeps a finite scale and zeros
+    q, scale = R.quantize_blocks(w, block)
+    n, k = shape[-2:]
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert scale.shape == (*shape[:-2], -(-n // block[0]), -(-k // block[1]))
+    full = R.expand_scale(scale, (n, k), block)
+    # each block's largest value maps to +-448 exactly
+    assert torch.allclose(q.float().abs().amax(), torch.tensor(448.0))
+    back = R.dequantize_blocks(q, scale, block)
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of a normal value; subnormals 2^-10
+    bound = torch.maximum(w.abs() * 2 ** -4, full * 2 ** -10)
+    assert ((back - w).abs() <= bound * (1 + 1e-6)).all()
+    assert (back[..., :5, :7] == 0).all()
+    q2, scale2 = R.quantize_blocks(back, block)  # quantizing what it gives changes nothing
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    assert torch.allclose(scale2, scale, rtol=1e-6, atol=0)
+
+
+def test_activation_groups_are_per_token():
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    x[2] *= 1000  # one loud token does not change the others' scales
+    q, s = R.quantize_groups(x, 16)
+    assert s.shape == (6, 4)
+    q_alone, s_alone = R.quantize_groups(x[3:4], 16)
+    assert torch.equal(s[3:4], s_alone) and torch.equal(q[3:4].float(), q_alone.float())
+    back = R.dequantize_groups(q, s, 16)
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + s.repeat_interleave(16, 1)[:, :50] * 2 ** -10).all()
+
+
+def test_w8a8_equals_block_by_block_fp8_dots():
+    """y[t, n] = sum over K blocks b of xs[t, b] ws[n // bn, b] (xq[t, b] . wq[n, b]),
+    computed the long way in float64."""
+    gen = torch.Generator().manual_seed(3)
+    block = (16, 32)
+    x, w = torch.randn(5, 70, generator=gen), torch.randn(40, 70, generator=gen)
+    wq, ws = R.quantize_blocks(w, block)
+    xq, xs = R.quantize_groups(x, block[1])
+    want = torch.zeros(5, 40, dtype=torch.float64)
+    for b in range(xs.shape[1]):
+        cols = slice(b * 32, (b + 1) * 32)
+        dots = xq[:, cols].double() @ wq[:, cols].double().T
+        want += dots * xs[:, b, None].double() * ws[torch.arange(40) // 16, b][None, :].double()
+    got = R.fp8_linear(x, wq, ws, block)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    # and the activation quantization costs a few percent against the float product
+    exact = x @ R.dequantize_blocks(wq, ws, block).T
+    assert 1e-4 < float((got - exact).norm() / exact.norm()) < 0.05
+
+
+KERNEL_SCRIPT = r"""
+import torch
+from moeserve.kernels.fp8 import gemm, reference as R
+torch.manual_seed(0)
+dev = "{device}"
+for k, group in ((80, 16), (300, 128)):
+    x = (torch.randn(37, k) * 5).to(dev)
+    x[3, :group] = 0
+    q, s = gemm.quantize_groups(x, group)
+    qr, sr = R.quantize_groups(x, group)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), "quantizer bits"
+    assert torch.equal(s, sr), "quantizer scales"
+for (n, k, block) in (((48, 80, (16, 16))), ((200, 300, (128, 128)))):
+    w = torch.randn(n, k, device=dev)
+    wq, ws = R.quantize_blocks(w, block)
+    bias, res = torch.randn(n, device=dev), torch.randn(9, n, device=dev)
+    for m in (1, 9, 70, 130):
+        xx = torch.randn(m, k, device=dev)
+        ref = R.fp8_linear(xx, wq, ws, block)
+        got = gemm.fp8_linear(xx, wq, ws, block)
+        err = float((got - ref).norm() / ref.norm())
+        assert err < 1e-5, (n, k, m, err)
+        if dev == "cuda":  # bf16 activations, as the engine runs them
+            got = gemm.fp8_linear(xx.bfloat16(), wq, ws, block).float()
+            ref = R.fp8_linear(xx.bfloat16(), wq, ws, block).float()
+            assert float((got - ref).norm() / ref.norm()) < 1e-2
+    got = gemm.fp8_linear(xx[:9], wq, ws, block, bias, res)
+    ref = R.fp8_linear(xx[:9], wq, ws, block, bias) + res
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+print("interpreter ok")
+"""
+
+
+def test_triton_fp8_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(KERNEL_SCRIPT.replace("{device}", "cpu"))
+
+
+@pytest.mark.gpu
+def test_triton_fp8_kernels_on_the_gpu():
+    exec(KERNEL_SCRIPT.replace("{device}", "cuda"), {})
