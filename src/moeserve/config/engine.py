@@ -211,7 +211,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config of a command line; a hub id given as --model becomes its cached snapshot's
+    folder (config/hub.py)."""
+    from moeserve.config.hub import resolve_model
+
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    values["model"] = resolve_model(values["model"])
     if values["cuda_graph_bs"] is not None:
         values["cuda_graph_bs"] = tuple(values["cuda_graph_bs"])
     return EngineConfig(**values)

@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from moeserve.config import EngineConfig
+from moeserve.config.hub import resolve_model
 from moeserve.config.spec import load_model_spec
 from moeserve.parallel.net import free_port
 from moeserve.plan.capacity import CapacityPlan, build_plan
@@ -98,7 +99,7 @@ class Engine:
             print(f"moeserve: error: {GUARD_HINT}", file=sys.stderr, flush=True)
             raise SystemExit(SPAWN_REIMPORT_EXIT)
         try:
-            cfg = EngineConfig(model=model, **flags)
+            cfg = EngineConfig(model=resolve_model(model), **flags)
         except TypeError as exc:
             raise EngineError(f"{exc}; the engine takes the fields of EngineConfig "
                               "(`moeserve generate --help` lists them as flags)") from None
