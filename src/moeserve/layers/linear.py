@@ -31,7 +31,7 @@ from moeserve.kernels import ops as K
 from moeserve.kernels.skinny.tiles import MOST_ROWS, beats_cublas
 from moeserve.config.quant import QuantSpec
 from moeserve.kernels.fp8 import reference as fp8_ref
-from moeserve.layers.weights import (check_segments, check_shard_blocks, copy_into, empty_param,
+from moeserve.layers.weights import (as_float, check_segments, check_shard_blocks, copy_into, empty_param,
                                      expect_shape, quant_param, read, scale_param, shard_range)
 from moeserve.parallel.groups import Axis
 
@@ -120,6 +120,12 @@ def init_weight(module: nn.Module, out_features: int, in_features: int, dtype: t
         module.weight_scale_inv = scale_param(out_features, in_features, block=quant.block)
 
 
+def weight_source(module: nn.Module, src: Any) -> Any:
+    """The checkpoint tensor as this layer reads it: an fp8 one dequantized when the layer
+    keeps its weight in a float dtype (latent attention's kv_b_proj)."""
+    return src if module.weight_scale_inv is not None else as_float(src)
+
+
 def weight_dest(module: nn.Module, param_name: str) -> Any:
     """Where checkpoint tensor `param_name` goes: the (quantized) weight or the bias."""
     if param_name == "weight":
@@ -149,6 +155,7 @@ class ColumnParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, src: Any) -> None:
         """param_name: "weight" [out, in] or "bias" [out], the full checkpoint tensor."""
+        src = weight_source(self, src)
         full = (self.out_features, self.in_features) if param_name == "weight" \
             else (self.out_features,)
         expect_shape(param_name, src, full)
@@ -191,6 +198,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, src: Any, shard: int) -> None:
         """Load output `shard` (0 = gate, 1 = up, ...) from its full checkpoint tensor."""
+        src = weight_source(self, src)
         param = weight_dest(self, param_name)
         out, local = self.out_features[shard], self.out_locals[shard]
         expect_shape(param_name, src, (out, self.in_features) if param_name == "weight"
@@ -238,6 +246,7 @@ class QKVParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, src: Any, shard: str) -> None:
         """shard "q", "k" or "v": the full q_proj / k_proj / v_proj tensor."""
+        src = weight_source(self, src)
         param = weight_dest(self, param_name)
         d = self.head_dim
         if shard == "q":
@@ -272,6 +281,7 @@ class RowParallelLinear(nn.Module):
         return linear(x_TI, self.weight, bias, scale=self.weight_scale_inv, block=self.block)
 
     def load_weight(self, param_name: str, src: Any) -> None:
+        src = weight_source(self, src)
         if param_name == "bias":
             expect_shape(param_name, src, (self.out_features,))
             copy_into(self.bias, read(src), param_name)

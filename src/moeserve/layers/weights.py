@@ -153,6 +153,35 @@ class Fp8Source:
         return Fp8Shard(q, scale, self.block)
 
 
+class DequantizedSource:
+    """An Fp8Source read as floats (for a layer that keeps the checkpoint's dtype): a slice
+    reads the whole scale blocks it touches, dequantizes them and keeps the slice, so any
+    shard boundary works."""
+
+    def __init__(self, src: Fp8Source):
+        self.src = src
+
+    def get_shape(self) -> list[int]:
+        return self.src.get_shape()
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        idx = idx + (slice(None),) * (2 - len(idx))
+        (bn, bk), shape = self.src.block, self.get_shape()
+        spans = [sl.indices(n)[:2] for sl, n in zip(idx, shape)]
+        outer = [(a // b * b, min(n, -(-e // b) * b)) for (a, e), b, n in
+                 zip(spans, (bn, bk), shape)]
+        shard = self.src.read(*outer)
+        full = fp8.dequantize_blocks(shard.q, shard.scale, shard.block)
+        (r0, r1), (c0, c1) = ((a - o, e - o) for (a, e), (o, _) in zip(spans, outer))
+        return full[r0:r1, c0:c1]
+
+
+def as_float(src: Any) -> Any:
+    """`src` for a destination in a float dtype: an Fp8Source is dequantized as it is read."""
+    return DequantizedSource(src) if isinstance(src, Fp8Source) else src
+
+
 class QuantParam:
     """A quantized parameter: its fp8 weight [..., N, K] and float32 scale [..., ceil(N/bn),
     ceil(K/bk)], indexed together: an int picks a leading entry (an expert), a slice picks

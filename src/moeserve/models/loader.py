@@ -180,8 +180,11 @@ def _slice(entry: Entry, f: Any) -> Any:
     return entry.view(src) if entry.view else src
 
 
-def _load_one(model: Any, entry: Entry, src: Any) -> None:
+def _load_one(model: Any, entry: Entry, src: Any, scale: Any = None) -> None:
+    """Load `src` (with its scale: as one Fp8Source) into the model."""
     try:
+        if scale is not None:
+            src = Fp8Source(src, scale, model.quant.block, entry.key)
         model.load_weight(entry.canonical, src)
     except (ValueError, AssertionError) as exc:
         raise WeightLoadError(f"cannot load tensor {entry.key} from {entry.file.name}: "
@@ -213,10 +216,7 @@ def load_safetensors(model: Any, folder: str | Path, *, progress: bool = True) -
                 for entry in file_entries:
                     src = _slice(entry, f)
                     scale = scales.get(entry.canonical)
-                    if scale is not None:
-                        src = Fp8Source(src, _slice(scale, open_file(scale.file)),
-                                        model.quant.block, entry.key)
-                    _load_one(model, entry, src)
+                    _load_one(model, entry, src, scale and _slice(scale, open_file(scale.file)))
                     bar.update()
             except SafetensorError as exc:
                 raise WeightLoadError(f"{path} could not be read (truncated or corrupt): "
