@@ -131,11 +131,16 @@ def _serve(args: argparse.Namespace) -> int:
                  drain_timeout=args.drain_timeout, log_level=args.log_level,
                  api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                  request_read_timeout=args.request_read_timeout,
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                 chat_template=args.chat_template,
                  allowed_origins=[o.strip() for arg in args.allowed_origins
                                   for o in arg.split(",") if o.strip()])
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moeserve.server.reasoning import REASONING_PARSERS
+    from moeserve.server.tool_parsers import TOOL_PARSERS
+
     parser = argparse.ArgumentParser(prog="moeserve", description="Serve mixture-of-experts "
                                      "language models, with every buffer planned up front.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins (or comma lists of them, '*' for any) whose web pages may call "
                    "the server (CORS); without it, no CORS headers are sent")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the tool-call format of the model (hermes: Qwen2.5/Qwen3 <tool_call>; "
+                   "mistral; deepseek-v3): reads calls into tool_calls and forces them for "
+                   "tool_choice required or a named function")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content")
+    s.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a jinja2 chat template file that replaces the checkpoint's")
     s.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)

@@ -71,7 +71,10 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
               api_key: Optional[str] = None, allowed_origins: Sequence[str] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain_timeout: float = 600.0,
               on_drained: Optional[Callable[[], None]] = None,
-              request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> FastAPI:
+              request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S,
+              tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+              chat_template: Optional[str] = None) -> FastAPI:
+    """`chat_template`: the text of a template that replaces the checkpoint's."""
     if engine.tokenizer is None:
         raise ValueError("moeserve serve needs the model's tokenizer (prompts, chat templates, "
                          "stop strings); drop --skip-tokenizer-init")
@@ -80,8 +83,8 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     assert engine.plan.budget is not None
     ctx = engine.plan.budget.context_length
     client = EngineClient(engine, max_queue)
-    handlers = OpenAIHandlers(client, TextCodec(engine.tokenizer, engine.spec.vocab_size),
-                              served, ctx)
+    codec = TextCodec(engine.tokenizer, engine.spec.vocab_size, chat_template)
+    handlers = OpenAIHandlers(client, codec, served, ctx, tool_call_parser, reasoning_parser)
     state = ServerState()
     created = int(time.time())
 
@@ -412,7 +415,9 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
           drain_timeout: float = 600.0, log_level: str = "info", api_key: Optional[str] = None,
           allowed_origins: Sequence[str] = (),
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> int:
+          request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S,
+          tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+          chat_template: Optional[str] = None) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or an engine failure (1). Port 0 picks
     a free port; the line `moeserve: serving MODEL on http://HOST:PORT` says which."""
     if max_queue < 1:
@@ -443,7 +448,9 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
                         on_engine_death=on_death, api_key=api_key,
                         allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
                         drain_timeout=drain_timeout, on_drained=on_drained,
-                        request_read_timeout=request_read_timeout)
+                        request_read_timeout=request_read_timeout,
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        chat_template=read_chat_template(chat_template))
         # the app drains first (_drain_when_asked); uvicorn's own wait is only a backstop
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=DRAIN_GRACE_S, http=protocol)
@@ -464,6 +471,26 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
         return 1
     print("moeserve: drained and stopped", flush=True)
     return 0
+
+
+def read_chat_template(path: Optional[str]) -> Optional[str]:
+    """--chat-template: a jinja2 file; a ValueError (one line from the CLI) when it cannot be
+    read or compiled."""
+    if path is None:
+        return None
+    from jinja2.exceptions import TemplateError
+
+    from moeserve.runtime.tokenizer import compile_chat_template
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        compile_chat_template(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot be read ({exc})") from None
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template {path}: not a jinja2 template ({exc})") from None
+    return text
 
 
 def _exit_on_sigterm(sig: int, frame: Any) -> None:

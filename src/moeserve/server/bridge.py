@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
 from moeserve.runtime.engine import Engine, EngineError
+from moeserve.runtime.grammar import GrammarSpec
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.server.errors import APIError, public_line, public_message
@@ -87,8 +88,10 @@ class EngineClient:
         return Seats(self, num_seqs)
 
     async def run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                  seats: Seats, request_id: str) -> AsyncIterator[tuple[int, TokenOutput]]:
-        """Submit one sequence per (prompt, params) and yield (index, output) as outputs come,
+                  seats: Seats, request_id: str, grammar: Optional[GrammarSpec] = None
+                  ) -> AsyncIterator[tuple[int, TokenOutput]]:
+        """Submit one sequence per (prompt, params), each following `grammar` when given
+        (checked by the caller), and yield (index, output) as outputs come,
         until every sequence has finished (an output with a finish or an error). The seats
         (from reserve) are given back when it ends. An output's error is one line for the
         client, with `request_id`; the server log has the rest under that id."""
@@ -100,7 +103,7 @@ class EngineClient:
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 try:
-                    rid, q = self.engine.submit(ids, p, stream=True)
+                    rid, q = self.engine.submit(ids, p, stream=True, grammar=grammar)
                 except EngineError as exc:
                     raise APIError(503, f"the engine is not running: {public_line(str(exc))} "
                                    f"(request id {request_id})", None, "engine_unavailable",

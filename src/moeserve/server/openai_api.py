@@ -12,7 +12,7 @@ import time
 import traceback
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Optional, Union
 
 from pydantic import ValidationError
@@ -24,7 +24,10 @@ from moeserve.server.bridge import EngineClient, Seats
 from moeserve.server.errors import (APIError, bad_request, from_validation, internal_error,
                                    unsupported)
 from moeserve.server.formatting import chat_logprobs, completion_logprobs
+from moeserve.runtime.grammar import GrammarSpec
+from moeserve.server.chat_output import ChatOutput, ChatPlanner
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.structured import request_grammar
 from moeserve.server.text import TextCodec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
@@ -50,6 +53,8 @@ class Job:
     include_usage: bool
     echo: bool = False
     id: str = ""
+    grammar: Optional[GrammarSpec] = None  # every choice's output follows it
+    chat: Optional[ChatOutput] = None  # how a chat choice's text is read (reasoning, tools)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -74,12 +79,15 @@ class ChoiceState:
     cached: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     started: bool = False  # streaming: the first chunk (role, echo) went out
+    parsed: Any = None  # streaming chat: its ChatOutputState (tool calls, reasoning)
 
 
 class OpenAIHandlers:
     def __init__(self, client: EngineClient, codec: TextCodec, served_names: list[str],
-                 context_length: int) -> None:
+                 context_length: int, tool_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:
         self.client, self.codec = client, codec
+        self.chat = ChatPlanner(tool_parser, reasoning_parser)
         self.served_names, self.context_length = served_names, context_length
 
     # --- parsing ----------------------------------------------------------------------------
@@ -144,6 +152,7 @@ class OpenAIHandlers:
 
     def completion_job(self, body: bytes) -> Job:
         req: CompletionRequest = self._parse(CompletionRequest, body)
+        grammar = request_grammar(req)
         prompts = [self._completion_prompt(p) for p in _prompt_list(req.prompt)]
         if not prompts:
             raise bad_request("the prompt list is empty", "prompt")
@@ -153,7 +162,7 @@ class OpenAIHandlers:
         params = [self._params(req, m, logprobs, req.logprobs or 0) for m in limits]
         return Job("completion", req.model, prompts, params, req.stream,
                    bool(req.stream_options and req.stream_options.include_usage), req.echo,
-                   id=f"cmpl-{uuid.uuid4().hex}")
+                   grammar=grammar, id=f"cmpl-{uuid.uuid4().hex}")
 
     def _completion_prompt(self, p: Union[str, list[int]]) -> Prompt:
         if isinstance(p, str):
@@ -168,21 +177,24 @@ class OpenAIHandlers:
         req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        text, ids = self.codec.encode_chat([m.model_dump(exclude_none=True) |
-                                            {"content": m.text()} for m in req.messages])
+        chat = self.chat.plan(req)
+        text, ids = self.codec.encode_chat(chat.messages, chat.template_tools,
+                                           chat.template_kwargs)
+        output = None if chat.output is None else replace(chat.output, prompt_text=text)
         prompt = Prompt(ids, text)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = self._limit(prompt, req.output_limit, None, "messages", param)
         params = [self._params(req, limit, req.logprobs, req.top_logprobs or 0)]
         return Job("chat", req.model, [prompt], params, req.stream,
                    bool(req.stream_options and req.stream_options.include_usage),
+                   grammar=chat.grammar, chat=output,
                    id=f"chatcmpl-{uuid.uuid4().hex}")
 
     # --- generation -------------------------------------------------------------------------
     def _outputs(self, job: Job, seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
         ids = [p.ids for p in job.prompts for _ in range(job.n)]
         params = [sp for per_prompt in job.params for sp in per_prompt]
-        return self.client.run(ids, params, seats, job.id)
+        return self.client.run(ids, params, seats, job.id, job.grammar)
 
     async def respond(self, job: Job, seats: Seats) -> dict[str, Any]:
         """The whole (non-streaming) response body."""
@@ -225,12 +237,20 @@ class OpenAIHandlers:
         lp = {"content": chat_logprobs(self.codec, logprobs), "refusal": None} if want_lp \
             else None
         if not delta:
-            return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": lp, "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if job.chat is not None:
+                message, finish = job.chat.start().message(text, finish)
+            return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
         body: dict[str, Any] = {} if s.started else {"role": "assistant"}
         if text or not s.started:
             body["content"] = text
         s.started = True
+        if job.chat is not None:  # content, reasoning_content and tool_calls, as parsed
+            if s.parsed is None:
+                s.parsed = job.chat.start()
+            body = {k: v for k, v in body.items() if k != "content"} | s.parsed.feed(
+                text, final=finish is not None)
+            finish = s.parsed.finish_reason(finish)
         return {"index": i, "delta": body, "logprobs": lp, "finish_reason": finish}
 
     def _usage(self, job: Job, states: list[ChoiceState]) -> dict[str, Any]:

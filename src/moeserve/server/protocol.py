@@ -42,6 +42,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_value: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # always strict here: the output follows the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
@@ -63,6 +75,14 @@ class _Sampling(_Strict):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+    # structured outputs, at most one (server/structured.py): OpenAI's, SGLang's, vLLM's
+    response_format: Optional[ResponseFormat] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # defined by OpenAI, not implemented: rejected with a message when set (see unsupported())
     logit_bias: Optional[dict[str, Any]] = None
 
@@ -110,10 +130,47 @@ class TextPart(_Strict):
     text: str
 
 
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's rule (and a dot, as some models' tools)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # always strict here when the call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if self.content is None:
@@ -128,24 +185,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
     # not implemented
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     _ranged_chat = field_validator("max_completion_tokens", "top_logprobs")(_in_range)
 
     def unsupported(self) -> Optional[str]:
-        for name in ("tools", "functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name):
                 return name
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return super().unsupported()
 
     @property

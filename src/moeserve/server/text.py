@@ -1,8 +1,9 @@
 """Text on the server's side of the engine: prompts to ids, chat templates, and the text and
 bytes of single tokens (for logprobs).
 
-A model whose tokenizer has no chat template (the presets' byte-level stand-in, some base
-checkpoints) gets DEFAULT_CHAT_TEMPLATE, a plain role-tagged transcript.
+The chat template is --chat-template's when given, else the checkpoint's; a model whose tokenizer
+has none (the presets' byte-level stand-in, some base checkpoints) gets DEFAULT_CHAT_TEMPLATE, a
+plain role-tagged transcript.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def _byte_level_chars() -> dict[str, int]:
 
 
 class TextCodec:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 chat_template: Optional[str] = None) -> None:
         self.tok = tokenizer
         self.vocab_size = vocab_size  # the model's: ids the engine accepts
-        source = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        source = chat_template or tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
         self.template: Any = compile_chat_template(source)
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
@@ -53,18 +55,24 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(ids)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: Optional[list[dict[str, Any]]] = None,
+                    kwargs: Optional[dict[str, Any]] = None) -> str:
+        """`kwargs` (chat_template_kwargs) reach the template as variables, over the
+        defaults (add_generation_prompt, the special tokens)."""
         from jinja2.exceptions import TemplateError
 
+        variables = {"add_generation_prompt": True, **self.tok.special_tokens, **(kwargs or {})}
         try:
-            return self.template.render(messages=messages, tools=None,
-                                        add_generation_prompt=True, **self.tok.special_tokens)
+            return self.template.render(messages=messages, tools=tools, **variables)
         except (TemplateError, TokenizerError) as exc:
             raise bad_request(f"the chat template refused the messages: {exc}",
                               "messages") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = self.render_chat(messages)
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: Optional[list[dict[str, Any]]] = None,
+                    kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, tools, kwargs)
         return text, self.encode(text, special=False)
 
     # --- single tokens ------------------------------------------------------------------------
