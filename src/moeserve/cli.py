@@ -127,7 +127,9 @@ def _serve(args: argparse.Namespace) -> int:
     from moeserve.server.app import serve
 
     return serve(config_from_args(args), host=args.host, port=args.port,
-                 max_queue=args.max_queued_requests, served_model_name=args.served_model_name,
+                 max_queue=args.max_queued_requests,
+                 # a hub id stays the model's name (the config holds its snapshot's folder)
+                 served_model_name=args.served_model_name or args.model,
                  drain_timeout=args.drain_timeout, log_level=args.log_level,
                  api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                  request_read_timeout=args.request_read_timeout,

@@ -320,16 +320,24 @@ BAD = {
     "stream-options-without-stream": ("/v1/chat/completions", _post(
         "/v1/chat/completions", {"stream_options": {"include_usage": True}}), 400,
         "stream_options", "invalid_value"),
-    "echo-with-logprobs": ("/v1/completions", _post("/v1/completions", {
-        "echo": True, "logprobs": 1}), 400, "echo", "unsupported_parameter"),
+    "prompt-logprobs-streamed": ("/v1/completions", _post("/v1/completions", {
+        "prompt_logprobs": 1, "stream": True}), 400, "prompt_logprobs", "invalid_value"),
+    "min-tokens-above-max": ("/v1/completions", _post("/v1/completions", {
+        "min_tokens": 9, "max_tokens": 4}), 400, "min_tokens", "invalid_value"),
     "unknown-field": ("/v1/completions", _post("/v1/completions", {"frobnicate": True}), 400,
                       "frobnicate", "unsupported_parameter"),
     # (this server runs without --tool-call-parser: it could not read the calls)
     "tools-without-parser": ("/v1/chat/completions", _post("/v1/chat/completions", {"tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "tools",
         "invalid_value"),
-    "logit-bias": ("/v1/completions", _post("/v1/completions", {"logit_bias": {"5": 10}}),
-                   400, "logit_bias", "unsupported_parameter"),
+    "logit-bias-key": ("/v1/completions", _post("/v1/completions", {"logit_bias": {"a": 10}}),
+                       400, "logit_bias", "invalid_value"),
+    "logit-bias-value": ("/v1/chat/completions", _post("/v1/chat/completions", {
+        "logit_bias": {"5": 101}}), 400, "logit_bias", "invalid_value"),
+    "logit-bias-vocab": ("/v1/completions", _post("/v1/completions", {
+        "logit_bias": {"99999": 1}}), 400, "logit_bias", "invalid_value"),
+    "skip-special-tokens-type": ("/v1/completions", _post("/v1/completions", {
+        "skip_special_tokens": "no"}), 400, "skip_special_tokens", "invalid_type"),
     "top-logprobs-without-logprobs": ("/v1/chat/completions", _post(
         "/v1/chat/completions", {"top_logprobs": 2}), 400, "top_logprobs", "invalid_value"),
     "token-outside-vocab": ("/v1/completions", _post("/v1/completions", {"prompt": [1, 9999]}),

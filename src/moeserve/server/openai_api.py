@@ -1,7 +1,15 @@
 """/v1/completions and /v1/chat/completions: requests to sequences, outputs to OpenAI bodies.
 
 A request becomes `len(prompts) x n` sequences; choice `k * n + j` is choice j of prompt k. With
-a seed, choice j samples with seed + j, so that n > 1 gives n different (reproducible) samples.
+a seed, choice j samples with its own stream of it (sampling.choice_seed), so that n > 1 gives n
+different samples and the request repeats as a whole.
+
+Logprobs are those of the model's raw distribution (log_softmax of its logits, before
+logit_bias, penalties and temperature), as OpenAI and vLLM report them. Completions'
+`top_logprobs` also hold the sampled token (up to logprobs + 1 entries, as OpenAI's legacy
+endpoint); `echo` with `logprobs` puts the prompt's tokens first, the first with null logprobs.
+`prompt_logprobs` (vLLM's field) gives, per prompt token, {token id: {logprob, rank,
+decoded_token}} for it and the most likely tokens; the first is null.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from pydantic import ValidationError
 
 from moeserve.runtime.limits import PromptError, check_prompt, output_limit
 from moeserve.runtime.request import TokenOutput
-from moeserve.runtime.sampling import SamplingParams, SamplingParamsError
+from moeserve.runtime.sampling import SamplingParams, SamplingParamsError, choice_seed
 from moeserve.server.bridge import EngineClient, Seats
 from moeserve.server.errors import (APIError, bad_request, from_validation, internal_error,
                                    unsupported)
-from moeserve.server.formatting import chat_logprobs, completion_logprobs
+from moeserve.server.formatting import (chat_logprobs, completion_logprobs, echo_entries,
+                                       vllm_prompt_logprobs)
 from moeserve.runtime.grammar import GrammarSpec
 from moeserve.server.chat_output import ChatOutput, ChatPlanner
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,6 +64,8 @@ class Job:
     id: str = ""
     grammar: Optional[GrammarSpec] = None  # every choice's output follows it
     chat: Optional[ChatOutput] = None  # how a chat choice's text is read (reasoning, tools)
+    prompt_logprobs: Optional[int] = None  # vLLM's field, as asked
+    echo_top: Optional[int] = None  # echo with logprobs: top tokens per prompt token
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -80,6 +91,7 @@ class ChoiceState:
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     started: bool = False  # streaming: the first chunk (role, echo) went out
     parsed: Any = None  # streaming chat: its ChatOutputState (tool calls, reasoning)
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)  # of tokens 1..
 
 
 class OpenAIHandlers:
@@ -103,6 +115,9 @@ class OpenAIHandlers:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true",
                               "stream_options")
+        if req.prompt_logprobs is not None and req.stream:  # (as vLLM)
+            raise bad_request("prompt_logprobs are not available with stream=true; drop one",
+                              "prompt_logprobs")
         field_name = req.unsupported()
         if field_name is not None:
             raise unsupported(field_name)
@@ -125,7 +140,8 @@ class OpenAIHandlers:
                               limit_param, "context_length_exceeded")
         return asked
 
-    def _params(self, req: Any, max_new: int, logprobs: bool, top: int) -> list[SamplingParams]:
+    def _params(self, req: Any, max_new: int, logprobs: bool, top: int,
+                prompt_top: Optional[int] = None) -> list[SamplingParams]:
         extra: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
@@ -136,15 +152,23 @@ class OpenAIHandlers:
         if bad:  # one outside the vocabulary could never end the output
             raise bad_request(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                               f"[0, {self.codec.vocab_size})", "stop_token_ids")
+        bias = req.token_bias()
+        bad = [t for t in bias if t >= self.codec.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.codec.vocab_size})", "logit_bias")
+        if req.min_tokens is not None:
+            extra["min_tokens"] = req.min_tokens
         out = []
         for j in range(req.n):
-            seed = None if req.seed is None else (req.seed + j) % 2**64 if req.seed >= 0 \
-                else req.seed + j
+            seed = None if req.seed is None else choice_seed(req.seed % 2**64, j)
             try:
                 out.append(SamplingParams(
                     max_new_tokens=max_new, seed=seed, stop=tuple(stop),
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                    logprobs=logprobs, top_logprobs=top, **extra))
+                    logprobs=logprobs, top_logprobs=top, logit_bias=bias,
+                    prompt_logprobs=prompt_top, skip_special_tokens=req.skip_special_tokens,
+                    **extra))
             except SamplingParamsError as exc:
                 name = str(exc).split("=", 1)[0]
                 raise bad_request(str(exc), API_NAMES.get(name, name)) from None
@@ -159,10 +183,15 @@ class OpenAIHandlers:
         limits = [self._limit(p, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt",
                               "max_tokens") for p in prompts]
         logprobs = req.logprobs is not None
-        params = [self._params(req, m, logprobs, req.logprobs or 0) for m in limits]
+        echo_top = req.logprobs if req.echo and logprobs else None
+        asked = [t for t in (echo_top, req.prompt_logprobs) if t is not None]
+        prompt_top = max(asked) if asked else None
+        params = [self._params(req, m, logprobs, req.logprobs or 0, prompt_top)
+                  for m in limits]
         return Job("completion", req.model, prompts, params, req.stream,
                    bool(req.stream_options and req.stream_options.include_usage), req.echo,
-                   grammar=grammar, id=f"cmpl-{uuid.uuid4().hex}")
+                   grammar=grammar, id=f"cmpl-{uuid.uuid4().hex}",
+                   prompt_logprobs=req.prompt_logprobs, echo_top=echo_top)
 
     def _completion_prompt(self, p: Union[str, list[int]]) -> Prompt:
         if isinstance(p, str):
@@ -184,11 +213,12 @@ class OpenAIHandlers:
         prompt = Prompt(ids, text)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = self._limit(prompt, req.output_limit, None, "messages", param)
-        params = [self._params(req, limit, req.logprobs, req.top_logprobs or 0)]
+        params = [self._params(req, limit, req.logprobs, req.top_logprobs or 0,
+                               req.prompt_logprobs)]
         return Job("chat", req.model, [prompt], params, req.stream,
                    bool(req.stream_options and req.stream_options.include_usage),
                    grammar=chat.grammar, chat=output,
-                   id=f"chatcmpl-{uuid.uuid4().hex}")
+                   id=f"chatcmpl-{uuid.uuid4().hex}", prompt_logprobs=req.prompt_logprobs)
 
     # --- generation -------------------------------------------------------------------------
     def _outputs(self, job: Job, seats: Seats) -> AsyncIterator[tuple[int, TokenOutput]]:
@@ -207,6 +237,7 @@ class OpenAIHandlers:
                     s.text.append(out.text)
                     s.token_ids += out.token_ids
                     s.logprobs += out.logprobs
+                    s.prompt_logprobs += out.prompt_logprobs
                     if out.finish is not None:
                         s.finish, s.cached = _finish_reason(out), out.cached_tokens
             choices = []
@@ -216,10 +247,19 @@ class OpenAIHandlers:
             raise
         except Exception as exc:
             raise internal_error(log, job.id, "the response failed", _detail(exc)) from None
-        return {"id": job.id, "object": "text_completion" if job.kind == "completion"
+        body = {"id": job.id, "object": "text_completion" if job.kind == "completion"
                 else "chat.completion", "created": job.created, "model": job.model,
                 "choices": choices, "usage": self._usage(job, states),
                 "system_fingerprint": None}
+        if job.kind == "chat":  # (vLLM's place for it: the choices share the prompt)
+            body["prompt_logprobs"] = self._prompt_logprobs(job, 0, states[0])
+        return body
+
+    def _prompt_logprobs(self, job: Job, i: int, s: ChoiceState) -> Optional[list[Any]]:
+        if job.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.codec, job.prompts[i // job.n].ids,
+                                    s.prompt_logprobs, job.prompt_logprobs)
 
     def _choice(self, job: Job, i: int, s: ChoiceState, text: str,
                 logprobs: list[dict[str, Any]], finish: Optional[str],
@@ -229,11 +269,17 @@ class OpenAIHandlers:
             prompt = job.prompts[i // job.n]
             if job.echo and not s.started:
                 text = prompt.text + text
+                if want_lp:
+                    logprobs = echo_entries(prompt.ids, s.prompt_logprobs,
+                                            job.echo_top or 0) + logprobs
             s.started = True
             lp = None
             if want_lp:
                 lp, s.text_offset = completion_logprobs(self.codec, logprobs, s.text_offset)
-            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            if not delta:
+                choice["prompt_logprobs"] = self._prompt_logprobs(job, i, s)
+            return choice
         lp = {"content": chat_logprobs(self.codec, logprobs), "refusal": None} if want_lp \
             else None
         if not delta:
@@ -241,9 +287,8 @@ class OpenAIHandlers:
             if job.chat is not None:
                 message, finish = job.chat.start().message(text, finish)
             return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
-        body: dict[str, Any] = {} if s.started else {"role": "assistant"}
-        if text or not s.started:
-            body["content"] = text
+        # content on every chunk: "" while a character's bytes are incomplete
+        body: dict[str, Any] = ({} if s.started else {"role": "assistant"}) | {"content": text}
         s.started = True
         if job.chat is not None:  # content, reasoning_content and tool_calls, as parsed
             if s.parsed is None:
@@ -276,6 +321,7 @@ class OpenAIHandlers:
                     _check(out)
                     s = states[i]
                     s.token_ids += out.token_ids
+                    s.prompt_logprobs += out.prompt_logprobs
                     finish = None
                     if out.finish is not None:
                         finish, s.cached = _finish_reason(out), out.cached_tokens

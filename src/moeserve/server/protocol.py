@@ -1,10 +1,13 @@
 """The OpenAI API's request bodies, as strict pydantic models.
 
-Strict: a wrong JSON type is an error, never coerced ("5" is not an int). A field we do not know is
-an error (`extra="forbid"`); a field OpenAI defines that we do not implement is declared here so
-that `unsupported()` can name it in a clear error instead of a generic "extra field" one. Our
-extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are those SGLang and
-vLLM accept. The ranges of the sampling fields are those of runtime/sampling.RANGES, checked here
+Strict: a wrong JSON type is an error, never coerced ("5" is not an int). A top-level field we do
+not know is an error (`extra="forbid"`); a field OpenAI defines that we do not implement is
+declared here so that `unsupported()` can name it in a clear error instead of a generic "extra
+field" one. Fields of OpenAI's that change nothing on a self-hosted server (user, store,
+metadata, service_tier) are accepted and have no effect; so are keys inside a message that we
+do not know (as vLLM). Our extensions (top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids, min_tokens, skip_special_tokens, prompt_logprobs) are those SGLang and vLLM
+accept. The ranges of the sampling fields are those of runtime/sampling.RANGES, checked here
 (before the prompt is tokenized) with the same rule the engine applies.
 """
 
@@ -15,13 +18,15 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from moeserve.runtime.sampling import RANGES, STOP_RULE, SamplingParamsError, stop_strings
+from moeserve.runtime.sampling import (MAX_LOGIT_BIAS, RANGES, STOP_RULE, SamplingParams,
+                                       SamplingParamsError, stop_strings)
 
 # an API field -> its rule in RANGES, where the names differ
 _RULE = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
          "logprobs": "top_logprobs"}
 _RANGED = ("n", "max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-           "frequency_penalty", "top_k", "min_p", "repetition_penalty")
+           "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+           "prompt_logprobs")
 
 
 def _in_range(value: Any, info: ValidationInfo) -> Any:
@@ -68,7 +73,13 @@ class _Sampling(_Strict):
     stop: Union[str, list[str], None] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    user: Optional[str] = None  # an end-user id for the operator's logs; no effect on output
+    # OpenAI's fields for its own platform (an end-user id, stored completions, their
+    # metadata, a processing tier): accepted, no effect here
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a decimal string) -> bias
     # extensions (SGLang / vLLM)
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -83,10 +94,24 @@ class _Sampling(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-    # defined by OpenAI, not implemented: rejected with a message when set (see unsupported())
-    logit_bias: Optional[dict[str, Any]] = None
+    min_tokens: Optional[int] = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None  # vLLM's: top tokens per prompt position
 
     _ranged = field_validator(*_RANGED)(_in_range)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        try:
+            SamplingParams(logit_bias={_token_key(k): v for k, v in value.items()})
+        except (SamplingParamsError, ValueError):
+            raise PydanticCustomError("invalid_value", "must be {want}", {"want": (
+                f"an object of at most {MAX_LOGIT_BIAS} token ids (as strings, e.g. "
+                f"\"50256\") mapped to a bias {RANGES['logit_bias']}")}) from None
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -100,9 +125,17 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> Optional[str]:
         """The first field that is set but that we do not implement, else None."""
-        if self.logit_bias:
-            return "logit_bias"
         return None
+
+    def token_bias(self) -> dict[int, float]:
+        return {_token_key(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+def _token_key(key: str) -> int:
+    """A logit_bias key: a token id written in decimal."""
+    if not key.isascii() or not key.isdigit():
+        raise ValueError(f"{key!r} is not a token id")
+    return int(key)
 
 
 class CompletionRequest(_Sampling):
@@ -120,8 +153,6 @@ class CompletionRequest(_Sampling):
             return "best_of"
         if self.suffix:
             return "suffix"
-        if self.echo and self.logprobs is not None:
-            return "echo"  # with logprobs it needs the prompt's logprobs, which we don't compute
         return super().unsupported()
 
 
@@ -166,6 +197,8 @@ class MessageToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="ignore", strict=True)  # as vLLM: unknown keys ignored
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
@@ -188,15 +221,16 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
+    parallel_tool_calls: Optional[bool] = None  # accepted: calls are parsed as they come
+    reasoning_effort: Optional[str] = None  # accepted: no reasoning parser reads it
     # not implemented
-    parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
 
     _ranged_chat = field_validator("max_completion_tokens", "top_logprobs")(_in_range)
 
     def unsupported(self) -> Optional[str]:
-        for name in ("functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
                 return name
         return super().unsupported()
