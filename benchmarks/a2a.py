@@ -1,11 +1,12 @@
-r"""The all-to-all of one MoE layer (dispatch + combine, the all_to_all dispatcher) on the GPUs
-of one host, against NCCL's all_to_all_single moving the same bytes.
+r"""The all-to-all of one MoE layer (dispatch + combine) on the GPUs of one host: the nvlink
+dispatcher (one-sided stores into symmetric memory) beside the NCCL all_to_all dispatcher and
+NCCL's all_to_all_single moving the same padded bytes, all in one run.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         PYTHONPATH=src python -m benchmarks a2a --gpus 2 --out $OUT [--results ...]
 
 Qwen3-30B-A3B's shape (tp = dp = ep = --gpus, DP attention), bf16, uniform random routing, the
-experts left out (combine sends back what dispatch delivered). Each rank times both exchanges
+experts left out (combine sends back what dispatch delivered). Each rank times every exchange
 as CUDA-graph replays (as decode steps run them; eagerly where capture fails, and the row says
 so), after a barrier, between CUDA events, the median of 30.
 """
@@ -22,19 +23,20 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import Ceilings, RunInfo, table
+from benchmarks.harness import RunInfo, table
 
 HELP = "the MoE all-to-all against NCCL all_to_all_single (several GPUs)"
 MODEL = "preset:qwen3-30b-a3b"
-SIZES = (1, 8, 32, 128, 256, 1024, 4096, 8192)
+SIZES = (1, 8, 32, 128, 512, 2048, 8192)
 RANKS_TIMEOUT_S = 600  # a hung collective fails the run instead of holding the machine
 METHOD = """\
 Per MoE layer, dispatch + combine on rank 0. Floor = the bytes rank 0 must send to other
 ranks (each token once to each other rank that owns one of its experts, counted from the
 routing: its payload of hidden state, ids and weights out, its hidden state back) over the
-peer copy bandwidth measured in the same run; the synchronisations are not in it. The baseline
-is NCCL's all_to_all_single of [ranks x tokens] rows, both ways, the same bytes our fixed
-blocks carry; GB/s for both = ranks x tokens x (payload + 2 H) / time."""
+rank's peer-store bandwidth measured in the same run (a graph of row stores of 64 MiB into
+the next rank's symmetric window, and a barrier); the synchronisations are not in it. The
+baselines: the all_to_all dispatcher, and NCCL's all_to_all_single of [ranks x tokens] rows,
+both ways (the padded bytes the all_to_all dispatcher's blocks carry)."""
 
 
 def add_arguments(p: Any) -> None:
@@ -81,27 +83,74 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], out: str) -> N
         dist.destroy_process_group()
 
 
-def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
-    import torch.distributed as dist
+BACKENDS = ("nvlink", "all_to_all")
 
-    from moeserve.batch.step import step_from_counts
+
+def _dispatchers(world: int, rank: int, sizes: list[int]) -> dict[str, Any]:
+    """One MoE dispatcher per backend, each on the buffers of its own plan (bound as the
+    engine binds them: the nvlink windows in symmetric memory, rendezvoused here)."""
     from moeserve.config import EngineConfig
     from moeserve.moe.dispatch import create_dispatcher
     from moeserve.parallel.groups import init_parallel_state
     from moeserve.plan.capacity import build_plan
+    from moeserve.runtime.buffers import bind_model_buffers
+
+    out, state = {}, None
+    for backend in BACKENDS:
+        cfg = EngineConfig(model=MODEL, tp_size=world, ep_size=world, dp_size=world,
+                           enable_dp_attention=True, moe_a2a_backend=backend,
+                           chunked_prefill_size=max(sizes) * world,
+                           max_running_requests=256 * world,
+                           gpu_memory_gb=torch.cuda.get_device_properties(rank).total_memory
+                           / 1e9)
+        plan = build_plan(cfg)
+        assert plan.ok, plan.errors
+        state = state or init_parallel_state(plan.layout, torch.device("cuda", rank))
+        disp = create_dispatcher(plan.spec, state, plan, torch.bfloat16)
+        disp.bind(bind_model_buffers(plan, torch.device("cuda", rank)))
+        out[backend] = (disp, plan)
+    return out
+
+
+def peer_store_GBps(rank: int, world: int) -> float:
+    """This rank's one-sided store bandwidth: a graph of stores of 64 MiB into the next
+    rank's symmetric window (row copies, as the dispatch kernel makes them) and a barrier."""
+    import torch.distributed as dist
+
+    from moeserve.kernels.moe.exchange import push_back
+    from moeserve.parallel.groups import Axis
+    from moeserve.parallel.symmetric import PeerWindow, symmetric_empty
+
+    rows, h = 8192, 4096  # 64 MiB of bf16 rows
+    dev = torch.device("cuda", rank)
+    buf = symmetric_empty((world * rows * h,), torch.bfloat16, dev)
+    axis = Axis(dist.group.WORLD, rank, world, tuple(range(world)))
+    win = PeerWindow.open(buf, axis)
+    y = torch.randn(world * rows, h, device=dev, dtype=torch.bfloat16)
+    ids = torch.full((world * rows, 1), -1, dtype=torch.int32, device=dev)
+    peer = (rank + 1) % world
+    ids[peer * rows:(peer + 1) * rows] = 0  # only the next rank's rows are filled
+
+    def store() -> None:
+        push_back(y, ids, win.peer_ptrs, rank, world)
+        win.barrier()
+
+    us, _ = timed(store, f"rank {rank} peer store")
+    return rows * h * 2 / us / 1e3
+
+
+def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
+    import torch.distributed as dist
+
+    from moeserve.batch.step import step_from_counts
 
     torch.cuda.set_device(rank)
-    cfg = EngineConfig(model=MODEL, tp_size=world, ep_size=world, dp_size=world,
-                       enable_dp_attention=True, moe_a2a_backend="all_to_all",
-                       chunked_prefill_size=max(sizes) * world,
-                       max_running_requests=256 * world,
-                       gpu_memory_gb=torch.cuda.get_device_properties(rank).total_memory / 1e9)
-    plan = build_plan(cfg)
-    state = init_parallel_state(plan.layout, torch.device("cuda", rank))
-    disp = create_dispatcher(plan.spec, state, plan, torch.bfloat16)
-    spec, h = plan.spec, plan.spec.hidden_size
+    dispatchers = _dispatchers(world, rank, sizes)
+    store_GBps = peer_store_GBps(rank, world)
     rows = []
     for m in sizes:
+        disp, plan = dispatchers["nvlink"]
+        spec, h = plan.spec, plan.spec.hidden_size
         x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(m, spec.num_experts, device="cuda").topk(spec.top_k, dim=1).indices
         ids = ids.to(torch.int32)
@@ -111,10 +160,17 @@ def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
         goes = torch.zeros(m, world, dtype=torch.bool, device="cuda").scatter_(1, owner, True)
         goes[:, rank] = False
         sent = int(goes.sum())  # (token, other rank) pairs: what must cross a link
+        row: dict[str, Any] = {"tokens_per_rank": m, "sent_rows": sent,
+                               "link_bytes": sent * (disp.payload + 2 * h),
+                               "moved_bytes": world * m * (disp.payload + 2 * h),
+                               "peer_store_GBps": store_GBps}
+        for backend, (d, _) in dispatchers.items():
+            def exchange(d=d) -> torch.Tensor:
+                toks, handle = d.dispatch(x, ids, w, step)
+                return d.combine(toks.x_NH, handle)
 
-        def ours() -> torch.Tensor:
-            toks, handle = disp.dispatch(x, ids, w, step)
-            return disp.combine(toks.x_NH, handle)
+            row[f"{backend}_us"], row[f"{backend}_graph"] = timed(
+                exchange, f"rank {rank} m={m} {backend}")
 
         send = torch.randint(0, 255, (world * m * disp.payload,), dtype=torch.uint8,
                              device="cuda")
@@ -125,29 +181,27 @@ def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
             dist.all_to_all_single(recv, send)
             dist.all_to_all_single(back_r, back)
 
-        row: dict[str, Any] = {"tokens_per_rank": m, "sent_rows": sent,
-                               "link_bytes": sent * (disp.payload + 2 * h),
-                               "moved_bytes": world * m * (disp.payload + 2 * h)}
-        row["moeserve_us"], row["moeserve_graph"] = timed(ours, f"rank {rank} m={m} moeserve")
         row["nccl_us"], row["nccl_graph"] = timed(nccl, f"rank {rank} m={m} nccl")
         rows.append(row)
     return rows
 
 
-def render(ranks: dict[int, list[dict]], ceil: Ceilings) -> list[str]:
-    peer = ceil.peer_GBps
+def render(ranks: dict[int, list[dict]]) -> list[str]:
     out = []
     for i, r in enumerate(ranks[0]):
-        floor = f"{r['link_bytes'] / peer / 1e3:.1f}" if peer else "-"
-        spread = max(abs(ranks[k][i]["moeserve_us"] / r["moeserve_us"] - 1) for k in ranks)
-        eager = "" if r["moeserve_graph"] else " (eager)"
-        out.append([r["tokens_per_rank"], r["sent_rows"], floor,
-                    f"{r['moeserve_us']:.1f}{eager}", f"{r['nccl_us']:.1f}",
-                    f"{r['moved_bytes'] / r['moeserve_us'] / 1e3:.1f}",
-                    f"{r['moved_bytes'] / r['nccl_us'] / 1e3:.1f}", f"{100 * spread:.0f}%"])
-    return table(["tokens per rank", "rows sent to other ranks", "floor µs", "moeserve µs",
-                  "NCCL all_to_all_single µs", "moeserve GB/s", "NCCL GB/s",
-                  "other ranks' moeserve µs within"], out)
+        floor = r["link_bytes"] / r["peer_store_GBps"] / 1e3
+        spread = max(abs(ranks[k][i]["nvlink_us"] / r["nvlink_us"] - 1) for k in ranks)
+        cells = [r["tokens_per_rank"], r["sent_rows"], f"{floor:.1f}"]
+        for key in ("nvlink", "all_to_all", "nccl"):
+            eager = "" if r[f"{key}_graph"] else " (eager)"
+            cells.append(f"{r[f'{key}_us']:.1f}{eager}")
+        cells += [f"{r['nvlink_us'] / floor:.2f}" if floor else "-",
+                  f"{r['nccl_us'] / r['nvlink_us']:.1f}", f"{100 * spread:.0f}%"]
+        out.append(cells)
+    return table(["tokens per rank", "rows sent to other ranks", "floor µs", "nvlink µs",
+                  "all_to_all (NCCL) µs", "NCCL all_to_all_single, same bytes µs",
+                  "nvlink x floor", "NCCL same bytes ÷ nvlink",
+                  "other ranks' nvlink µs within"], out)
 
 
 def run(args: Any, argv: list[str]) -> int:
@@ -171,8 +225,9 @@ def run(args: Any, argv: list[str]) -> int:
                 proc.kill()
             raise SystemExit(f"the ranks did not finish in {RANKS_TIMEOUT_S} s")
     ranks = {r: json.loads((out / f"a2a_rank{r}.json").read_text()) for r in range(args.gpus)}
-    text = harness.section(f"All-to-all, ep {args.gpus}", METHOD, info, ceil,
-                           render(ranks, ceil))
+    store = ", ".join(f"rank {r} {ranks[r][0]['peer_store_GBps']:.0f}" for r in ranks)
+    text = harness.section(f"All-to-all, ep {args.gpus}", METHOD + f"\nPeer-store GB/s: {store}.",
+                           info, ceil, render(ranks))
     harness.save(out, "a2a", {"info": info, "ceilings": ceil, "ranks": ranks}, text,
                  args.results)
     for r in range(args.gpus):

@@ -46,6 +46,10 @@ def layouts(n: int) -> dict[str, dict[str, Any]]:
             found[f"tp{n} ep{ep}"] = dict(tp_size=n, ep_size=ep)
             found[f"tp{n} ep{ep}, DP attention (dp {n})"] = dict(
                 tp_size=n, ep_size=ep, dp_size=n, enable_dp_attention=True)
+    for backend in ("all_to_all", "nvlink"):  # whole experts per rank: ep = tp
+        found[f"tp{n} ep{n} {backend}"] = dict(tp_size=n, ep_size=n, moe_a2a_backend=backend)
+        found[f"tp{n} ep{n} {backend}, DP attention (dp {n})"] = dict(
+            tp_size=n, ep_size=n, dp_size=n, enable_dp_attention=True, moe_a2a_backend=backend)
     return found
 
 

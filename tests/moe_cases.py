@@ -66,11 +66,12 @@ def tiny_spec(kind: str) -> ModelSpec:
 
 
 def engine_config(tp: int = 1, dp: int = 1, ep: int = 1, dense_tp: Optional[int] = None,
-                  a2a: bool = False, a2a_cap: Optional[int] = None,
+                  a2a: bool | str = False, a2a_cap: Optional[int] = None,
                   deterministic: bool = False) -> EngineConfig:
     return EngineConfig(
         tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, ep_size=ep,
-        moe_dense_tp_size=dense_tp, moe_a2a_backend="all_to_all" if a2a else "none",
+        moe_dense_tp_size=dense_tp,
+        moe_a2a_backend=a2a if isinstance(a2a, str) else "all_to_all" if a2a else "none",
         moe_a2a_max_tokens_per_rank=a2a_cap, dtype="float32",
         max_prefill_tokens=T_MAX, chunked_prefill_size=T_MAX * dp,
         max_running_requests=8 * dp, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=16,

@@ -36,6 +36,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dense_tp1_tp2": dict(tp=2, ep=2, dense_tp=1),
     "a2a_dp2": dict(tp=2, dp=2, ep=2, a2a=True),
     "a2a_sp2": dict(tp=2, ep=2, a2a=True),
+    "nvlink_dp2": dict(tp=2, dp=2, ep=2, a2a="nvlink"),  # the peers' stores emulated by gloo
     # world of 4
     "ep4": dict(tp=4, ep=4),
     "tp4_ep2_moe_tp2": dict(tp=4, ep=2),
@@ -44,6 +45,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "a2a_sp4": dict(tp=4, ep=4, a2a=True),
     # the combine's sum in peer order (--enable-deterministic-inference)
     "a2a_dp2_sp2": dict(tp=4, dp=2, ep=4, a2a=True, deterministic=True),
+    "nvlink_sp4": dict(tp=4, ep=4, a2a="nvlink"),
 }
 HOT_EXPERT = 5
 
@@ -219,20 +221,31 @@ def _dispatch_cases(name: str, kind: str, state, plan, rank: int, out: list) -> 
         if lay.a2a:
             rec["a2a_capacity"] = handle.capacity
             # slots this rank filled, per peer; and non-empty slots it received
-            filled = handle.source_S.cpu().view(lay.ep, handle.capacity) < handle.num_tokens
-            rec["a2a_sent"] = filled.sum(dim=1).tolist()
+            if hasattr(handle, "slots_MP"):  # nvlink
+                filled = (handle.slots_MP.cpu() >= 0).sum(dim=0)
+                ws = disp.buffers
+                rec["a2a_ptrs"] = (ws.recv.data_ptr(), ws.combine.data_ptr())
+            else:
+                filled = (handle.source_S.cpu().view(lay.ep, handle.capacity)
+                          < handle.num_tokens).sum(dim=1)
+                rec["a2a_ptrs"] = (disp.workspace.send.data_ptr(),
+                                   disp.workspace.recv.data_ptr())
+            rec["a2a_sent"] = filled.tolist()
             rec["a2a_received"] = int((tokens.topk_ids_NK >= 0).any(dim=1).sum())
-            rec["a2a_ptrs"] = (disp.workspace.send.data_ptr(), disp.workspace.recv.data_ptr())
         out.append(rec)
     if lay.a2a:
-        rec_send, buf, recv = plan.buffer("a2a.send"), bufs.a2a.send, bufs.a2a.recv
+        ws = getattr(disp, "workspace", None) or disp.buffers
+        windows = {}
+        for field in ("send", "recv", "combine", "slots", "sources"):
+            if plan.has_buffer(f"a2a.{field}"):
+                rec_, buf = plan.buffer(f"a2a.{field}"), getattr(ws, field)
+                windows[field] = dict(record_shape=rec_.shape, record_bytes=rec_.bytes,
+                                      record_dtype=rec_.dtype, shape=tuple(buf.shape),
+                                      bytes=buf.numel() * buf.element_size(),
+                                      dtype=str(buf.dtype).removeprefix("torch."))
         out.append(dict(layout=name, kind=kind, case="workspace", rank=rank,
-                        record_shape=rec_send.shape, record_bytes=rec_send.bytes,
-                        record_dtype=rec_send.dtype, a2a_cap=plan.a2a_cap,
-                        moe_tokens=dict(plan.moe_tokens), bound=disp.workspace is bufs.a2a,
-                        send_shape=tuple(buf.shape), send_bytes=buf.numel() * buf.element_size(),
-                        send_dtype=str(buf.dtype), recv_shape=tuple(recv.shape),
-                        recv_bytes=recv.numel() * recv.element_size(),
+                        a2a_cap=plan.a2a_cap, moe_tokens=dict(plan.moe_tokens),
+                        bound=ws is bufs.a2a, windows=windows,
                         runner_rows=plan.moe_runner_rows))
     else:
         out.append(dict(layout=name, kind=kind, case="runner_bound", rank=rank,

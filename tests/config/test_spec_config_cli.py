@@ -141,11 +141,12 @@ def test_plan_json_has_the_contract_fields(capsys):
     assert out["a2a"]["max_tokens_per_rank"] == out["budget"]["extend"]
     names = {b["name"] for b in out["buffers"]}
     assert {"a2a.send", "a2a.recv", "kv_cache", "moe.runner.down", "moe.router.topk_ids"} <= names
-    assert out["backends"] == {"device": "cuda", "attention": "triton", "experts": "triton"}
+    assert out["backends"] == {"device": "cuda", "attention": "triton", "experts": "triton",
+                               "a2a": "all_to_all"}
     assert out["a2a"]["workspace_bytes_per_rank"] == sum(
         b["bytes"] for b in out["buffers"] if b["name"].startswith("a2a."))
     for b in out["buffers"]:
-        assert set(b) == {"name", "shape", "dtype", "bytes", "formula", "knobs"}
+        assert set(b) == {"name", "shape", "dtype", "bytes", "formula", "knobs", "symmetric"}
     mem = out["memory"]
     assert set(mem) >= {"weights_bytes_per_rank", "kv_bytes_per_token_per_rank",
                         "static_buffer_bytes_per_rank", "kv_capacity_tokens"}

@@ -83,13 +83,19 @@ def test_invariant_1_workspace_is_ep_x_cap_x_payload_from_the_plan(records):
             k = 3 if r["kind"] == "deepseek_v3" else 2
             payload = 48 * 4 + k * 4 + k * 4
             assert r["a2a_cap"] == max(r["moe_tokens"].values())
-            assert r["record_shape"] == (kw["ep"], r["a2a_cap"], payload)
-            assert r["record_dtype"] == "uint8"
-            assert r["send_shape"] == r["recv_shape"] == r["record_shape"]
             assert r["bound"]  # the dispatcher exchanges through the binder's workspace
-            assert r["send_dtype"] == "torch.uint8"
-            assert r["send_bytes"] == r["recv_bytes"] == r["record_bytes"]
-            assert r["record_bytes"] == kw["ep"] * r["a2a_cap"] * payload
+            win = r["windows"]
+            assert win["recv"]["record_shape"] == (kw["ep"], r["a2a_cap"], payload)
+            assert win["recv"]["record_bytes"] == kw["ep"] * r["a2a_cap"] * payload
+            if kw["a2a"] == "nvlink":  # results come back into their own window
+                assert set(win) == {"recv", "combine", "slots", "sources"}
+                assert win["combine"]["record_shape"] == (kw["ep"], r["a2a_cap"], 48 * 4)
+            else:  # the combine reuses the send and receive halves
+                assert set(win) == {"send", "recv"}
+                assert win["send"]["record_shape"] == win["recv"]["record_shape"]
+            for w in win.values():  # allocated exactly as recorded
+                assert (w["shape"], w["bytes"], w["dtype"]) == \
+                    (w["record_shape"], w["record_bytes"], w["record_dtype"])
 
 
 def test_invariant_2_every_forward_mode_fits_the_cap(records):

@@ -29,6 +29,7 @@ LAYOUTS = {
     "tp1": dict(),
     "tp2_ep2_gather": dict(tp=2, ep=2),
     "tp2_ep2_all_to_all": dict(tp=2, ep=2, a2a=True),
+    "tp2_ep2_nvlink": dict(tp=2, ep=2, a2a="nvlink"),
     "dp2_attention": dict(tp=2, dp=2, ep=2),
     "dp2_attn_tp2_gather": dict(tp=4, dp=2, ep=2),
     "sp4": dict(tp=4, ep=4, a2a=True),
@@ -37,6 +38,7 @@ LAYOUTS = {
 # the records each layout adds to those of every plan (router, request table, KV cache, ...)
 GATHERS = {
     "tp1": set(), "tp2_ep2_gather": set(), "tp2_ep2_all_to_all": {"attn_tp_gather.hidden"},
+    "tp2_ep2_nvlink": {"attn_tp_gather.hidden"},
     "dp2_attention": {"dp_gather.rows"},
     "dp2_attn_tp2_gather": {"dp_gather.rows", "attn_tp_gather.hidden"},
     "sp4": {"attn_tp_gather.hidden"}, "dense_replicated": {"attn_tp_gather.hidden"},
@@ -70,7 +72,11 @@ def test_every_record_is_allocated_once_with_its_bytes(layout, device):
     names = set(records)
     gathers = {n for n in names if "gather." in n}
     assert gathers == GATHERS[layout]
-    assert ({"a2a.send", "a2a.recv"} <= names) == LAYOUTS[layout].get("a2a", False)
+    a2a = LAYOUTS[layout].get("a2a", False)
+    assert ({"a2a.send", "a2a.recv"} <= names) == (a2a is True)
+    assert ({"a2a.recv", "a2a.combine", "a2a.slots", "a2a.sources"} <= names) == (a2a == "nvlink")
+    assert {r.name for r in plan.buffers if r.symmetric} == \
+        ({"a2a.recv", "a2a.combine"} if a2a == "nvlink" else set())
     gpu = device == "cuda"  # the triton runner's workspace, partials and graph inputs
     assert any(n.startswith("moe.runner.") for n in names) == gpu
     assert any(n.startswith("graph.decode.") for n in names) == gpu
@@ -79,7 +85,7 @@ def test_every_record_is_allocated_once_with_its_bytes(layout, device):
     assert m.router is not None and (m.experts is not None) == gpu
     if m.a2a is not None:  # one payload formula: the plan's, which the dispatcher uses
         payload = token_payload_bytes(48, 2, 4)
-        assert m.a2a.send.shape[-1] == payload == payload_bytes(48, 2, torch.float32)
+        assert m.a2a.recv.shape[-1] == payload == payload_bytes(48, 2, torch.float32)
 
 
 def test_the_model_runner_binds_the_plan_and_the_layers_share_it():

@@ -36,6 +36,9 @@ LAYOUTS = {
     "ep2": dict(tp_size=2, ep_size=2),
     "dp2": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
     "a2a-sp": dict(tp_size=2, ep_size=2, moe_a2a_backend="all_to_all"),
+    # the nvlink dispatcher's layout, its peers' stores emulated by gloo
+    "nvlink-dp": dict(tp_size=2, ep_size=2, dp_size=2, enable_dp_attention=True,
+                      moe_a2a_backend="nvlink"),
 }
 PROMPTS = [[3, 17, 42, 5, 9], [60, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
 NEW = 6

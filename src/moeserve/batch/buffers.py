@@ -55,6 +55,18 @@ class A2AWorkspace:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeerExchangeBuffers:
+    """The nvlink transport's records (moe/dispatch/nvlink.py): a2a.recv [ep, cap, payload]
+    and a2a.combine [ep, cap, H x dtype bytes] uint8, symmetric on a GPU; a2a.slots [cap, ep]
+    and a2a.sources [ep, cap] int32, local."""
+
+    recv: torch.Tensor
+    combine: torch.Tensor
+    slots: torch.Tensor
+    sources: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttentionPartials:
     """attn.decode.*: the decode attention's split partials (layers/attention_triton.py)."""
 
@@ -66,6 +78,6 @@ class AttentionPartials:
 class ModelBuffers:
     router: Optional[RouterBuffers] = None
     gather: GatherBuffers = GatherBuffers()
-    a2a: Optional[A2AWorkspace] = None
+    a2a: Optional[A2AWorkspace | PeerExchangeBuffers] = None
     experts: Optional[Workspace] = None  # moe.runner.* (the triton expert runner)
     attention: Optional[AttentionPartials] = None

@@ -21,7 +21,7 @@ def knob(default: Any, help: str, *flags: str, choices: tuple | None = None) -> 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
-A2A_BACKENDS = ("none", "all_to_all")
+A2A_BACKENDS = ("none", "all_to_all", "nvlink", "auto")
 DEVICES = ("auto", "cuda", "cpu")
 MOE_RUNNERS = ("auto", "triton", "grouped_mm", "reference")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -55,8 +55,11 @@ class EngineConfig:
     moe_dense_tp_size: Optional[int] = knob(None, "Tensor-parallel size of dense MLP layers: 1 "
                                             "(replicated) or --tp-size (default).",
                                             "--moe-dense-tp-size")
-    moe_a2a_backend: str = knob("none", "MoE token exchange: none (all-gather + reduce-scatter) "
-                                "or all_to_all.", "--moe-a2a-backend", choices=A2A_BACKENDS)
+    moe_a2a_backend: str = knob(
+        "none", "MoE token exchange: none (all-gather + reduce-scatter), all_to_all (NCCL), "
+        "nvlink (one-sided stores into the peers' symmetric memory, GPUs of one node) or auto "
+        "(nvlink on the GPUs of one node, all_to_all across nodes or on a CPU, none where ep "
+        "differs from tp).", "--moe-a2a-backend", choices=A2A_BACKENDS)
     moe_a2a_max_tokens_per_rank: Optional[int] = knob(
         None, "Per-rank token cap of the all-to-all workspace; default: the plan's worst case.",
         "--moe-a2a-max-tokens-per-rank")
@@ -174,7 +177,10 @@ class EngineConfig:
 
     @property
     def a2a_enabled(self) -> bool:
-        return self.moe_a2a_backend == "all_to_all"
+        """Tokens travel to whole experts (the all-to-all path), by either transport."""
+        if self.moe_a2a_backend == "auto":
+            return self.tp_size > 1 and self.ep_size == self.tp_size
+        return self.moe_a2a_backend in ("all_to_all", "nvlink")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

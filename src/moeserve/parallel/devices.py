@@ -50,3 +50,15 @@ def resolve_backends(cfg: EngineConfig, device: torch.device) -> tuple[str, str]
         raise ValueError(f"--attention-backend {attention} / --moe-runner-backend {experts} "
                          "need a GPU; on a CPU use torch / reference (or auto)")
     return attention, experts
+
+
+def resolve_a2a_transport(cfg: EngineConfig, device_type: str) -> str:
+    """How MoE tokens travel: "none" (the gather path), "all_to_all" (NCCL, or gloo on a CPU)
+    or "nvlink" (one-sided stores into the peers' symmetric memory). auto takes nvlink on the
+    GPUs of one node, all_to_all across nodes or on a CPU. An explicit nvlink on a CPU is
+    honoured: the peers' stores are emulated with gloo exchanges of the same layout (tests)."""
+    if not cfg.a2a_enabled:
+        return "none"
+    if cfg.moe_a2a_backend == "auto":
+        return "nvlink" if device_type == "cuda" and cfg.nnodes == 1 else "all_to_all"
+    return cfg.moe_a2a_backend

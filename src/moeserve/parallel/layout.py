@@ -161,8 +161,8 @@ def layout_problems(cfg: EngineConfig, spec: ModelSpec) -> list[Problem]:
                 p.append(Problem(f"{what} {width} does not split across {split} ranks "
                                  f"(dense_tp = {lay.dense_tp}).", "set --moe-dense-tp-size 1"))
     if cfg.a2a_enabled and ep != tp:
-        p.append(Problem(f"--moe-a2a-backend all_to_all needs whole experts per rank: ep "
-                         f"({ep}) must equal tp ({tp}).",
+        p.append(Problem(f"--moe-a2a-backend {cfg.moe_a2a_backend} needs whole experts per "
+                         f"rank: ep ({ep}) must equal tp ({tp}).",
                          f"set --ep-size {tp}, or --moe-a2a-backend none"))
     return p
 

@@ -34,6 +34,9 @@ class BufferRecord:
     dtype: str
     formula: str
     knobs: tuple[str, ...]
+    # allocated in symmetric memory on a GPU (parallel/symmetric.py), so that the peers of its
+    # group can store into it; plain memory on a CPU
+    symmetric: bool = False
 
     @property
     def bytes(self) -> int:
@@ -41,13 +44,19 @@ class BufferRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "bytes": self.bytes, "formula": self.formula, "knobs": list(self.knobs)}
+                "bytes": self.bytes, "formula": self.formula, "knobs": list(self.knobs),
+                "symmetric": self.symmetric}
 
     def empty(self, device: Any = "cpu") -> Any:
         """Allocate this buffer (the binder's only way of making one)."""
         import torch
 
-        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device=device)
+        from moeserve.parallel.symmetric import symmetric_empty
+
+        dtype, device = getattr(torch, self.dtype), torch.device(device)
+        if self.symmetric and device.type == "cuda":
+            return symmetric_empty(self.shape, dtype, device)
+        return torch.empty(self.shape, dtype=dtype, device=device)
 
 
 def token_payload_bytes(hidden: int, top_k: int, elem_bytes: int,
@@ -65,9 +74,13 @@ GRAPH_KNOBS = ("--cuda-graph-max-bs", "--cuda-graph-bs", "--max-running-requests
 
 
 def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
-                scale_group: Optional[int] = None) -> list[BufferRecord]:
+                transport: str = "all_to_all", scale_group: Optional[int] = None
+                ) -> list[BufferRecord]:
     """The all-to-all workspace: per peer `cap` token slots (cap is per rank, never times ep).
-    Send and receive halves; the combine reuses them."""
+
+    all_to_all (NCCL): send and receive halves; the combine reuses them (its rows are smaller).
+    nvlink: the receive window that peers store tokens into and the window that they store
+    their results back into, both symmetric, and this rank's slot tables (local)."""
     b = DTYPE_BYTES[dtype]
     payload = token_payload_bytes(spec.hidden_size, spec.top_k, 1 if scale_group else b,
                                   scale_group)
@@ -76,6 +89,18 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
     if scale_group:  # fp8 rows: a byte per value, a float32 scale per group
         formula = f"ep x cap x (H + ceil(H/{scale_group})*4 + K*8)"
         knobs = ("--quantization", *knobs)
+    if transport == "nvlink":
+        ep = layout.ep
+        return [
+            BufferRecord("a2a.recv", (ep, cap, payload), "uint8",
+                         f"{formula} [tokens the peers store; symmetric]", knobs, True),
+            BufferRecord("a2a.combine", (ep, cap, spec.hidden_size * b), "uint8",
+                         f"ep x cap x H*{b} [results the peers store back; symmetric]", knobs,
+                         True),
+            BufferRecord("a2a.slots", (cap, ep), "int32",
+                         "cap x ep [each row's slot on each peer]", knobs),
+            BufferRecord("a2a.sources", (ep, cap), "int32",
+                         "ep x cap [the row each slot carries]", knobs)]
     row = a2a_row_bytes(spec.hidden_size, spec.top_k, b, scale_group)
     if row != payload:  # fp8 tokens out, results back in the model's dtype: the larger row
         formula = f"ep x cap x max(H + ceil(H/{scale_group})*4 + K*8, H*{b})"

@@ -3,7 +3,7 @@ they take, and every reason the engine cannot start (docs/DESIGN.md, "The capaci
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from moeserve.config import EngineConfig, config_errors
@@ -41,6 +41,7 @@ class Backends:
     device: str  # "cuda" or "cpu"
     attention: str  # the attention backend
     experts: str  # the expert runner
+    a2a: str = "none"  # the token transport (parallel/devices.resolve_a2a_transport)
 
     @property
     def graph_blocker(self) -> Optional[str]:
@@ -57,7 +58,7 @@ def planned_backends(cfg: EngineConfig) -> tuple[Optional[Backends], list[Proble
     """The backends of a rank on the device the config names (auto: this machine's)."""
     import torch
 
-    from moeserve.parallel.devices import resolve_backends
+    from moeserve.parallel.devices import resolve_a2a_transport, resolve_backends
 
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = "cuda" if gpu else "cpu"
@@ -66,7 +67,12 @@ def planned_backends(cfg: EngineConfig) -> tuple[Optional[Backends], list[Proble
     except ValueError as exc:
         return None, [Problem(str(exc), "use --attention-backend auto --moe-runner-backend "
                                         "auto, or run on a GPU (--device cuda)")]
-    return Backends(device, attention, experts), []
+    a2a = resolve_a2a_transport(cfg, device)
+    if a2a == "nvlink" and cfg.nnodes > 1:
+        return None, [Problem(f"--moe-a2a-backend nvlink stores into the peers' memory over "
+                              f"NVLink, within one node; this engine spans {cfg.nnodes} nodes.",
+                              "use --moe-a2a-backend all_to_all (or auto) across nodes")]
+    return Backends(device, attention, experts, a2a), []
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,8 @@ class CapacityPlan:
                 "tp": self.layout.tp, "dp": self.layout.dp, "attn_tp": self.layout.attn_tp,
                 "ep": self.layout.ep, "moe_tp": self.layout.moe_tp,
                 "dense_tp": self.layout.dense_tp, "sp": self.layout.sp,
-                "a2a_backend": self.config.moe_a2a_backend},
+                "a2a_backend": self.config.moe_a2a_backend,
+                "a2a_transport": None if self.backends is None else self.backends.a2a},
             "backends": None if self.backends is None else dict(self.backends.__dict__),
             "moe_runner_rows": self.moe_runner_rows,
             "budget": None if b is None else b.by_mode(),
@@ -204,6 +211,14 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if not problems:
         backends, backend_problems = planned_backends(cfg)
         problems += backend_problems
+    if backends is not None and backends.a2a == "nvlink" and quant is not None:
+        if cfg.moe_a2a_backend == "auto":  # fp8 rows travel on the NCCL transport
+            backends = replace(backends, a2a="all_to_all")
+        else:
+            problems.append(Problem("--moe-a2a-backend nvlink moves rows in the model's dtype; "
+                                    "fp8 rows with their scales travel on all_to_all.",
+                                    "use --moe-a2a-backend all_to_all (or auto) with fp8 "
+                                    "weights"))
     empty = CapacityPlan(cfg, spec, None, dtype, None, {}, None, (), None, tuple(problems))
     if problems:
         return empty
@@ -219,7 +234,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     records: list[B.BufferRecord] = []
     if layout.a2a:
         a2a_cap = cfg.moe_a2a_max_tokens_per_rank or worst
-        records += B.a2a_records(spec, layout, dtype, a2a_cap,
+        records += B.a2a_records(spec, layout, dtype, a2a_cap, backends.a2a,
                                  scale_group=quant and quant.block_k)
     runner_rows, rows_formula = B.moe_runner_rows(layout, budget, a2a_cap or worst)
     records += B.router_records(spec, layout, budget)

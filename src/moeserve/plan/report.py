@@ -47,8 +47,12 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
                       f"{b.tokens_per_decode_request} tokens each; prefill chunk "
                       f"{b.chunk_tokens or 'off'}; context length {b.context_length}")
         if plan.a2a_cap is not None:
-            console.print(f"all-to-all: cap {plan.a2a_cap} tokens per rank, workspace "
-                          f"{plan.a2a_workspace_bytes_per_rank / MIB:.1f} MiB per rank")
+            transport = plan.backends.a2a if plan.backends else "all_to_all"
+            symmetric = sum(r.bytes for r in plan.buffers if r.symmetric)
+            console.print(f"all-to-all ({transport}): cap {plan.a2a_cap} tokens per rank, "
+                          f"workspace {plan.a2a_workspace_bytes_per_rank / MIB:.1f} MiB per "
+                          f"rank" + (f", {symmetric / MIB:.1f} MiB of it symmetric memory "
+                                     "(the peers store into it)" if symmetric else ""))
         console.print(f"decode graph batch sizes: {_graphs_line(b.decode_batch_sizes)}")
         console.print(f"prefill graph token sizes: {_graphs_line(b.prefill_token_sizes)}")
     if plan.buffers:

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import torch
 
 from moeserve.batch.buffers import (A2AWorkspace, AttentionPartials, GatherBuffers,
-                                    ModelBuffers, RouterBuffers)
+                                    ModelBuffers, PeerExchangeBuffers, RouterBuffers)
 from moeserve.batch.kv_cache import (KVCachePool, MLAKVCachePool, PagedKVPool,
                                      ReqToTokenPool)
 from moeserve.kernels.moe.align_torch import Workspace
@@ -124,7 +124,11 @@ def bind_model_buffers(plan: CapacityPlan, device: torch.device | str) -> ModelB
 
 def _model_buffers(a: _Allocator) -> ModelBuffers:
     router = a.group("moe.router.", ("topk_ids", "topk_weights"))
-    a2a = a.group("a2a.", ("send", "recv"))
+    a2a: A2AWorkspace | PeerExchangeBuffers | None = None
+    if a.has("a2a.combine"):  # the nvlink transport
+        a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources")))
+    elif a.has("a2a.send"):
+        a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")))
     experts = a.group("moe.runner.", Workspace._fields)
     partials = a.group("attn.decode.", ("part_o", "part_lse"))
     return ModelBuffers(
@@ -133,7 +137,7 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         gather=GatherBuffers(
             attn_tp=a.take("attn_tp_gather.hidden") if a.has("attn_tp_gather.hidden") else None,
             world=a.take("dp_gather.rows") if a.has("dp_gather.rows") else None),
-        a2a=None if a2a is None else A2AWorkspace(**a2a),
+        a2a=a2a,
         experts=None if experts is None else Workspace(**experts),
         attention=None if partials is None else AttentionPartials(**partials))
 

@@ -1,0 +1,179 @@
+"""The one-sided all-to-all's kernels: each rank stores its tokens straight into its peers'
+symmetric windows, and the peers store their results straight back (moe/dispatch/nvlink.py
+runs them; exchange_torch.py is the same layout in torch, for CPUs and as the tests' reference).
+
+Legend: M this rank's rows, K top-k, P ranks of the EP axis, R slots per (source, destination)
+pair in this step (the same on every rank), H hidden, E_r experts per rank.
+
+Window layout of one step (every rank derives it from P, R, H, K alone):
+    recv window   x [P R, H] (dtype), then ids [P R, K] int32, then weights [P R, K] float32;
+                  rows [q R, q R + R) are source rank q's slots
+    combine window  y [P R, H] (dtype); rows [p R, p R + R) are what rank p computed for this
+                  rank's slots on p
+Ids a destination does not own arrive as -1, and so do the ids of slots nobody filled: the
+expert runner skips them, and so reads the windows in place.
+
+    route_slots   [P] programs: per destination p, a prefix sum over the rows that have an
+                  expert on p gives each (row, p) its slot; slots_MP and sources_PR record it
+    push_rows     [R, P] programs: slot s of destination p stores its row (hidden states once,
+                  however many of its experts p owns) and its masked ids and weights into p
+    push_back     [R, P] programs on the expert rank: a filled slot's result goes back to
+                  [this rank, slot] of its source's combine window
+    sum_back      [M] programs: a row's results from every rank, summed in fp32 in rank order
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROUTE_BLOCK = 256  # rows per iteration of route_slots' prefix sum
+COPY_BLOCK = 1024  # hidden elements per iteration of a row copy
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+@triton.jit
+def _route_slots_kernel(IDS, SLOTS, SOURCES, M, R, stride_ids, experts_per_rank,
+                        P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    ks = tl.arange(0, KP)
+    used = p * 0  # slots of p taken so far (an int32 scalar)
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        live = rows < M
+        ids = tl.load(IDS + rows[:, None] * stride_ids + ks[None, :],
+                      mask=live[:, None] & (ks[None, :] < K), other=-1)
+        on_p = (ids >= 0) & (ids // experts_per_rank == p)
+        goes = tl.max(on_p.to(tl.int32), axis=1)
+        slot = used + tl.cumsum(goes, axis=0) - 1
+        tl.store(SLOTS + rows * P + p, tl.where(goes > 0, slot, -1), mask=live)
+        tl.store(SOURCES + p * R + slot, rows, mask=live & (goes > 0))
+        used += tl.sum(goes, axis=0)
+    for start in range(0, R, BLOCK):  # the slots nobody fills carry no row
+        s = start + tl.arange(0, BLOCK)
+        tl.store(SOURCES + p * R + s, -1, mask=(s >= used) & (s < R))
+
+
+def route_slots(ids_MK: torch.Tensor, slots_MP: torch.Tensor, sources_PR: torch.Tensor,
+                experts_per_rank: int) -> None:
+    """slots_MP[m, p]: row m's slot on rank p, -1 where none of its experts is on p;
+    sources_PR[p, s]: the row in slot s of rank p, -1 for an empty slot."""
+    m, k = ids_MK.shape
+    p, r = sources_PR.shape
+    assert slots_MP.shape == (m, p) and slots_MP.is_contiguous() and sources_PR.is_contiguous()
+    assert ids_MK.stride(1) == 1 and ids_MK.dtype == torch.int32
+    _route_slots_kernel[(p,)](ids_MK, slots_MP, sources_PR, m, r, ids_MK.stride(0),
+                              experts_per_rank, P=p, K=k, KP=_pow2(k), BLOCK=ROUTE_BLOCK)
+
+
+@triton.jit
+def _push_rows_kernel(X, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, stride_ids,
+                      stride_w, ids_at, weights_at, experts_per_rank,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    p = tl.program_id(1)
+    src = tl.load(SOURCES + p * R + s)
+    window = tl.load(PEERS + p)  # peer p's recv window, a byte address
+    slot = (rank * R + s).to(tl.int64)
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    ids = tl.load(IDS + src * stride_ids + ks, mask=kmask & (src >= 0), other=-1)
+    ids = tl.where((ids >= 0) & (ids // experts_per_rank == p), ids, -1)
+    w = tl.load(WEIGHTS + src * stride_w + ks, mask=kmask & (src >= 0), other=0.0)
+    dst_ids = tl.cast(window + ids_at, tl.pointer_type(tl.int32))
+    dst_w = tl.cast(window + weights_at, tl.pointer_type(tl.float32))
+    tl.store(dst_ids + slot * K + ks, ids, mask=kmask)
+    tl.store(dst_w + slot * K + ks, w, mask=kmask)
+    if src >= 0:
+        dst_x = tl.cast(window, tl.pointer_type(X.dtype.element_ty)) + slot * H
+        row = X + src.to(tl.int64) * stride_x
+        for c in range(0, H, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            tl.store(dst_x + offs, tl.load(row + offs, mask=offs < H), mask=offs < H)
+
+
+def push_rows(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
+              sources_PR: torch.Tensor, peer_ptrs: torch.Tensor, rank: int,
+              experts_per_rank: int) -> None:
+    """Every filled slot's row into its destination's recv window, every empty slot's ids as
+    -1 (see the module's window layout)."""
+    p, r = sources_PR.shape
+    m, h = x_MH.shape
+    k = ids_MK.shape[1]
+    if r == 0:
+        return
+    assert x_MH.stride(1) == 1 and ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
+    assert weights_MK.dtype == torch.float32 and ids_MK.dtype == torch.int32
+    ids_at = p * r * h * x_MH.element_size()
+    weights_at = ids_at + p * r * k * 4
+    _push_rows_kernel[(r, p)](x_MH, ids_MK, weights_MK, sources_PR, peer_ptrs, rank, r, h,
+                              x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0), ids_at,
+                              weights_at, experts_per_rank, K=k, KP=_pow2(k),
+                              BLOCK=min(COPY_BLOCK, _pow2(h)))
+
+
+@triton.jit
+def _push_back_kernel(Y, IDS, PEERS, rank, R, H, stride_y,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    p = tl.program_id(1)
+    row = p * R + s
+    ks = tl.arange(0, KP)
+    ids = tl.load(IDS + row * K + ks, mask=ks < K, other=-1)
+    if tl.max(ids, axis=0) >= 0:  # a filled slot: some id here is this rank's
+        window = tl.load(PEERS + p)
+        dst = tl.cast(window, tl.pointer_type(Y.dtype.element_ty)) + (rank * R + s).to(
+            tl.int64) * H
+        src = Y + row.to(tl.int64) * stride_y
+        for c in range(0, H, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            tl.store(dst + offs, tl.load(src + offs, mask=offs < H), mask=offs < H)
+
+
+def push_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, peer_ptrs: torch.Tensor,
+              rank: int, peers: int) -> None:
+    """Each filled slot's result row (y_NH: [P R, H], the rows of the recv window) into
+    [rank, slot] of its source's combine window."""
+    n, h = y_NH.shape
+    k = ids_NK.shape[1]
+    if n == 0:
+        return
+    assert n % peers == 0 and ids_NK.is_contiguous() and y_NH.stride(1) == 1
+    _push_back_kernel[(n // peers, peers)](y_NH, ids_NK, peer_ptrs, rank, n // peers, h,
+                                           y_NH.stride(0), K=k, KP=_pow2(k),
+                                           BLOCK=min(COPY_BLOCK, _pow2(h)))
+
+
+@triton.jit
+def _sum_back_kernel(BACK, SLOTS, OUT, R, H, stride_out, P: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    hb = tl.program_id(1)
+    offs = hb * BLOCK + tl.arange(0, BLOCK)
+    live = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for q in tl.static_range(P):  # rank order: the same bits on every run
+        s = tl.load(SLOTS + m * P + q)
+        if s >= 0:
+            row = BACK + (q * R + s).to(tl.int64) * H
+            acc += tl.load(row + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(OUT + m.to(tl.int64) * stride_out + offs, acc.to(OUT.dtype.element_ty), mask=live)
+
+
+def sum_back(back_NH: torch.Tensor, slots_MP: torch.Tensor, out_MH: torch.Tensor) -> None:
+    """out[m] = the sum over ranks q, in order, of back[q R + slots[m, q]] where that slot
+    exists (back_NH: this rank's combine window as [P R, H])."""
+    m, p = slots_MP.shape
+    if m == 0:
+        return
+    h = out_MH.shape[1]
+    assert back_NH.is_contiguous() and slots_MP.is_contiguous() and out_MH.stride(1) == 1
+    block = min(COPY_BLOCK, _pow2(h))
+    _sum_back_kernel[(m, triton.cdiv(h, block))](back_NH, slots_MP, out_MH,
+                                                  back_NH.shape[0] // p, h, out_MH.stride(0),
+                                                  P=p, BLOCK=block)

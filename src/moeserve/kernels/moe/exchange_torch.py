@@ -1,0 +1,55 @@
+"""The one-sided all-to-all's slot tables and sums in torch (exchange.py has the layout and
+the Triton kernels): the CPU's path, and the reference the tests hold the kernels to."""
+
+from __future__ import annotations
+
+import torch
+
+
+def route_slots(ids_MK: torch.Tensor, slots_MP: torch.Tensor, sources_PR: torch.Tensor,
+                experts_per_rank: int) -> None:
+    """As exchange.route_slots: slots in row order per destination, -1 where none."""
+    m = ids_MK.shape[0]
+    p, r = sources_PR.shape
+    valid = ids_MK >= 0
+    dest_MK = torch.where(valid, ids_MK.long() // experts_per_rank, p)
+    goes_MP = torch.zeros(m, p + 1, dtype=torch.bool, device=ids_MK.device)
+    goes_MP = goes_MP.scatter_(1, dest_MK, True)[:, :p]  # column p collects the -1 ids
+    slot_MP = goes_MP.long().cumsum(dim=0) - 1
+    slots_MP.copy_(torch.where(goes_MP, slot_MP, -1))
+    flat = torch.where(goes_MP, torch.arange(p, device=ids_MK.device) * r + slot_MP, p * r)
+    sources = torch.full((p * r + 1,), -1, dtype=torch.long, device=ids_MK.device)
+    rows = torch.arange(m, device=ids_MK.device)[:, None].expand(m, p)
+    sources.scatter_(0, flat.reshape(-1), rows.reshape(-1))
+    sources_PR.copy_(sources[: p * r].view(p, r))
+
+
+def rows_for(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
+             sources_PR: torch.Tensor, experts_per_rank: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What exchange.push_rows stores into each destination p: [P, R, H] rows (zeros in empty
+    slots), [P, R, K] ids masked to p's experts (-1 in empty slots), [P, R, K] weights."""
+    p, r = sources_PR.shape
+    m = x_MH.shape[0]
+    filled = sources_PR >= 0
+    src = torch.where(filled, sources_PR.long(), m)  # row m: the empty slot's row
+    x = torch.cat([x_MH, x_MH.new_zeros(1, x_MH.shape[1])])[src]
+    ids = torch.cat([ids_MK.to(torch.int32), ids_MK.new_full((1, ids_MK.shape[1]), -1,
+                                                              dtype=torch.int32)])[src]
+    weights = torch.cat([weights_MK.float(), weights_MK.new_zeros(1, weights_MK.shape[1],
+                                                                  dtype=torch.float32)])[src]
+    owner = torch.arange(p, device=ids.device)[:, None, None]
+    own = (ids >= 0) & (ids // experts_per_rank == owner)
+    return x, torch.where(own, ids, -1), weights
+
+
+def sum_back(back_NH: torch.Tensor, slots_MP: torch.Tensor, out_MH: torch.Tensor) -> None:
+    """As exchange.sum_back: each row's results summed in fp32 in rank order."""
+    m, p = slots_MP.shape
+    r = back_NH.shape[0] // max(p, 1)
+    acc = torch.zeros(out_MH.shape, dtype=torch.float32, device=out_MH.device)
+    for q in range(p):
+        s = slots_MP[:, q].long()
+        got = back_NH[(q * r + s).clamp(min=0)].float()
+        acc += torch.where((s >= 0)[:, None], got, 0.0)
+    out_MH.copy_(acc)

@@ -1,0 +1,171 @@
+"""The one-sided all-to-all: each rank stores its tokens straight into its peers' symmetric
+windows over NVLink, and the peers store their results straight back (--moe-a2a-backend
+nvlink). Same contract and same row semantics as the NCCL all_to_all dispatcher; no send
+buffer, no padded exchange, no count exchange, no host synchronisation.
+
+Needs whole experts per rank (ep == tp, moe_tp == 1) and the plan's records (the binder's):
+a2a.recv and a2a.combine, symmetric windows that every MoE layer shares, and the slot tables
+a2a.slots / a2a.sources. R, the step's runtime max per rank (the same on every rank, at most
+the cap: the runtime guard raised otherwise), fixes the windows' layout for the step
+(kernels/moe/exchange.py), so that every rank knows where to store without asking.
+
+Dispatch: route_slots gives each (row, destination) its slot from a prefix sum per
+destination, in row order; push_rows stores each row once into each rank that owns one of its
+experts, with its ids masked to that rank's experts, and -1 ids into the slots nobody fills;
+a barrier. The expert runner reads the recv window in place. Combine: push_back stores each
+filled slot's result into [this rank, slot] of its source's combine window; a barrier;
+sum_back adds a row's results in fp32 in rank order (the same bits on every run).
+
+One barrier per phase is enough between layers: a rank stores into a peer's recv window for
+layer L+1 only after the combine barrier of layer L, which the peer passes only after its
+experts of layer L read the window; the same holds for the combine window one phase later.
+
+On a CPU (gloo) the peers' stores are emulated: exchange_torch.rows_for builds what each
+destination would receive and all_to_all_fixed delivers it into the same windows, so the CPU
+tests run this dispatcher's layout, slots and sums against the reference dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
+from moeserve.batch.step import StepContext
+from moeserve.kernels.moe import exchange_torch
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher,
+                                        payload_bytes)
+from moeserve.parallel.collectives import all_to_all_fixed, region
+from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerHandle:
+    num_tokens: int  # M: this rank's rows
+    capacity: int  # R: slots per (source, destination) pair in this step
+    slots_MP: torch.Tensor  # int32: row m's slot on rank p, -1 where it did not go
+    ids_NK: torch.Tensor  # the recv window's ids: which slots were filled
+
+
+@DISPATCHERS.register("nvlink")
+class NVLinkDispatcher(Dispatcher):
+    reduces_partial_sums = False
+    graph_safe = True  # no host synchronisation: the layout comes from the plan and R
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        lay, spec, plan = self.state.layout, self.spec, self.plan
+        if not lay.a2a or plan.a2a_cap is None or not plan.has_buffer("a2a.combine"):
+            raise ValueError("the nvlink dispatcher needs a plan made with "
+                             "--moe-a2a-backend nvlink")
+        if lay.moe_tp != 1:
+            raise ValueError(f"the all-to-all moves tokens to whole experts: set --ep-size "
+                             f"{lay.tp} (= --tp-size)")
+        self.axis = self.state.ep
+        self.cap = plan.a2a_cap
+        self.hidden, self.top_k = spec.hidden_size, spec.top_k
+        self.experts_per_rank = spec.num_experts // lay.ep
+        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
+        self.buffers: Optional[PeerExchangeBuffers] = None
+        self.recv_window: Optional[PeerWindow] = None  # on a GPU: the peers' stores
+        self.combine_window: Optional[PeerWindow] = None
+
+    def bind(self, buffers: ModelBuffers) -> None:
+        """The plan's windows and slot tables; on a GPU, the rendezvous with every peer
+        (collective: every rank binds at startup, before any graph capture)."""
+        ws = buffers.a2a
+        if ws is not None and ws is self.buffers:  # every MoE layer binds the shared one
+            return
+        if not isinstance(ws, PeerExchangeBuffers):
+            raise ValueError("the nvlink dispatcher needs the plan's a2a.recv / a2a.combine "
+                             "windows: build the plan with --moe-a2a-backend nvlink")
+        p, cap, hb = self.axis.size, self.cap, self.hidden * self.dtype.itemsize
+        for name, buf, want in (("a2a.recv", ws.recv, (p, cap, self.payload)),
+                                ("a2a.combine", ws.combine, (p, cap, hb))):
+            if tuple(buf.shape) != want or buf.dtype != torch.uint8:
+                raise ValueError(f"the plan's {name} is {tuple(buf.shape)} {buf.dtype}, but "
+                                 f"{self.dtype} tokens need {want} uint8: build the plan with "
+                                 f"--dtype {str(self.dtype).removeprefix('torch.')}")
+        self.buffers = ws
+        if ws.recv.is_cuda:
+            self._open_windows(ws)
+
+    def _open_windows(self, ws: PeerExchangeBuffers) -> None:
+        dev = ws.recv.device
+        count = torch.cuda.device_count()
+        far = unreachable_peers(dev, [g % count for g in self.axis.ranks])
+        if far:
+            raise RuntimeError(f"GPU {dev.index} cannot store into GPUs {far} directly (no "
+                               "NVLink or P2P mapping): use --moe-a2a-backend all_to_all")
+        self.recv_window = PeerWindow.open(ws.recv, self.axis)
+        self.combine_window = PeerWindow.open(ws.combine, self.axis)
+
+    def _windows(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's views of the recv window: x [P R, H], ids [P R, K], weights [P R, K]."""
+        assert self.buffers is not None
+        n, h, k = self.axis.size * r, self.hidden, self.top_k
+        flat = self.buffers.recv.view(-1)
+        xb, ib = n * h * self.dtype.itemsize, n * k * 4
+        return (flat[:xb].view(self.dtype).view(n, h),
+                flat[xb: xb + ib].view(torch.int32).view(n, k),
+                flat[xb + ib: xb + 2 * ib].view(torch.float32).view(n, k))
+
+    def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
+                 topk_weights_MK: torch.Tensor, step: StepContext
+                 ) -> tuple[DispatchedTokens, PeerHandle]:
+        p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
+        if self.buffers is None:
+            raise RuntimeError("bind the plan's buffers (bind_model_buffers) before the nvlink "
+                               "dispatcher exchanges tokens")
+        if x_MH.dtype != self.dtype:
+            raise ValueError(f"the all-to-all windows were planned for {self.dtype} tokens, "
+                             f"got {x_MH.dtype}")
+        if not m <= r <= self.cap:
+            raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
+                             f"{r} (cap {self.cap}): pass the rows the step describes")
+        ids_MK = topk_ids_MK.to(torch.int32).contiguous()
+        weights_MK = topk_weights_MK.to(torch.float32).contiguous()
+        slots_MP = region(self.buffers.slots, (m, p), torch.int32)
+        sources_PR = region(self.buffers.sources, (p, r), torch.int32)
+        x_NH, recv_ids_NK, recv_weights_NK = self._windows(r)
+        if r and self.recv_window is not None:
+            from moeserve.kernels.moe import exchange
+
+            exchange.route_slots(ids_MK, slots_MP, sources_PR, self.experts_per_rank)
+            exchange.push_rows(x_MH.contiguous(), ids_MK, weights_MK, sources_PR,
+                               self.recv_window.peer_ptrs, self.axis.rank,
+                               self.experts_per_rank)
+            self.recv_window.barrier()
+        elif r:
+            exchange_torch.route_slots(ids_MK, slots_MP, sources_PR, self.experts_per_rank)
+            sent = exchange_torch.rows_for(x_MH, ids_MK, weights_MK, sources_PR,
+                                           self.experts_per_rank)
+            for into, rows in zip((x_NH, recv_ids_NK, recv_weights_NK), sent):
+                all_to_all_fixed(into.view(p, r, -1), rows.contiguous(), self.axis)
+        tokens = DispatchedTokens(x_NH=x_NH, topk_ids_NK=recv_ids_NK,
+                                  topk_weights_NK=recv_weights_NK)
+        return tokens, PeerHandle(num_tokens=m, capacity=r, slots_MP=slots_MP,
+                                  ids_NK=recv_ids_NK)
+
+    def combine(self, y_NH: torch.Tensor, handle: PeerHandle) -> torch.Tensor:
+        assert self.buffers is not None
+        p, r, m = self.axis.size, handle.capacity, handle.num_tokens
+        assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
+        out_MH = y_NH.new_empty(m, self.hidden)
+        if r == 0:
+            return out_MH
+        back_NH = region(self.buffers.combine, (p * r, self.hidden), self.dtype)
+        if self.combine_window is not None:
+            from moeserve.kernels.moe import exchange
+
+            exchange.push_back(y_NH, handle.ids_NK, self.combine_window.peer_ptrs,
+                               self.axis.rank, p)
+            self.combine_window.barrier()
+            exchange.sum_back(back_NH, handle.slots_MP, out_MH)
+        else:
+            all_to_all_fixed(back_NH.view(p, r, self.hidden),
+                             y_NH.contiguous().view(p, r, self.hidden), self.axis)
+            exchange_torch.sum_back(back_NH, handle.slots_MP, out_MH)
+        return out_MH

@@ -1,0 +1,116 @@
+"""The one-sided all-to-all's slot tables, stores and sums (kernels/moe/exchange.py): the torch
+formulation against the layout's rules, and the Triton kernels against it under Triton's
+interpreter, with the peers' windows emulated by CPU tensors of one process (their addresses
+stand in for the symmetric memory's peer pointers)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from interpreter import run_interpreted
+from moeserve.kernels.moe import exchange_torch as T
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 20), st.integers(1, 4), st.integers(1, 3),
+       st.integers(0, 2**31 - 1))
+def test_each_row_gets_one_slot_per_rank_that_owns_one_of_its_experts(p, m, k, per_rank, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, p * per_rank, (m, k), generator=g, dtype=torch.int32)
+    r = m + int(torch.randint(0, 3, (1,), generator=g))
+    slots = torch.empty(m, p, dtype=torch.int32)
+    sources = torch.empty(p, r, dtype=torch.int32)
+    T.route_slots(ids, slots, sources, per_rank)
+    for q in range(p):
+        goes = [i for i in range(m) if any(0 <= e < p * per_rank and e // per_rank == q
+                                            for e in ids[i].tolist())]
+        # row order, slots 0.. on each destination, then empty slots
+        assert sources[q].tolist() == goes + [-1] * (r - len(goes))
+        for s, i in enumerate(goes):
+            assert slots[i, q] == s
+        assert all(slots[i, q] == -1 for i in range(m) if i not in goes)
+
+    x = torch.randn(m, 5, generator=g)
+    w = torch.rand(m, k, generator=g)
+    rows, rids, rw = T.rows_for(x, ids, w, sources, per_rank)
+    for q in range(p):
+        for s in range(r):
+            i = int(sources[q, s])
+            if i < 0:  # an empty slot: ids -1, nothing computed from it
+                assert (rids[q, s] == -1).all()
+                continue
+            assert torch.equal(rows[q, s], x[i]) and torch.equal(rw[q, s], w[i])
+            want = [e if e >= 0 and e // per_rank == q else -1 for e in ids[i].tolist()]
+            assert rids[q, s].tolist() == want  # only the destination's own experts
+
+
+def test_sum_back_adds_in_rank_order_in_fp32():
+    g = torch.Generator().manual_seed(1)
+    p, r, m, h = 3, 4, 5, 8
+    back = torch.randn(p * r, h, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([[0, -1, 2], [1, 0, -1], [-1, -1, -1], [2, 1, 0], [3, 3, 3]],
+                         dtype=torch.int32)
+    out = torch.empty(m, h, dtype=torch.float32)
+    T.sum_back(back, slots, out)
+    for i in range(m):
+        want = torch.zeros(h)
+        for q in range(p):
+            if slots[i, q] >= 0:
+                want = want + back[q * r + slots[i, q]].float()
+        assert torch.equal(out[i], want)
+
+
+KERNELS = r"""
+import torch
+from moeserve.kernels.moe import exchange as E, exchange_torch as T
+
+torch.manual_seed(0)
+P, M, K, H, PER = 3, 11, 4, 40, 4
+ids = torch.randint(-1, P * PER, (M, K), dtype=torch.int32)
+ids[0] = -1  # routes nowhere
+ids[1] = 5  # duplicate ids: one slot on rank 1
+R = M + 2  # the step's slots per pair exceed this rank's rows
+slots_a, sources_a = torch.empty(M, P, dtype=torch.int32), torch.empty(P, R, dtype=torch.int32)
+slots_b, sources_b = slots_a.clone(), sources_a.clone()
+E.route_slots(ids, slots_a, sources_a, PER)
+T.route_slots(ids, slots_b, sources_b, PER)
+assert torch.equal(slots_a, slots_b) and torch.equal(sources_a, sources_b)
+
+# dispatch from rank 1 into three windows, stale bytes in them first
+x, w, rank, n = torch.randn(M, H, dtype=torch.bfloat16), torch.rand(M, K), 1, P * R
+windows = [torch.full((n * (H * 2 + 8 * K),), 7, dtype=torch.uint8) for _ in range(P)]
+E.push_rows(x, ids, w, sources_a, torch.tensor([t.data_ptr() for t in windows]), rank, PER)
+rows, rids, rw = T.rows_for(x, ids, w, sources_b, PER)
+for q, flat in enumerate(windows):
+    xq = flat[: n * H * 2].view(torch.bfloat16).view(P, R, H)[rank]
+    iq = flat[n * H * 2: n * (H * 2 + 4 * K)].view(torch.int32).view(P, R, K)[rank]
+    wq = flat[n * (H * 2 + 4 * K):].view(torch.float32).view(P, R, K)[rank]
+    filled = sources_b[q] >= 0
+    assert torch.equal(iq, rids[q])  # empty slots too: their ids are -1
+    assert torch.equal(xq[filled], rows[q][filled]) and torch.equal(wq[filled], rw[q][filled])
+    other = flat[: n * H * 2].view(torch.bfloat16).view(P, R, H)[(rank + 1) % P]
+    assert (other.view(torch.uint8) == 7).all()  # another source's rows are not touched
+
+# combine from rank 1: filled slots go back to their sources, nothing else is written
+y = torch.randn(n, H, dtype=torch.bfloat16)
+backs = [torch.zeros(n, H, dtype=torch.bfloat16) for _ in range(P)]
+E.push_back(y, rids.reshape(n, K).contiguous(), torch.tensor([b.data_ptr() for b in backs]),
+            rank, P)
+for q in range(P):
+    got, fill = backs[q][rank * R: rank * R + R], (rids[q] >= 0).any(dim=1)
+    assert torch.equal(got[fill], y[q * R: q * R + R][fill]) and (got[~fill] == 0).all()
+    assert (backs[q][: rank * R] == 0).all() and (backs[q][rank * R + R:] == 0).all()
+
+# the interpreter rounds bf16 stores its own way: compare the fp32 sums
+back = torch.randn(n, H, dtype=torch.bfloat16)
+out_a, out_b = torch.empty(M, H), torch.empty(M, H)
+E.sum_back(back, slots_a, out_a)
+T.sum_back(back, slots_b, out_b)
+assert torch.equal(out_a, out_b)
+print("interpreter ok")
+"""
+
+
+def test_triton_kernels_store_what_the_torch_layout_says():
+    run_interpreted(KERNELS)

@@ -1,0 +1,121 @@
+"""What each GPU rank runs in moe/test_nvlink_gpu.py: one MoE layer behind the nvlink
+dispatcher and behind the NCCL all_to_all dispatcher (the reference, its combine summing in
+rank order), on the same weights and the same routed rows, eagerly and as a CUDA-graph replay.
+Records come back to the test process, which asserts on them."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from moe_cases import H, E, engine_config, full_weights, load, rel_err, tiny_spec
+from moeserve.moe.layer import MoELayer
+from moeserve.parallel.groups import init_parallel_state
+from moeserve.plan.capacity import build_plan
+from moeserve.runtime.buffers import bind_model_buffers
+from moeserve.testing.tiny_models import exchange_step
+
+LAYOUTS = {"dp_attention": dict(tp=2, dp=2, ep=2), "sp": dict(tp=2, ep=2)}
+CASES = ("skewed", "all_to_one_rank", "zero_rows_here", "minus_one_and_duplicates", "cap")
+
+
+def _routing(case: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    per_rank = E // 2
+    if case == "all_to_one_rank":  # every id on rank 1's experts
+        return torch.stack([torch.randperm(per_rank, generator=g)[:k] + per_rank
+                            for _ in range(m)]).reshape(m, k)
+    if case == "skewed":  # nine in ten ids on rank 0
+        hot = torch.rand(m, k, generator=g) < 0.9
+        return torch.where(hot, torch.randint(0, per_rank, (m, k), generator=g),
+                           torch.randint(0, E, (m, k), generator=g))
+    ids = torch.randint(0, E, (m, k), generator=g)
+    if case == "minus_one_and_duplicates":
+        ids[::3, 1] = ids[::3, 0]
+        ids[1::4] = -1
+        ids[2::5, 0] = -1
+    return ids
+
+
+def _capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def run_world(rank: int, world: int, dtype_name: str) -> list[dict]:
+    try:
+        return _run(rank, dtype_name)
+    except Exception:
+        return [dict(case="exception", rank=rank, error=traceback.format_exc())]
+
+
+def _run(rank: int, dtype_name: str) -> list[dict]:
+    dev, dtype = torch.device("cuda", rank), getattr(torch, dtype_name)
+    spec = tiny_spec("qwen3")
+    weights = full_weights(spec, seed=3)
+    out: list[dict] = []
+    for name, kw in LAYOUTS.items():
+        layers, plans, state = {}, {}, None
+        for a2a in ("nvlink", "all_to_all"):
+            cfg = engine_config(**kw, a2a=a2a, deterministic=True).replace(
+                device="cuda", dtype=dtype_name, attention_backend="torch",
+                moe_runner_backend="reference")
+            plans[a2a] = plan = build_plan(cfg, spec)
+            assert plan.ok, plan.errors
+            state = state or init_parallel_state(plan.layout, dev)
+            layer = MoELayer(spec, state, plan, dtype)
+            load(layer, weights)
+            layer.to(dev)
+            layer.bind_buffers(bind_model_buffers(plan, dev))
+            layers[a2a] = layer
+        assert state is not None
+        cap = plans["nvlink"].a2a_cap
+        lay = state.layout
+        for c, case in enumerate(CASES):
+            g = torch.Generator().manual_seed(100 * c + rank)
+            tokens = {"zero_rows_here": 0 if rank == 1 else 9,
+                      "cap": cap * lay.attn_tp}.get(case, 13 + 4 * rank)
+            if lay.dp == 1:  # one token count for the attention-TP group
+                tokens = {"zero_rows_here": 1}.get(case, tokens if case == "cap" else 13)
+            x_T = torch.randn(tokens, H, generator=g).to(dtype)
+            ids_T = _routing(case, tokens, spec.top_k, g).to(torch.int32)
+            w_T = torch.rand(tokens, spec.top_k, generator=g) + 0.1
+            step = exchange_step(tokens, state, plans["nvlink"])
+            lo, hi = step.row_range(layers["nvlink"].scattered)
+            x, ids, w = (t[lo:hi].to(dev) for t in (x_T, ids_T, w_T))
+
+            def moe(layer: MoELayer) -> torch.Tensor:
+                toks, handle = layer.dispatcher.dispatch(x, ids, w, step)
+                y = layer.experts(toks.x_NH, toks.topk_ids_NK, toks.topk_weights_NK)
+                return layer.dispatcher.combine(y, handle)
+
+            y_nv, y_ref = moe(layers["nvlink"]), moe(layers["all_to_all"])
+            replay, y_graph = _capture(lambda: moe(layers["nvlink"]))
+            x.copy_(x.flip(0))  # new inputs in the captured buffers
+            replay()
+            y_new = moe(layers["nvlink"])
+            torch.cuda.synchronize()
+            rec: dict[str, Any] = dict(layout=name, case=case, rank=rank, rows=hi - lo,
+                                       runtime_max=step.runtime_max_per_rank, cap=cap,
+                                       equal=bool(torch.equal(y_nv, y_ref)),
+                                       rel_err=rel_err(y_nv.float().cpu(), y_ref.float().cpu()),
+                                       graph_equal=bool(torch.equal(y_graph, y_new)))
+            for _ in range(3):  # the same bits run to run
+                rec["repeat_equal"] = bool(torch.equal(moe(layers["nvlink"]), y_new))
+            out.append(rec)
+        ws = layers["nvlink"].dispatcher.buffers
+        symmetric = [r for r in plans["nvlink"].buffers if r.symmetric]
+        out.append(dict(layout=name, case="symmetric_bytes", rank=rank,
+                        plan=sum(r.bytes for r in symmetric),
+                        allocated=sum(t.numel() * t.element_size()
+                                      for t in (ws.recv, ws.combine)),
+                        names=sorted(r.name for r in symmetric)))
+    return out
