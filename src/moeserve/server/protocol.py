@@ -221,7 +221,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
-    parallel_tool_calls: Optional[bool] = None  # accepted: calls are parsed as they come
+    parallel_tool_calls: Optional[bool] = None  # false: one call at most (chat_output.py)
     reasoning_effort: Optional[str] = None  # accepted: no reasoning parser reads it
     # not implemented
     functions: Optional[list[Any]] = None
