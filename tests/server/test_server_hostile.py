@@ -128,7 +128,6 @@ case("part-text-number", msg(role="user", content=[{"type": "text", "text": 5}])
 case("part-unknown-type", msg(role="user", content=[{"type": "audio", "text": "x"}]), H)
 case("part-string", msg(role="user", content=["hi"]), H)
 case("message-name-number", msg(role="user", content="hi", name=5), H)
-case("message-unknown-field", msg(role="user", content="hi", tool_calls=[]), H)
 
 # --- huge and negative numbers, NaN and infinities -------------------------------------------
 case("max-tokens-huge", with_(C, max_tokens=10**30))
@@ -200,7 +199,6 @@ case("unknown-field-many", json.dumps({**BASE[C], **{f"f{i}": i for i in range(1
      .encode())
 case("unknown-field-chat-functions-v2", with_(H, web_search_options={}), H)
 case("unsupported-tool-choice", with_(H, tool_choice="required"), H)
-case("unsupported-parallel-tool-calls", with_(H, parallel_tool_calls=True), H)
 case("unsupported-response-format", with_(H, response_format={"type": "json_object"}), H)
 case("unsupported-suffix", with_(C, suffix="end"))
 case("unsupported-best-of", with_(C, best_of=3))
