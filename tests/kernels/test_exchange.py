@@ -92,6 +92,14 @@ for q, flat in enumerate(windows):
     other = flat[: n * H * 2].view(torch.bfloat16).view(P, R, H)[(rank + 1) % P]
     assert (other.view(torch.uint8) == 7).all()  # another source's rows are not touched
 
+# the one-launch path of a decode step writes the same bytes and the same slots
+windows_small = [torch.full_like(t, 7) for t in windows]
+slots_small = torch.full_like(slots_a, 9)
+E.dispatch_small(x, ids, w, slots_small, torch.tensor([t.data_ptr() for t in windows_small]),
+                 rank, R, PER)
+assert torch.equal(slots_small, slots_a)
+assert all(torch.equal(a, b) for a, b in zip(windows, windows_small))
+
 # combine from rank 1: filled slots go back to their sources, nothing else is written
 y = torch.randn(n, H, dtype=torch.bfloat16)
 backs = [torch.zeros(n, H, dtype=torch.bfloat16) for _ in range(P)]

@@ -55,10 +55,7 @@ class PeerWindow:
         if buf.device.type != "cuda":
             raise ValueError(f"peer windows need a CUDA symmetric buffer, got {buf.device}")
         symm_mem = _symm_mem()
-        name = axis.group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(name)
-        handle = symm_mem.rendezvous(buf, name)
+        handle = symm_mem.rendezvous(buf, axis.group.group_name)
         if handle.world_size != axis.size:
             raise RuntimeError(f"symmetric memory rendezvous found {handle.world_size} peers on "
                                f"an axis of {axis.size} ranks")

@@ -15,10 +15,14 @@ expert runner skips them, and so reads the windows in place.
 
     route_slots   [P] programs: per destination p, a prefix sum over the rows that have an
                   expert on p gives each (row, p) its slot; slots_MP and sources_PR record it
-    push_rows     [R, P] programs: slot s of destination p stores its row (hidden states once,
+    push_rows     [R P] programs: slot s of destination p stores its row (hidden states once,
                   however many of its experts p owns) and its masked ids and weights into p
-    push_back     [R, P] programs on the expert rank: a filled slot's result goes back to
+    dispatch_small  both in one launch for at most SMALL_M rows: each program finds its
+                  slot's row by its own prefix sum (decode steps)
+    push_back     [R P] programs on the expert rank: a filled slot's result goes back to
                   [this rank, slot] of its source's combine window
+Grids run destinations fastest, so a rank's local stores and its stores over the link
+interleave instead of following one another.
     sum_back      [M] programs: a row's results from every rank, summed in fp32 in rank order
 """
 
@@ -28,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROUTE_BLOCK = 256  # rows per iteration of route_slots' prefix sum
+ROUTE_BLOCK = 1024  # rows per iteration of route_slots' prefix sum
+SMALL_M = 128  # up to this many rows, dispatch_small routes and stores in one launch
 COPY_BLOCK = 1024  # hidden elements per iteration of a row copy
 
 
@@ -68,16 +73,15 @@ def route_slots(ids_MK: torch.Tensor, slots_MP: torch.Tensor, sources_PR: torch.
     assert slots_MP.shape == (m, p) and slots_MP.is_contiguous() and sources_PR.is_contiguous()
     assert ids_MK.stride(1) == 1 and ids_MK.dtype == torch.int32
     _route_slots_kernel[(p,)](ids_MK, slots_MP, sources_PR, m, r, ids_MK.stride(0),
-                              experts_per_rank, P=p, K=k, KP=_pow2(k), BLOCK=ROUTE_BLOCK)
+                              experts_per_rank, P=p, K=k, KP=_pow2(k), BLOCK=ROUTE_BLOCK,
+                              num_warps=8)
 
 
 @triton.jit
-def _push_rows_kernel(X, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, stride_ids,
-                      stride_w, ids_at, weights_at, experts_per_rank,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-    s = tl.program_id(0)
-    p = tl.program_id(1)
-    src = tl.load(SOURCES + p * R + s)
+def _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids, stride_w,
+                ids_at, weights_at, experts_per_rank,
+                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    """Slot s of destination p: row src (-1: an empty slot) stored into p's recv window."""
     window = tl.load(PEERS + p)  # peer p's recv window, a byte address
     slot = (rank * R + s).to(tl.int64)
     ks = tl.arange(0, KP)
@@ -97,6 +101,68 @@ def _push_rows_kernel(X, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, str
             tl.store(dst_x + offs, tl.load(row + offs, mask=offs < H), mask=offs < H)
 
 
+@triton.jit
+def _push_rows_kernel(X, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, stride_ids,
+                      stride_w, ids_at, weights_at, experts_per_rank, P: tl.constexpr,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    # destinations vary fastest, so local and peer stores interleave over the grid
+    pid = tl.program_id(0)
+    p = pid % P
+    s = pid // P
+    src = tl.load(SOURCES + p * R + s)
+    _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids,
+                stride_w, ids_at, weights_at, experts_per_rank, K, KP, BLOCK)
+
+
+@triton.jit
+def _dispatch_small_kernel(X, IDS, WEIGHTS, SLOTS, PEERS, M, rank, R, H, stride_x,
+                           stride_ids, stride_w, ids_at, weights_at, experts_per_rank,
+                           P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                           MB: tl.constexpr, BLOCK: tl.constexpr):
+    # route_slots and push_rows in one launch: each program redoes the prefix sum of its
+    # destination over all M rows (at most SMALL_M) and finds the row of its slot
+    pid = tl.program_id(0)
+    p = pid % P
+    s = pid // P
+    rows = tl.arange(0, MB)
+    ks = tl.arange(0, KP)
+    live = rows < M
+    ids = tl.load(IDS + rows[:, None] * stride_ids + ks[None, :],
+                  mask=live[:, None] & (ks[None, :] < K), other=-1)
+    goes = tl.max(((ids >= 0) & (ids // experts_per_rank == p)).to(tl.int32), axis=1)
+    slot = tl.where(goes > 0, tl.cumsum(goes, axis=0) - 1, -1)
+    if s < M:  # row s's slot on p
+        tl.store(SLOTS + s * P + p, tl.sum(tl.where(rows == s, slot, 0), axis=0))
+    here = slot == s
+    src = tl.where(tl.sum(here.to(tl.int32), axis=0) > 0,
+                   tl.sum(tl.where(here, rows, 0), axis=0), -1)
+    _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids,
+                stride_w, ids_at, weights_at, experts_per_rank, K, KP, BLOCK)
+
+
+def _window_offsets(p: int, r: int, h: int, k: int, elem_bytes: int) -> tuple[int, int]:
+    """Where the ids and the weights start in a recv window laid out for P x R slots."""
+    ids_at = p * r * h * elem_bytes
+    return ids_at, ids_at + p * r * k * 4
+
+
+def dispatch_small(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
+                   slots_MP: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, r: int,
+                   experts_per_rank: int) -> None:
+    """route_slots + push_rows in one launch, for at most SMALL_M rows (decode steps)."""
+    m, h = x_MH.shape
+    p, k = slots_MP.shape[1], ids_MK.shape[1]
+    assert m <= SMALL_M and r >= m and slots_MP.is_contiguous()
+    assert x_MH.stride(1) == 1 and ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
+    if r == 0:
+        return
+    ids_at, weights_at = _window_offsets(p, r, h, k, x_MH.element_size())
+    _dispatch_small_kernel[(p * r,)](x_MH, ids_MK, weights_MK, slots_MP, peer_ptrs, m, rank, r,
+                                     h, x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0),
+                                     ids_at, weights_at, experts_per_rank, P=p, K=k,
+                                     KP=_pow2(k), MB=_pow2(m), BLOCK=min(COPY_BLOCK, _pow2(h)))
+
+
 def push_rows(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
               sources_PR: torch.Tensor, peer_ptrs: torch.Tensor, rank: int,
               experts_per_rank: int) -> None:
@@ -109,19 +175,19 @@ def push_rows(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor
         return
     assert x_MH.stride(1) == 1 and ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
     assert weights_MK.dtype == torch.float32 and ids_MK.dtype == torch.int32
-    ids_at = p * r * h * x_MH.element_size()
-    weights_at = ids_at + p * r * k * 4
-    _push_rows_kernel[(r, p)](x_MH, ids_MK, weights_MK, sources_PR, peer_ptrs, rank, r, h,
-                              x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0), ids_at,
-                              weights_at, experts_per_rank, K=k, KP=_pow2(k),
-                              BLOCK=min(COPY_BLOCK, _pow2(h)))
+    ids_at, weights_at = _window_offsets(p, r, h, k, x_MH.element_size())
+    _push_rows_kernel[(p * r,)](x_MH, ids_MK, weights_MK, sources_PR, peer_ptrs, rank, r, h,
+                                x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0), ids_at,
+                                weights_at, experts_per_rank, P=p, K=k, KP=_pow2(k),
+                                BLOCK=min(COPY_BLOCK, _pow2(h)))
 
 
 @triton.jit
-def _push_back_kernel(Y, IDS, PEERS, rank, R, H, stride_y,
+def _push_back_kernel(Y, IDS, PEERS, rank, R, H, stride_y, P: tl.constexpr,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-    s = tl.program_id(0)
-    p = tl.program_id(1)
+    pid = tl.program_id(0)  # destinations fastest, as in push_rows
+    p = pid % P
+    s = pid // P
     row = p * R + s
     ks = tl.arange(0, KP)
     ids = tl.load(IDS + row * K + ks, mask=ks < K, other=-1)
@@ -144,9 +210,8 @@ def push_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, peer_ptrs: torch.Tensor,
     if n == 0:
         return
     assert n % peers == 0 and ids_NK.is_contiguous() and y_NH.stride(1) == 1
-    _push_back_kernel[(n // peers, peers)](y_NH, ids_NK, peer_ptrs, rank, n // peers, h,
-                                           y_NH.stride(0), K=k, KP=_pow2(k),
-                                           BLOCK=min(COPY_BLOCK, _pow2(h)))
+    _push_back_kernel[(n,)](y_NH, ids_NK, peer_ptrs, rank, n // peers, h, y_NH.stride(0),
+                            P=peers, K=k, KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)))
 
 
 @triton.jit

@@ -10,7 +10,8 @@ the cap: the runtime guard raised otherwise), fixes the windows' layout for the 
 (kernels/moe/exchange.py), so that every rank knows where to store without asking.
 
 Dispatch: route_slots gives each (row, destination) its slot from a prefix sum per
-destination, in row order; push_rows stores each row once into each rank that owns one of its
+destination, in row order (for a decode step's few rows, dispatch_small does it in the same
+launch as the stores); push_rows stores each row once into each rank that owns one of its
 experts, with its ids masked to that rank's experts, and -1 ids into the slots nobody fills;
 a barrier. The expert runner reads the recv window in place. Combine: push_back stores each
 filled slot's result into [this rank, slot] of its source's combine window; a barrier;
@@ -133,10 +134,14 @@ class NVLinkDispatcher(Dispatcher):
         if r and self.recv_window is not None:
             from moeserve.kernels.moe import exchange
 
-            exchange.route_slots(ids_MK, slots_MP, sources_PR, self.experts_per_rank)
-            exchange.push_rows(x_MH.contiguous(), ids_MK, weights_MK, sources_PR,
-                               self.recv_window.peer_ptrs, self.axis.rank,
-                               self.experts_per_rank)
+            peers, rank, per = self.recv_window.peer_ptrs, self.axis.rank, self.experts_per_rank
+            if m <= exchange.SMALL_M:  # one launch; sources_PR is not needed
+                exchange.dispatch_small(x_MH.contiguous(), ids_MK, weights_MK, slots_MP, peers,
+                                        rank, r, per)
+            else:
+                exchange.route_slots(ids_MK, slots_MP, sources_PR, per)
+                exchange.push_rows(x_MH.contiguous(), ids_MK, weights_MK, sources_PR, peers,
+                                   rank, per)
             self.recv_window.barrier()
         elif r:
             exchange_torch.route_slots(ids_MK, slots_MP, sources_PR, self.experts_per_rank)
