@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from moeserve.layers.mlp import KERNEL_ACTS
+from moeserve.config.quant import QuantSpec
 from moeserve.config.spec import ModelSpec
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
 from moeserve.kernels.moe.align_torch import Workspace
@@ -40,8 +41,9 @@ def _device(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
 class TritonFusedExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
 
-    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype) -> None:
-        super().__init__(spec, state, dtype)
+    def __init__(self, spec: ModelSpec, state: ParallelState, dtype: torch.dtype,
+                 quant: Optional[QuantSpec] = None) -> None:
+        super().__init__(spec, state, dtype, quant)
         if spec.hidden_act not in KERNEL_ACTS:
             raise ValueError(f"the triton expert runner has no kernel for hidden_act "
                              f"{spec.hidden_act!r} ({', '.join(KERNEL_ACTS)}); use "
