@@ -171,6 +171,12 @@ def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
 
             row[f"{backend}_us"], row[f"{backend}_graph"] = timed(
                 exchange, f"rank {rank} m={m} {backend}")
+        # the nvlink exchange's two halves (combine replays one dispatch's handle)
+        toks, handle = disp.dispatch(x, ids, w, step)
+        row["dispatch_us"], _ = timed(lambda: disp.dispatch(x, ids, w, step),
+                                      f"rank {rank} m={m} dispatch")
+        row["combine_us"], _ = timed(lambda: disp.combine(toks.x_NH, handle),
+                                     f"rank {rank} m={m} combine")
 
         send = torch.randint(0, 255, (world * m * disp.payload,), dtype=torch.uint8,
                              device="cuda")
@@ -195,12 +201,13 @@ def render(ranks: dict[int, list[dict]]) -> list[str]:
         for key in ("nvlink", "all_to_all", "nccl"):
             eager = "" if r[f"{key}_graph"] else " (eager)"
             cells.append(f"{r[f'{key}_us']:.1f}{eager}")
-        cells += [f"{r['nvlink_us'] / floor:.2f}" if floor else "-",
+        cells += [f"{r['dispatch_us']:.1f} + {r['combine_us']:.1f}",
+                  f"{r['nvlink_us'] / floor:.2f}" if floor else "-",
                   f"{r['nccl_us'] / r['nvlink_us']:.1f}", f"{100 * spread:.0f}%"]
         out.append(cells)
     return table(["tokens per rank", "rows sent to other ranks", "floor µs", "nvlink µs",
                   "all_to_all (NCCL) µs", "NCCL all_to_all_single, same bytes µs",
-                  "nvlink x floor", "NCCL same bytes ÷ nvlink",
+                  "nvlink dispatch + combine µs, timed apart", "nvlink x floor", "NCCL same bytes ÷ nvlink",
                   "other ranks' nvlink µs within"], out)
 
 

@@ -47,17 +47,18 @@ def test_each_row_gets_one_slot_per_rank_that_owns_one_of_its_experts(p, m, k, p
 
 def test_sum_back_adds_in_rank_order_in_fp32():
     g = torch.Generator().manual_seed(1)
-    p, r, m, h = 3, 4, 5, 8
+    p, r, m, h, rank = 3, 4, 5, 8, 1
     back = torch.randn(p * r, h, generator=g).to(torch.bfloat16)
+    y = torch.randn(p * r, h, generator=g).to(torch.bfloat16)
     slots = torch.tensor([[0, -1, 2], [1, 0, -1], [-1, -1, -1], [2, 1, 0], [3, 3, 3]],
                          dtype=torch.int32)
     out = torch.empty(m, h, dtype=torch.float32)
-    T.sum_back(back, slots, out)
+    T.sum_back(back, y, slots, out, rank)
     for i in range(m):
         want = torch.zeros(h)
         for q in range(p):
-            if slots[i, q] >= 0:
-                want = want + back[q * r + slots[i, q]].float()
+            if slots[i, q] >= 0:  # this rank's own results come from its expert outputs
+                want = want + (y if q == rank else back)[q * r + slots[i, q]].float()
         assert torch.equal(out[i], want)
 
 
@@ -107,14 +108,16 @@ E.push_back(y, rids.reshape(n, K).contiguous(), torch.tensor([b.data_ptr() for b
             rank, P)
 for q in range(P):
     got, fill = backs[q][rank * R: rank * R + R], (rids[q] >= 0).any(dim=1)
+    if q == rank:  # its own results stay in y
+        fill = torch.zeros_like(fill)
     assert torch.equal(got[fill], y[q * R: q * R + R][fill]) and (got[~fill] == 0).all()
     assert (backs[q][: rank * R] == 0).all() and (backs[q][rank * R + R:] == 0).all()
 
 # the interpreter rounds bf16 stores its own way: compare the fp32 sums
 back = torch.randn(n, H, dtype=torch.bfloat16)
 out_a, out_b = torch.empty(M, H), torch.empty(M, H)
-E.sum_back(back, slots_a, out_a)
-T.sum_back(back, slots_b, out_b)
+E.sum_back(back, y, slots_a, out_a, rank)
+T.sum_back(back, y, slots_b, out_b, rank)
 assert torch.equal(out_a, out_b)
 print("interpreter ok")
 """

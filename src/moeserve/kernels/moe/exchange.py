@@ -20,10 +20,11 @@ expert runner skips them, and so reads the windows in place.
     dispatch_small  both in one launch for at most SMALL_M rows: each program finds its
                   slot's row by its own prefix sum (decode steps)
     push_back     [R P] programs on the expert rank: a filled slot's result goes back to
-                  [this rank, slot] of its source's combine window
+                  [this rank, slot] of its source's combine window (another rank's slots only)
 Grids run destinations fastest, so a rank's local stores and its stores over the link
 interleave instead of following one another.
     sum_back      [M] programs: a row's results from every rank, summed in fp32 in rank order
+                  (its own rank's straight from the expert outputs)
 """
 
 from __future__ import annotations
@@ -191,7 +192,9 @@ def _push_back_kernel(Y, IDS, PEERS, rank, R, H, stride_y, P: tl.constexpr,
     row = p * R + s
     ks = tl.arange(0, KP)
     ids = tl.load(IDS + row * K + ks, mask=ks < K, other=-1)
-    if tl.max(ids, axis=0) >= 0:  # a filled slot: some id here is this rank's
+    # a filled slot (some id here is this rank's) of another rank: this rank's own results
+    # stay where they are, sum_back reads them from Y
+    if (tl.max(ids, axis=0) >= 0) & (p != rank):
         window = tl.load(PEERS + p)
         dst = tl.cast(window, tl.pointer_type(Y.dtype.element_ty)) + (rank * R + s).to(
             tl.int64) * H
@@ -215,7 +218,7 @@ def push_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, peer_ptrs: torch.Tensor,
 
 
 @triton.jit
-def _sum_back_kernel(BACK, SLOTS, OUT, R, H, stride_out, P: tl.constexpr,
+def _sum_back_kernel(BACK, Y, SLOTS, OUT, rank, R, H, stride_y, stride_out, P: tl.constexpr,
                      BLOCK: tl.constexpr):
     m = tl.program_id(0)
     hb = tl.program_id(1)
@@ -225,20 +228,26 @@ def _sum_back_kernel(BACK, SLOTS, OUT, R, H, stride_out, P: tl.constexpr,
     for q in tl.static_range(P):  # rank order: the same bits on every run
         s = tl.load(SLOTS + m * P + q)
         if s >= 0:
-            row = BACK + (q * R + s).to(tl.int64) * H
+            if q == rank:  # this rank's own results: where its experts wrote them
+                row = Y + (q * R + s).to(tl.int64) * stride_y
+            else:
+                row = BACK + (q * R + s).to(tl.int64) * H
             acc += tl.load(row + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(OUT + m.to(tl.int64) * stride_out + offs, acc.to(OUT.dtype.element_ty), mask=live)
 
 
-def sum_back(back_NH: torch.Tensor, slots_MP: torch.Tensor, out_MH: torch.Tensor) -> None:
-    """out[m] = the sum over ranks q, in order, of back[q R + slots[m, q]] where that slot
-    exists (back_NH: this rank's combine window as [P R, H])."""
+def sum_back(back_NH: torch.Tensor, y_NH: torch.Tensor, slots_MP: torch.Tensor,
+             out_MH: torch.Tensor, rank: int) -> None:
+    """out[m] = the sum over ranks q, in order, of row q R + slots[m, q] where that slot
+    exists: of back_NH (this rank's combine window as [P R, H]) for another rank's results,
+    of y_NH (this rank's expert outputs) for its own."""
     m, p = slots_MP.shape
     if m == 0:
         return
     h = out_MH.shape[1]
     assert back_NH.is_contiguous() and slots_MP.is_contiguous() and out_MH.stride(1) == 1
+    assert y_NH.shape == back_NH.shape and y_NH.stride(1) == 1
     block = min(COPY_BLOCK, _pow2(h))
-    _sum_back_kernel[(m, triton.cdiv(h, block))](back_NH, slots_MP, out_MH,
-                                                  back_NH.shape[0] // p, h, out_MH.stride(0),
-                                                  P=p, BLOCK=block)
+    _sum_back_kernel[(m, triton.cdiv(h, block))](back_NH, y_NH, slots_MP, out_MH, rank,
+                                                  back_NH.shape[0] // p, h, y_NH.stride(0),
+                                                  out_MH.stride(0), P=p, BLOCK=block)

@@ -43,13 +43,15 @@ def rows_for(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
     return x, torch.where(own, ids, -1), weights
 
 
-def sum_back(back_NH: torch.Tensor, slots_MP: torch.Tensor, out_MH: torch.Tensor) -> None:
-    """As exchange.sum_back: each row's results summed in fp32 in rank order."""
+def sum_back(back_NH: torch.Tensor, y_NH: torch.Tensor, slots_MP: torch.Tensor,
+             out_MH: torch.Tensor, rank: int) -> None:
+    """As exchange.sum_back: each row's results summed in fp32 in rank order, this rank's own
+    from y_NH."""
     m, p = slots_MP.shape
     r = back_NH.shape[0] // max(p, 1)
     acc = torch.zeros(out_MH.shape, dtype=torch.float32, device=out_MH.device)
     for q in range(p):
         s = slots_MP[:, q].long()
-        got = back_NH[(q * r + s).clamp(min=0)].float()
+        got = (y_NH if q == rank else back_NH)[(q * r + s).clamp(min=0)].float()
         acc += torch.where((s >= 0)[:, None], got, 0.0)
     out_MH.copy_(acc)

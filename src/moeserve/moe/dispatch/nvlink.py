@@ -15,7 +15,8 @@ launch as the stores); push_rows stores each row once into each rank that owns o
 experts, with its ids masked to that rank's experts, and -1 ids into the slots nobody fills;
 a barrier. The expert runner reads the recv window in place. Combine: push_back stores each
 filled slot's result into [this rank, slot] of its source's combine window; a barrier;
-sum_back adds a row's results in fp32 in rank order (the same bits on every run).
+sum_back adds a row's results in fp32 in rank order (the same bits on every run), its own
+rank's read from the expert outputs, which never travel.
 
 One barrier per phase is enough between layers: a rank stores into a peer's recv window for
 layer L+1 only after the combine barrier of layer L, which the peer passes only after its
@@ -168,9 +169,9 @@ class NVLinkDispatcher(Dispatcher):
             exchange.push_back(y_NH, handle.ids_NK, self.combine_window.peer_ptrs,
                                self.axis.rank, p)
             self.combine_window.barrier()
-            exchange.sum_back(back_NH, handle.slots_MP, out_MH)
+            exchange.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, self.axis.rank)
         else:
             all_to_all_fixed(back_NH.view(p, r, self.hidden),
                              y_NH.contiguous().view(p, r, self.hidden), self.axis)
-            exchange_torch.sum_back(back_NH, handle.slots_MP, out_MH)
+            exchange_torch.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, self.axis.rank)
         return out_MH
