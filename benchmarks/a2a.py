@@ -8,7 +8,8 @@ NCCL's all_to_all_single moving the same padded bytes, all in one run.
 Qwen3-30B-A3B's shape (tp = dp = ep = --gpus, DP attention), bf16, uniform random routing, the
 experts left out (combine sends back what dispatch delivered). Each rank times every exchange
 as CUDA-graph replays (as decode steps run them; eagerly where capture fails, and the row says
-so), after a barrier, between CUDA events, the median of 30.
+so), ten calls back to back per replay, after a barrier, between CUDA events: the median
+of 30 replays, per call.
 """
 
 from __future__ import annotations
@@ -46,16 +47,25 @@ def add_arguments(p: Any) -> None:
                    help="tokens per rank")
 
 
+CALLS = 10  # exchanges back to back in one timed graph, as the layers of a step run them
+
+
 def timed(fn: Any, label: str) -> tuple[float, bool]:
-    """(median µs of 30 runs after a barrier each, whether as a graph replay)."""
+    """(µs per call: the median over 30 replays, each after a barrier, of a graph of CALLS
+    calls; whether as a graph replay). The calls in a row amortise the skew with which the
+    ranks leave the barrier, which a single call's time would include."""
     import torch.distributed as dist
 
+    def calls() -> None:
+        for _ in range(CALLS):
+            fn()
+
     try:
-        run, graph = harness.capture(fn), True
+        run, graph = harness.capture(calls), True
     except RuntimeError as err:
         print(f"{label}: no CUDA graph ({err}); timed eagerly", flush=True)
-        run, graph = fn, False
-    for _ in range(5):
+        run, graph = calls, False
+    for _ in range(3):
         run()
     torch.cuda.synchronize()
     samples = []
@@ -67,7 +77,7 @@ def timed(fn: Any, label: str) -> tuple[float, bool]:
         run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
     return statistics.median(samples), graph
 
 
