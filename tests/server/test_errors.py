@@ -53,7 +53,8 @@ class _FailingEngine:
     def kv_stats(self) -> dict[str, int]:
         return {}
 
-    def submit(self, ids, params, stream=True):
+    def submit(self, ids, params, stream=True, grammar=None):
+        assert grammar is None
         self.n += 1
         q: queue.Queue[TokenOutput] = queue.Queue()
         q.put(TokenOutput(f"rid-{self.n}", [], None, error=RANK_FAILURE))
