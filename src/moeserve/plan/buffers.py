@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from moeserve.kernels.attention import tiles as AT
+from moeserve.config.quant import FP8_DTYPE
 from moeserve.config.spec import ModelSpec
 from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
                                           padded_rows, rows_writing_pairs)
@@ -21,7 +22,7 @@ from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, layer_scatters, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
 
-ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1}
+ELEM_BYTES = {**DTYPE_BYTES, "int32": 4, "int64": 8, "uint8": 1, FP8_DTYPE: 1}
 TOPK_ID_BYTES = 4  # top-k ids travel as int32
 TOPK_WEIGHT_BYTES = 4  # top-k weights travel as float32
 FP8_SCALE_BYTES = 4  # an fp8 row's group scales travel as float32
@@ -139,12 +140,16 @@ def router_records(spec: ModelSpec, layout: ParallelLayout,
 
 
 def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: int,
-                   rows_formula: str, device_name: Optional[str] = None) -> list[BufferRecord]:
+                   rows_formula: str, device_name: Optional[str] = None,
+                   quant_block: Optional[tuple[int, int]] = None) -> list[BufferRecord]:
     """The fused Triton runner's workspace (moe/experts/triton_fused.py, kernels/moe/
     align_torch.Workspace) for `rows` rows at most. It holds every (row, k) pair, its own or
     not, and its grouped rows are padded to blocks of BLOCK_M per local expert. device_name:
     the GPU the runner will run on (None: unknown); its tuned tile tables say which steps
-    write every pair's row to moe.runner.down (configs.rows_writing_pairs)."""
+    write every pair's row to moe.runner.down (configs.rows_writing_pairs).
+    quant_block: fp8 weights with these scale blocks (fused_moe_fp8.py): the intermediate is
+    fp8 beside one float32 scale per row per bk columns, and where rows reach the runner
+    unquantized (no all-to-all, which carries them quantized) their quantized copy too."""
     h, k = spec.hidden_size, spec.top_k
     i_local = spec.moe_intermediate_size // layout.moe_tp
     e_local = spec.num_experts // layout.ep
@@ -152,21 +157,36 @@ def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: in
     grouped = padded_rows(all_pairs, e_local)
     blocks = max(max_blocks(all_pairs, m, e_local) for m in BLOCK_MS)
     af = f"{rows_formula} x K"
-    down_rows = rows_writing_pairs(rows, e_local, h, i_local, dtype, device_name)
+    down_rows = rows_writing_pairs(rows, e_local, h, i_local, dtype, device_name,
+                                   quant_block=quant_block)
     df = af if down_rows == rows else (
         f"{down_rows} x K ({device_name}'s tile tables: larger steps sum the top-k in down)")
     gf = f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep) x BLOCK_M, P = {af}"
     knobs = BUDGET_KNOBS
-    return [
+    act_dtype = dtype if quant_block is None else FP8_DTYPE
+    records = [
         BufferRecord("moe.runner.sorted_pairs", (grouped,), "int32", gf, knobs),
         *(BufferRecord(f"moe.runner.{name}", (blocks,), "int32",
                        f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep), P = {af}", knobs)
           for name in ("block_expert", "block_rows")),
-        BufferRecord("moe.runner.act", (grouped, i_local), dtype, f"({gf}) x I/moe_tp", knobs),
+        BufferRecord("moe.runner.act", (grouped, i_local), act_dtype, f"({gf}) x I/moe_tp",
+                     knobs),
         BufferRecord("moe.runner.down", (down_rows * k, h), dtype, f"{df} x H", knobs),
         BufferRecord("moe.runner.align", (align_scratch_len(all_pairs, e_local),), "int32",
                      f"(1 + ceil(P/{ALIGN_CHUNK})) x pow2(E/ep, >= 16), P = {af}", knobs),
     ]
+    if quant_block is not None:
+        bk = quant_block[1]
+        fp8_knobs = ("--quantization", *knobs)
+        records.append(BufferRecord("moe.runner.act_scale", (grouped, -(-i_local // bk)),
+                                    "float32", f"({gf}) x ceil(I/moe_tp/{bk})", fp8_knobs))
+        if not layout.a2a:
+            records += [
+                BufferRecord("moe.runner.input", (rows, h), FP8_DTYPE, f"{rows_formula} x H",
+                             fp8_knobs),
+                BufferRecord("moe.runner.input_scale", (rows, -(-h // bk)), "float32",
+                             f"{rows_formula} x ceil(H/{bk})", fp8_knobs)]
+    return records
 
 
 def gather_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,

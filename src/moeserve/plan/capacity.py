@@ -13,7 +13,7 @@ from moeserve.kernels.launch.choice import KernelSet, select_kernels
 from moeserve.parallel.layout import ParallelLayout, Problem, layout_problems
 from moeserve.plan import buffers as B
 from moeserve.plan.budget import MODES, TokenBudget, moe_tokens_per_rank, token_budget
-from moeserve.plan.memory import (GB, kv_bytes_per_token, resolve_dtype,
+from moeserve.plan.memory import (GB, fp8_expert_layers, kv_bytes_per_token, resolve_dtype,
                                   weight_bytes_per_rank)
 
 DEFAULT_GPU_MEMORY_GB = 80.0
@@ -94,6 +94,13 @@ class CapacityPlan:
     moe_runner_rows: int = 0
     # the weights' quantization (config/quant.py): the checkpoint's or --quantization's
     quant: Optional[QuantSpec] = None
+
+    @property
+    def expert_block(self) -> Optional[tuple[int, int]]:
+        """The scale blocks of fp8 routed experts (None: the experts are in the model's dtype)."""
+        if self.quant is None or not fp8_expert_layers(self.spec, self.quant)[0]:
+            return None
+        return self.quant.block
 
     @property
     def a2a_scale_group(self) -> Optional[int]:
@@ -239,8 +246,15 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     runner_rows, rows_formula = B.moe_runner_rows(layout, budget, a2a_cap or worst)
     records += B.router_records(spec, layout, budget)
     if backends.experts == "triton":  # the only runner that takes a static workspace
+        fp8_layers, moe_layers = fp8_expert_layers(spec, quant)
+        if 0 < fp8_layers < moe_layers:
+            problems.append(Problem(
+                f"the triton expert runner's workspace is shared by every MoE layer, and "
+                f"{fp8_layers} of {moe_layers} MoE layers have fp8 experts (the others are in "
+                "modules_to_not_convert)", "use --moe-runner-backend reference"))
         records += B.runner_records(spec, layout, dtype, runner_rows, rows_formula,
-                                    down_sum_tables(cfg))
+                                    down_sum_tables(cfg),
+                                    quant.block if quant and fp8_layers else None)
     records += B.gather_records(spec, layout, budget, dtype)
     if backends.attention == "triton":  # the backends that take planned partials
         records += B.attention_records(spec, layout, budget)

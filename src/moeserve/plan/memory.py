@@ -115,6 +115,15 @@ def _fp8_matrices(spec: ModelSpec, layout: ParallelLayout, quant: QuantSpec
     return mats
 
 
+def fp8_expert_layers(spec: ModelSpec, quant: Optional[QuantSpec]) -> tuple[int, int]:
+    """(MoE layers whose routed experts are fp8, MoE layers), by modules_to_not_convert as
+    _fp8_matrices applies it."""
+    moe = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
+    if quant is None:
+        return 0, len(moe)
+    return sum(quant.converts(f"model.layers.{i}.mlp.experts.0.down_proj") for i in moe), len(moe)
+
+
 def weight_bytes_per_rank(spec: ModelSpec, layout: ParallelLayout, dtype: str,
                           quant: Optional[QuantSpec] = None) -> int:
     """Bytes of the weights one rank holds: `dtype`, except fp8 weights (a byte each) and their

@@ -30,7 +30,7 @@ from moeserve.batch.buffers import (A2AWorkspace, AttentionPartials, GatherBuffe
                                     ModelBuffers, PeerExchangeBuffers, RouterBuffers)
 from moeserve.batch.kv_cache import (KVCachePool, MLAKVCachePool, PagedKVPool,
                                      ReqToTokenPool)
-from moeserve.kernels.moe.align_torch import Workspace
+from moeserve.kernels.moe.align_torch import BASE_FIELDS, Workspace
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.plan.memory import kv_heads_per_rank
 from moeserve.runtime.cuda_graph import DecodeGraphBuffers
@@ -129,7 +129,10 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources")))
     elif a.has("a2a.send"):
         a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")))
-    experts = a.group("moe.runner.", Workspace._fields)
+    experts = a.group("moe.runner.", BASE_FIELDS)
+    if experts is not None:  # fp8 weights: act's scales, and the quantized input rows
+        for fields in (("act_scale",), ("input", "input_scale")):
+            experts.update(a.group("moe.runner.", fields) or {})
     partials = a.group("attn.decode.", ("part_o", "part_lse"))
     return ModelBuffers(
         router=None if router is None else RouterBuffers(topk_ids_MK=router["topk_ids"],

@@ -52,13 +52,20 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s
     tl.store(s_ptr + row * stride_s + g, scale)
 
 
-def quantize_groups(x_TK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (fp8 [T, K], float32 scales [T, ceil(K/group)]), group amax / 448."""
+def quantize_groups(x_TK: torch.Tensor, group: int,
+                    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (fp8 [T, K], float32 scales [T, ceil(K/group)]), group amax / 448; into
+    `out` (a pair of row-major tensors of those shapes) when given."""
     x_TK = x_TK if x_TK.stride(-1) == 1 else x_TK.contiguous()
     t, k = x_TK.shape
     groups = triton.cdiv(k, group)
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
-    s = torch.empty(t, groups, dtype=torch.float32, device=x_TK.device)
+    if out is None:
+        q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
+        s = torch.empty(t, groups, dtype=torch.float32, device=x_TK.device)
+    else:
+        q, s = out
+        assert q.shape == (t, k) and s.shape == (t, groups) and q.stride(-1) == s.stride(-1) == 1
     if t:
         _quantize_groups_kernel[(t, groups)](x_TK, q, s, k, x_TK.stride(0), q.stride(0),
                                              s.stride(0), GROUP=group,

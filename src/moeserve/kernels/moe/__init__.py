@@ -5,6 +5,9 @@
     fused_moe.py     grouped GEMMs: gate_up with act-and-mul fused, down with the top-k weight,
                      the sum over top-k (weight tiles by pointer loads or TMA)
     decode_moe.py    a few rows: two GEMV launches, no align, the top-k sum in registers
+    fused_moe_fp8.py, decode_moe_fp8.py, fp8_tiles.py
+                     the same with block-scaled fp8 weights (W8A8): the input quantized once,
+                     gate_up's epilogue writing fp8 with its group scales for down
     router.py        the router's top-k kernels (softmax top-k; logits GEMM + top-k in one launch)
     down_ws.py       the down GEMM as a warp-specialised Gluon kernel (sm90)
     configs.py       tile configs: tuned JSON in configs/, else defaults (no triton needed)

@@ -26,7 +26,7 @@ from moeserve.kernels.moe.configs import max_blocks
 class Workspace(NamedTuple):
     """The fused runner's intermediates: the plan's `moe.runner.<field>` records, allocated
     once by the binder (runtime/buffers.py) and shared by every MoE layer (they run one after
-    another on one stream)."""
+    another on one stream). The fields with a default are only an fp8 runner's."""
 
     sorted_pairs: torch.Tensor  # [R] int32
     block_expert: torch.Tensor  # [B] int32
@@ -34,6 +34,15 @@ class Workspace(NamedTuple):
     act: torch.Tensor  # [R, I]
     down: torch.Tensor  # [P, H]
     align: torch.Tensor  # [S] int32, align.py's scratch
+    # fp8 weights (fused_moe_fp8.py): act is fp8 and these hold its per-group scales and the
+    # rows quantized before gate_up (absent where the dispatcher delivers them quantized)
+    act_scale: Optional[torch.Tensor] = None  # [R, ceil(I/G)] float32
+    input: Optional[torch.Tensor] = None  # [T, H] fp8
+    input_scale: Optional[torch.Tensor] = None  # [T, ceil(H/G)] float32
+
+
+# the records of every triton runner (the others are an fp8 runner's)
+BASE_FIELDS = tuple(f for f in Workspace._fields if f not in Workspace._field_defaults)
 
 
 def take(buf: Optional[torch.Tensor], rows: int, name: str, *shape: int, dtype: torch.dtype,

@@ -23,6 +23,11 @@ key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size t
 GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
 "PREFETCH": 1 (each K step loads the next chunk's tiles first); a num_stages in a decode
 entry changes nothing there (decode_moe._opts).
+FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keyed by
+`fp8_w8a8_{bn}x{bk}` in place of the dtype (table_dtype), and defaults of their own
+(fp8_default_config): BLOCK_K divides the scale group bk (one scale a K step) and gate_up's
+BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". A
+table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
 """
@@ -48,6 +53,20 @@ def dtype_name(dtype: Any) -> str:
 
 def device_key(device_name: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
+
+
+def table_dtype(dtype: Any, quant_block: Optional[tuple[int, int]] = None) -> str:
+    """The tables' dtype key: the weights' dtype, or fp8_w8a8_{bn}x{bk} for block-scaled fp8."""
+    if quant_block is None:
+        return dtype_name(dtype)
+    return f"fp8_w8a8_{quant_block[0]}x{quant_block[1]}"
+
+
+def fp8_group(dtype_key: str) -> Optional[int]:
+    """The scale group (bk) of an fp8 table's dtype key; None for other keys."""
+    if not dtype_key.startswith("fp8_w8a8_"):
+        return None
+    return int(dtype_key.rsplit("x", 1)[1])
 
 
 def config_file_name(num_local: int, hidden: int, inter: int, dtype: Any,
@@ -97,6 +116,33 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
             "down": _gemm(128, 64, 8, 8, 4)}
 
 
+def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
+                       group: int) -> dict[str, Any]:
+    """The fp8 kernels' tiles: the bf16 defaults' BLOCK_M and warps (no TMA, pairing or warp
+    specialisation), BLOCK_K the largest power of two up to 128 that divides the group, gate_up's
+    BLOCK_N (GEMM and GEMV) rounded up to whole groups; the GEMVs' BLOCK_K at most 64, so that a
+    program's [BLOCK_N, BLOCK_K] accumulators stay in registers. Not tuned: `python -m
+    benchmarks tune-moe --fp8` writes tables that replace them."""
+    base = default_config(num_tokens, top_k, num_local)
+    block_k = math.gcd(group, 128)
+
+    def gemm(cfg: dict[str, int], whole: bool) -> dict[str, int]:
+        out = {k: cfg[k] for k in GEMM_KEYS}
+        out["BLOCK_K"] = block_k
+        if whole:
+            out["BLOCK_N"] = -(-cfg["BLOCK_N"] // group) * group
+        return out
+
+    cfg: dict[str, Any] = {"BLOCK_M": base["BLOCK_M"], "gate_up": gemm(base["gate_up"], True),
+                           "down": gemm(base["down"], False)}
+    if "decode" in base:
+        gemv_k = math.gcd(group, 64)
+        cfg["decode"] = {"gate_up": _gemv(-(-16 // group) * group, gemv_k,
+                                          8 if group >= 64 else 4),
+                         "down": _gemv(16, gemv_k, 4)}
+    return cfg
+
+
 def _hopper_config(rows: float) -> dict[str, Any]:
     tma, paired = {"TMA": 1}, {"TMA": 1, "PAIRED": 1}
     if rows <= 192:
@@ -113,10 +159,27 @@ def load_tuned(num_local: int, hidden: int, inter: int, dtype: str, device_name:
     if not path.is_file():
         return None
     table = json.loads(path.read_text())
-    return {int(k): validate(v, str(path)) for k, v in table.items()}
+    group = fp8_group(dtype)
+    return {int(k): validate(v, str(path), group) for k, v in table.items() if k != "note"}
 
 
-def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
+    """The fp8 kernels' constraints (fused_moe_fp8.check_tiles checks them again at launch)."""
+    gemms = [("gate_up", cfg["gate_up"], True), ("down", cfg["down"], False)]
+    gemms += [(f"decode.{g}", cfg["decode"][g], g == "gate_up") for g in cfg.get("decode", ())]
+    bad = [f"{name}.BLOCK_K {c['BLOCK_K']} does not divide the scale group {group}"
+           for name, c, _ in gemms if group % c["BLOCK_K"]]
+    bad += [f"{name}.BLOCK_N {c['BLOCK_N']} is not a multiple of the scale group {group}"
+            for name, c, whole in gemms if whole and c["BLOCK_N"] % group]
+    bad += [f"{name} sets {key}, which has no fp8 kernel" for name, c, _ in gemms
+            for key in ("PAIRED", "WS", "PREFETCH") if c.get(key)]
+    if bad:
+        raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
+                         "python -m benchmarks tune-moe --fp8")
+
+
+def validate(cfg: dict[str, Any], where: str, group: Optional[int] = None) -> dict[str, Any]:
+    """group: the scale group of an fp8 table (None: a bf16 one)."""
     missing = [k for k in ("BLOCK_M", "gate_up", "down") if k not in cfg]
     missing += [f"{g}.{k}" for g in ("gate_up", "down") if g in cfg
                 for k in GEMM_KEYS if k not in cfg[g]]
@@ -155,6 +218,8 @@ def validate(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"MoE tile config in {where} sets PREFETCH for {', '.join(elsewhere)}: "
                          "only the decode gate_up GEMV takes it; drop it or re-run "
                          "python -m benchmarks tune-moe")
+    if group is not None:
+        validate_fp8(cfg, where, group)
     return cfg
 
 
@@ -190,23 +255,28 @@ def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]
 
 def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
-               config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
+               config_dir: Path = CONFIG_DIR,
+               quant_block: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """The tuned entry for this shape and device, else the defaults (for the device's compute
-    capability when given)."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name, config_dir)
+    capability when given); quant_block: fp8 weights with these scale blocks."""
+    table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block), device_name,
+                       config_dir)
     if table:
         return nearest(table, num_tokens)
-    return default_config(num_tokens, top_k, num_local,
-                          hopper=capability is not None and capability[0] == 9)
+    hopper = capability is not None and capability[0] == 9
+    if quant_block is not None:
+        return fp8_default_config(num_tokens, top_k, num_local, quant_block[1])
+    return default_config(num_tokens, top_k, num_local, hopper=hopper)
 
 
 def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
-                       device_name: Optional[str], config_dir: Path = CONFIG_DIR) -> int:
+                       device_name: Optional[str], config_dir: Path = CONFIG_DIR,
+                       quant_block: Optional[tuple[int, int]] = None) -> int:
     """The most rows (at most max_rows) of a step whose config writes every pair's row to a
     [P, H] buffer (the plan's moe.runner.down): a step whose tuned entry has down sum the
     top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name or "",
-                       config_dir)
+    table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block),
+                       device_name or "", config_dir)
     if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
         return max_rows
     keys = sorted(table)
@@ -223,16 +293,17 @@ def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, d
 
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                   dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
-                  config_dir: Path = CONFIG_DIR) -> list[int]:
+                  config_dir: Path = CONFIG_DIR,
+                  quant_block: Optional[tuple[int, int]] = None) -> list[int]:
     """One token count per distinct config that a step of 1..max_tokens rows can take (the
     smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
     once at each compiles every config before the first request needs it."""
-    table = load_tuned(num_local, hidden, inter, dtype_name(dtype), device_name,
+    table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block), device_name,
                        config_dir) or {}
     sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
     first: dict[str, int] = {}
     for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
         cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability,
-                         config_dir)
+                         config_dir, quant_block)
         first.setdefault(json.dumps(cfg, sort_keys=True), n)
     return sorted(first.values())

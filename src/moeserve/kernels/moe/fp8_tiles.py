@@ -1,0 +1,38 @@
+"""What the fp8 MoE kernels share (fused_moe_fp8.py, decode_moe_fp8.py): the epilogue's
+per-group quantization of a float32 tile and the tile rules of block-scaled operands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton.language as tl
+
+from moeserve.kernels.fp8.gemm import AMAX_FLOOR, FP8_MAX, round_e4m3
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
+    """h [M, N] float32 -> (values on the e4m3 grid [M, N] float32, scales [M, N / GROUP_K]):
+    per row per GROUP_K columns, amax / 448, as gemm.quantize_groups."""
+    h3 = tl.reshape(h, (M, N // GROUP_K, GROUP_K))
+    scale = tl.maximum(tl.max(tl.abs(h3), axis=2), AMAX_FLOOR) / FP8_MAX
+    q = round_e4m3(tl.minimum(tl.maximum(h3 / scale[:, :, None], -FP8_MAX), FP8_MAX))
+    return tl.reshape(q, (M, N)), scale
+
+
+def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool) -> None:
+    """BLOCK_K must divide the scale group (one scale a K step); a tile that quantizes its
+    output (whole_groups) holds whole groups: BLOCK_N a multiple of it."""
+    bad = []
+    if group % cfg["BLOCK_K"]:
+        bad.append(f"BLOCK_K {cfg['BLOCK_K']} does not divide the scale group {group}")
+    if whole_groups and cfg["BLOCK_N"] % group:
+        bad.append(f"BLOCK_N {cfg['BLOCK_N']} is not a multiple of the scale group {group}")
+    if cfg.get("PAIRED") or cfg.get("WS"):
+        bad.append("PAIRED and WS have no fp8 kernel")
+    if bad:
+        raise ValueError(f"fp8 MoE tile config for {what}: {'; '.join(bad)}; re-run "
+                         "python -m benchmarks tune-moe --fp8")
