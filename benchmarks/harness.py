@@ -126,16 +126,25 @@ class Ceilings:
     copy_GBps: float
     bf16_TFLOPs: float
     peer_GBps: Optional[float] = None
+    fp8_TFLOPs: Optional[float] = None
 
     def line(self) -> str:
         peer = ("" if self.peer_GBps is None else
                 f", peer copy {self.peer_GBps:.0f} GB/s (256 MiB, GPU 0 to GPU 1)")
+        fp8 = ("" if self.fp8_TFLOPs is None else
+               f", FP8 GEMM 8192^3 (torch._scaled_mm, per-tensor scales) "
+               f"{self.fp8_TFLOPs:.0f} TFLOP/s")
         return (f"Ceilings measured in the same run: copy {self.copy_GBps:.0f} GB/s (1 GiB, read "
-                f"+ write), bf16 GEMM 8192^3 {self.bf16_TFLOPs:.0f} TFLOP/s{peer}.")
+                f"+ write), bf16 GEMM 8192^3 {self.bf16_TFLOPs:.0f} TFLOP/s{fp8}{peer}.")
 
     def floor_us(self, nbytes: float = 0.0, flops: float = 0.0) -> float:
         """max(bytes / copy bandwidth, FLOPs / bf16 rate), µs."""
         return max(nbytes / self.copy_GBps / 1e3, flops / self.bf16_TFLOPs / 1e6)
+
+    def fp8_floor_us(self, nbytes: float = 0.0, flops: float = 0.0) -> float:
+        """max(bytes / copy bandwidth, FLOPs / FP8 rate), µs (measure_ceilings(fp8=True))."""
+        assert self.fp8_TFLOPs is not None, "measure_ceilings(fp8=True) measures the FP8 rate"
+        return max(nbytes / self.copy_GBps / 1e3, flops / self.fp8_TFLOPs / 1e6)
 
 
 def copy_GBps() -> float:
@@ -149,6 +158,17 @@ def bf16_TFLOPs() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     return 2 * 8192 ** 3 / time_us(lambda: a @ b, reps=30) / 1e6
+
+
+def fp8_TFLOPs() -> float:
+    """torch._scaled_mm of two 8192^2 float8_e4m3fn matrices (per-tensor scales, bf16 out),
+    the second column-major as cuBLAS's FP8 GEMM takes it."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    return 2 * 8192 ** 3 / time_us(lambda: torch._scaled_mm(a, b, one, one,
+                                                            out_dtype=torch.bfloat16),
+                                   reps=30) / 1e6
 
 
 def peer_copy_GBps(src: int = 0, dst: int = 1, nbytes: int = 256 << 20) -> Optional[float]:
@@ -165,11 +185,13 @@ def peer_copy_GBps(src: int = 0, dst: int = 1, nbytes: int = 256 << 20) -> Optio
     return nbytes / us / 1e3
 
 
-def measure_ceilings(peer: bool = False) -> Ceilings:
-    """The ceilings of GPU 0 (and its link to GPU 1 with peer); their buffers are handed back
-    to the device afterwards, for the engines a run starts next."""
+def measure_ceilings(peer: bool = False, fp8: bool = False) -> Ceilings:
+    """The ceilings of GPU 0 (and its link to GPU 1 with peer, the FP8 GEMM rate with fp8);
+    their buffers are handed back to the device afterwards, for the engines a run starts
+    next."""
     found = Ceilings(copy_GBps(), bf16_TFLOPs(),
-                     peer_copy_GBps() if peer and torch.cuda.device_count() > 1 else None)
+                     peer_copy_GBps() if peer and torch.cuda.device_count() > 1 else None,
+                     fp8_TFLOPs() if fp8 else None)
     torch.cuda.empty_cache()
     return found
 

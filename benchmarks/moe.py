@@ -2,7 +2,9 @@ r"""The MoE layer (router + experts, tp = 1, bf16) at 1..8192 tokens: moeserve's
 beside its grouped_mm runner (torch._grouped_mm) and transformers' own MoE block.
 
     PYTHONPATH=src python -m benchmarks moe --out $OUT [--models ...] [--tokens ...] \
-        [--profile-from N] [--results benchmarks/RESULTS.md]
+        [--profile-from N] [--fp8] [--results benchmarks/RESULTS.md]
+
+With --fp8: the layer with block-scaled FP8 experts beside bf16 (benchmarks/moe_fp8.py).
 
 Per size: R batches of fresh random hidden states (R = 4 up to 512 tokens, so that
 consecutive calls route to different experts and L2 holds no weights of the call before),
@@ -55,6 +57,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--profile-from", type=int, default=0, metavar="N",
                    help="print the triton layer's time by kernel at N tokens and more")
+    p.add_argument("--fp8", action="store_true",
+                   help="the layer with block-scaled FP8 experts beside bf16, with the FP8 "
+                        "GEMM rate (benchmarks/moe_fp8.py)")
 
 
 class Layer:
@@ -217,6 +222,10 @@ def cells(r: dict) -> list[str]:
 
 
 def run(args: Any, argv: list[str]) -> int:
+    if args.fp8:
+        from benchmarks import moe_fp8
+
+        return moe_fp8.run(args, argv)
     harness.require_gpu()
     info = RunInfo.collect("moe", argv, extra_versions=("transformers",))
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ them).
 
     PYTHONPATH=src python -m benchmarks tune-moe [--models ...] [--shape E,H,I,K ...] \
         [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
-        [--half-tail-only | --atomic-sum-only | --retune {gate_up,down}]
+        [--half-tail-only | --atomic-sum-only | --retune {gate_up,down} | --fp8]
 
 For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
 per used expert, every gate_up candidate and every down candidate timed alone (harness.time_us
@@ -25,6 +25,8 @@ alone, as CUDA-graph replays of 4 calls with different routings), then both whol
 (align + GEMMs + top-k sum, against the two GEMV launches) are timed as CUDA-graph replays of
 4 calls with different routings, and the entry gets a "decode" key only when that path is
 faster.
+
+--fp8 tunes the block-scaled fp8 kernels instead (benchmarks/tune_moe_fp8.py).
 """
 
 from __future__ import annotations
@@ -309,6 +311,9 @@ def add_arguments(ap: Any) -> None:
                     help="only re-decide HALF_TAIL on the entries already in --out")
     ap.add_argument("--atomic-sum-only", action="store_true",
                     help="only re-decide down's ATOMIC_SUM on the entries already in --out")
+    ap.add_argument("--fp8", action="store_true",
+                    help="tune the block-scaled fp8 kernels (128 x 128 scale blocks) into the "
+                         "fp8_w8a8_128x128 tables (benchmarks/tune_moe_fp8.py)")
     ap.add_argument("--retune", choices=("gate_up", "down"), default=None,
                     help="only re-tune this GEMM of the entries already in --out, keeping "
                          "the shipped tiles unless the new ones time 1%% faster")
@@ -325,6 +330,13 @@ def run(args: Any, argv: list[str]) -> int:
         shapes.append((spec.num_experts // args.ep, spec.hidden_size,
                        spec.moe_intermediate_size, spec.top_k))
     shapes += [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    if args.fp8:
+        if args.half_tail_only or args.atomic_sum_only or args.retune or args.full:
+            raise SystemExit("--fp8 tunes whole entries: without --half-tail-only, "
+                             "--atomic-sum-only, --retune or --full")
+        from benchmarks import tune_moe_fp8
+
+        return tune_moe_fp8.run(args, shapes)
     device = torch.cuda.get_device_name()
     deadline = time.monotonic() + args.time_budget
     os.makedirs(out, exist_ok=True)

@@ -1,0 +1,167 @@
+r"""`python -m benchmarks tune-moe --fp8`: the tiles of the fp8 MoE kernels (fused_moe_fp8.py,
+decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
+
+The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
+group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256), no PAIRED or WS; per token
+count each BLOCK_M's gate_up and down candidates timed alone (L2 flushed), HALF_TAIL kept where
+1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up to DECODE_MAX_TOKENS the GEMV path
+against the aligned one as CUDA-graph replays. The table's "note" says it was tuned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.tune_moe import (ATOMIC_SUM_MIN_TOKENS, DECODE_MAX_TOKENS, DEVICE, a_or_b,
+                                 best_in_graph, best_of, block_ms, graph_us, routed,
+                                 with_half_tail)
+
+BLOCK = (128, 128)
+GROUP = BLOCK[1]
+
+
+def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
+    """GEMM tiles by the fp8 rules whose fp32 accumulators fit 128 registers a thread."""
+    bns = (128, 256) if gemm == "gate_up" else (32, 64, 128, 256)
+    accs = 2 if gemm == "gate_up" else 1
+    tmas = [{"TMA": 0}] if block_m <= 32 else [{"TMA": 0}, {"TMA": 1}]
+    group_m = 1 if block_m <= 32 else 8
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": w,
+             "num_stages": s, **tma}
+            for bn, bk, w, s in itertools.product(bns, (64, 128), (4, 8), (3, 4))
+            for tma in tmas if accs * block_m * bn <= 128 * 32 * w]
+
+
+def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
+    """GEMV tiles by the fp8 rules whose accumulators take 16..64 registers a thread."""
+    if gemm == "gate_up":
+        space = itertools.product((GROUP,), (16, 32, 64), (4, 8))
+        elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
+    else:
+        tk = 1 << (top_k - 1).bit_length()
+        space = itertools.product((4, 8, 16, 32), (32, 64, 128), (2, 4, 8))
+        elems = lambda bn, bk: tk * bn * bk  # noqa: E731
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
+            if 16 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
+
+
+def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
+    from moeserve.kernels.fp8 import reference as R
+
+    w13 = R.quantize_blocks(torch.randn(e, 2 * i, h, device=DEVICE) * h ** -0.5, BLOCK)
+    w2 = R.quantize_blocks(torch.randn(e, h, i, device=DEVICE) * i ** -0.5, BLOCK)
+    return (*w13, *w2)
+
+
+def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
+    from moeserve.kernels.fp8.gemm import quantize_groups
+    from moeserve.kernels.moe import fused_moe_fp8 as F8
+    from moeserve.kernels.moe.align import align_triton
+    from moeserve.kernels.moe.fused_moe import topk_sum
+
+    w13, w13_s, w2, w2_s = w
+    e, h = w13.shape[0], w13.shape[2]
+    x, ids, weights = routed(n, k, e, h)
+    xq, xs = quantize_groups(x, GROUP)
+    pairs = n * k
+    best = None
+    for bm in block_ms(pairs / min(e, pairs)):
+        blocks = align_triton(ids, 0, e, bm)
+        up_fn = lambda c: F8.gate_up(xq, xs, w13, w13_s, blocks, k, "silu", c, BLOCK)  # noqa: E731
+        t_up, up = with_half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
+                                                            candidates(bm, "gate_up")), bm)
+        hq, hs = up_fn(up)
+        y = torch.empty(pairs, h, device=DEVICE, dtype=torch.bfloat16)
+        down_fn = lambda c: F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK,  # noqa
+                                    False)
+        t_down, dn = with_half_tail("down", down_fn, best_of("down", down_fn,
+                                                             candidates(bm, "down")), bm)
+        print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, "
+              f"down {t_down * 1e3:.1f} us {dn}", flush=True)
+        if best is None or t_up + t_down < best[0]:
+            best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
+    cfg = best[1]
+    if n >= ATOMIC_SUM_MIN_TOKENS:
+        blocks = align_triton(ids, 0, e, cfg["BLOCK_M"])
+        hq, hs = F8.gate_up(xq, xs, w13, w13_s, blocks, k, "silu", cfg["gate_up"], BLOCK)
+        y = torch.empty(pairs, h, device=DEVICE, dtype=torch.bfloat16)
+
+        def summed(c: dict) -> torch.Tensor:
+            if c.get("ATOMIC_SUM"):
+                out = torch.zeros(n, h, device=DEVICE, dtype=torch.bfloat16)
+                return F8.down(hq, hs, w2, w2_s, blocks, weights, out, k, c, BLOCK, True)
+            F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK, False)
+            return topk_sum(y, ids, 0, e)
+        cfg["down"] = a_or_b("down + top-k sum", summed, cfg["down"],
+                             {**cfg["down"], "ATOMIC_SUM": 1})[1]
+    if n <= DECODE_MAX_TOKENS:
+        cfg = with_decode(n, k, w, cfg)
+    return cfg
+
+
+def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
+    """cfg plus the best GEMV tiles when the GEMV path times faster as a graph replay."""
+    from moeserve.kernels.fp8.gemm import quantize_groups
+    from moeserve.kernels.moe.decode_moe_fp8 import decode_down_fp8, decode_gate_up_fp8
+    from moeserve.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+
+    w13, w13_s, w2, w2_s = w
+    e, h = w13.shape[0], w13.shape[2]
+    calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
+              torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
+              torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    quant = [quantize_groups(x, GROUP) for x, _, _ in calls]
+    t_up, up = best_in_graph("decode gate_up", lambda c: [
+        lambda q=q, i=i: decode_gate_up_fp8(*q, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, c)
+        for q, (_, i, _) in zip(quant, calls)], gemv_candidates("gate_up", k))
+    hs = [decode_gate_up_fp8(*q, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, up)
+          for q, (_, i, _) in zip(quant, calls)]
+    t_down, dn = best_in_graph("decode down", lambda c: [
+        lambda hb=hb, i=i, wt=wt: decode_down_fp8(*hb, w2, w2_s, i.view(-1), wt.view(-1), n, k,
+                                                  0, BLOCK, c, torch.bfloat16)
+        for hb, (_, i, wt) in zip(hs, calls)], gemv_candidates("down", k))
+    decode = {**cfg, "decode": {"gate_up": up, "down": dn}}
+    whole = {name: graph_us([lambda x=x, i=i, wt=wt, c=c: fused_experts_fp8(
+        x, None, w13, w13_s, w2, w2_s, i, wt, 0, "silu", BLOCK, c, torch.bfloat16)
+        for x, i, wt in calls]) for name, c in (("aligned", cfg), ("gemv", decode))}
+    print(f"  N={n} GEMV: gate_up {t_up:.1f} us {up}, down {t_down:.1f} us {dn}; whole path "
+          f"(graph) aligned {whole['aligned']:.1f} us, GEMV {whole['gemv']:.1f} us",
+          flush=True)
+    return decode if whole["gemv"] < whole["aligned"] else cfg
+
+
+def run(args: Any, shapes: list[tuple[int, int, int, int]]) -> int:
+    from moeserve.kernels.moe.configs import (CONFIG_DIR, config_file_name, table_dtype,
+                                              validate)
+
+    harness.require_gpu()
+    out = Path(args.out or CONFIG_DIR)
+    device = torch.cuda.get_device_name()
+    deadline = time.monotonic() + args.time_budget
+    os.makedirs(out, exist_ok=True)
+    weights: dict = {}
+    for n in args.tokens:
+        for e, h, i, k in shapes:
+            path = out / config_file_name(e, h, i, table_dtype(torch.bfloat16, BLOCK), device)
+            if time.monotonic() > deadline:
+                print(f"E={e} H={h} I={i} N={n}: out of --time-budget", flush=True)
+                continue
+            print(f"fp8 E={e} H={h} I={i} K={k} N={n} on {device} -> {path.name}", flush=True)
+            if (e, h, i) not in weights:
+                weights = {(e, h, i): make_weights(e, h, i)}
+            table = json.loads(path.read_text()) if path.is_file() else {}
+            table[str(n)] = validate(tune_size(n, k, weights[(e, h, i)]), "the tuner", GROUP)
+            entries = sorted(((key, v) for key, v in table.items() if key != "note"),
+                             key=lambda t: int(t[0]))
+            note = (f"Tuned by python -m benchmarks tune-moe --fp8 on {device} at the sizes "
+                    "it was given; an entry it was not given keeps what the table held.")
+            path.write_text(json.dumps({"note": note, **dict(entries)}, indent=1) + "\n")
+    return 0
