@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8.gemm import AMAX_FLOOR, FP8_MAX, round_e4m3
