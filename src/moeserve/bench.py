@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import statistics
 import threading
@@ -11,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm.auto import tqdm
 
+from moeserve.runtime.grammar import GrammarSpec
 from moeserve.runtime.sampling import SamplingParams
 
 
@@ -22,6 +24,7 @@ class RequestTiming:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: Optional[str] = None
+    finish_reason: Optional[str] = None
 
 
 def random_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -29,15 +32,18 @@ def random_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
 
 
-def _one(engine: Any, ids: Sequence[int], params: SamplingParams) -> RequestTiming:
+def _one(engine: Any, ids: Sequence[int], params: SamplingParams,
+         grammar: Optional[GrammarSpec] = None) -> RequestTiming:
     t = RequestTiming(len(ids))
+    extra = {} if grammar is None else {"grammar": grammar}
     start = last = time.perf_counter()
-    for chunk in engine.stream(input_ids=list(ids), sampling_params=params):
+    for chunk in engine.stream(input_ids=list(ids), sampling_params=params, **extra):
         now = time.perf_counter()
         n = len(chunk["token_ids"])
         if chunk["error"]:
             t.error = chunk["error"]
             break
+        t.finish_reason = chunk.get("finish_reason") or t.finish_reason
         if n:
             if t.ttft is None:
                 t.ttft = now - start
@@ -51,9 +57,15 @@ def _one(engine: Any, ids: Sequence[int], params: SamplingParams) -> RequestTimi
 
 
 def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
-              max_concurrency: int, progress: bool = True, **penalties: float) -> dict[str, Any]:
-    """Greedy, ignore_eos; `penalties`: repetition/frequency/presence_penalty for every
-    request (SamplingParams' names)."""
+              max_concurrency: int, progress: bool = True,
+              grammars: Optional[Sequence[Optional[GrammarSpec]]] = None,
+              **penalties: float) -> dict[str, Any]:
+    """Greedy, ignore_eos; `grammars`: one output constraint (or None) per prompt, whose end
+    ends its request; `penalties`: repetition/frequency/presence_penalty for every request
+    (SamplingParams' names)."""
+    if grammars is not None and len(grammars) != len(prompts):
+        raise ValueError(f"{len(grammars)} grammars for {len(prompts)} prompts: give one "
+                         "(or None) per prompt")
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
                             **penalties)
     timings: list[Optional[RequestTiming]] = [None] * len(prompts)
@@ -67,7 +79,8 @@ def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
                 i = next(next_index, None)
             if i is None:
                 return
-            timings[i] = _one(engine, prompts[i], params)
+            timings[i] = _one(engine, prompts[i], params,
+                              None if grammars is None else grammars[i])
             with lock:
                 bar.update(1)
 
@@ -102,6 +115,7 @@ def summarize(timings: list[RequestTiming], duration: float, concurrency: int) -
         "num_prompts": len(timings), "completed": len(ok),
         "errors": [t.error for t in timings if t.error is not None][:5],
         "max_concurrency": concurrency, "duration_s": duration,
+        "finish_reasons": dict(collections.Counter(t.finish_reason for t in ok)),
         "input_tokens": n_in, "output_tokens": n_out,
         "input_tokens_per_s": n_in / duration if duration else 0.0,
         "output_tokens_per_s": n_out / duration if duration else 0.0,

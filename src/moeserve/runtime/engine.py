@@ -513,11 +513,12 @@ class Engine:
         return results[0] if single else results
 
     def stream(self, prompt: Optional[str] = None, sampling_params: ParamsLike = None,
-               input_ids: Optional[Sequence[int]] = None) -> Iterator[dict[str, Any]]:
+               input_ids: Optional[Sequence[int]] = None,
+               grammar: Optional[GrammarSpec] = None) -> Iterator[dict[str, Any]]:
         """Yield one dict per step with the new text and token ids; the last one has the
-        finish reason and usage."""
+        finish reason and usage. `grammar`: as submit's."""
         (ids,), _ = self._inputs(prompt, input_ids)
-        rid, q = self.submit(ids, sampling_params, stream=True)
+        rid, q = self.submit(ids, sampling_params, stream=True, grammar=grammar)
         done, generated = False, 0
         try:
             while not done:
