@@ -10,6 +10,10 @@
     mla        DeepSeek's latent attention, one layer and end to end (mla.py)
     a2a        the MoE all-to-all against NCCL all_to_all_single, several GPUs (a2a.py)
     scaleout   `moeserve bench` by parallel layout against one GPU, several GPUs (scaleout.py)
+    structured structured output (JSON schemas) against the same requests unconstrained
+               (structured.py; its schemas in schemas.py, its vocabulary from vocab.py)
+    coldstart  the first batches after a start against the same batches again, and a second
+               start with the compile cache in place (coldstart.py)
     tune-moe   tune the fused MoE kernels' tiles into src/moeserve/kernels/moe/configs/
                (tune_moe.py)
     record     write sections from an --out folder into RESULTS.md (record.py)

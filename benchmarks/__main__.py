@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 # run(args, argv) -> exit status
 SUBCOMMANDS = {"e2e": "e2e", "moe": "moe", "attention": "attention", "mla": "mla",
                "a2a": "a2a", "scaleout": "scaleout", "tune-moe": "tune_moe",
-               "record": "record"}
+               "record": "record", "structured": "structured", "coldstart": "coldstart"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
