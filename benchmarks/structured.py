@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import queue
 import sys
 import tempfile
 import time
@@ -28,6 +29,7 @@ HELP = "structured output (JSON schemas) against the same requests unconstrained
 TITLE = "Structured output"
 MODEL = "preset:qwen3-30b-a3b"
 CHECK_TOKENS = 256  # the output check's cap: a bounded document ends well within it
+CHECK_WAIT_S = 300  # the longest wait for a check request's next output
 METHOD = """\
 One engine, dummy bf16 weights, greedy, ignore_eos, the prefix cache off (both modes send the
 same prompts). At each concurrency the same random prompts run twice through `moeserve bench`'s
@@ -107,7 +109,11 @@ def check_outputs(engine: Any, args: Any) -> dict[str, Any]:
     for q, schema in zip(waiting, schemas):
         ids, finish = [], None
         while finish is None:
-            out = q.get(timeout=600)
+            try:
+                out = q.get(timeout=CHECK_WAIT_S)
+            except queue.Empty:
+                found["errors"].append(f"no output within {CHECK_WAIT_S} s")
+                break
             if out.error:
                 found["errors"].append(out.error)
                 break
