@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-10  # reference.AMAX_FLOOR
+FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
+AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
 
 
 @triton.jit
