@@ -296,13 +296,20 @@ def test_fp8_runner_replays_in_a_cuda_graph(n):
 
 
 @pytest.mark.gpu
-def test_fp8_engine_with_triton_experts_gives_the_reference_tokens():
-    """preset:tiny quantized at load, decode graphs and the triton runner against the reference
-    runner (eager): the same greedy tokens (float32 model; the two differ only in the order
-    of float32 sums)."""
+def test_fp8_engine_with_triton_experts_gives_the_reference_tokens(tmp_path):
+    """A small Qwen3-MoE whose projections hold whole 128 x 128 blocks, quantized at load,
+    decode graphs and the triton runner against the reference runner (eager): the same greedy
+    tokens (float32 model; the two differ only in the order of float32 sums)."""
+    import json
     import random
 
+    from moeserve.config.presets import PRESETS
     from moeserve.runtime.engine import Engine
+
+    config = {**PRESETS["tiny"], "hidden_size": 256, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 128, "moe_intermediate_size": 128,
+              "intermediate_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
 
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(m)] for m in (1, 7, 40, 130)]
@@ -312,7 +319,7 @@ def test_fp8_engine_with_triton_experts_gives_the_reference_tokens():
                  context_length=256)
     tokens = {}
     for runner in ("triton", "reference"):
-        with Engine("preset:tiny", moe_runner_backend=runner, **flags) as engine:
+        with Engine(str(tmp_path), moe_runner_backend=runner, **flags) as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
         tokens[runner] = [o["token_ids"] for o in out]

@@ -40,14 +40,22 @@ def round_e4m3(v):
 
 
 @triton.jit
+def group_scale(amax):
+    """amax / 448 with IEEE division (a kernel's `/` is approximate on the GPU), as torch
+    divides: the same scales, and so the same codes, as reference.quantize_groups."""
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_MAX,
+                                                                 tl.float32))
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
                             GROUP: tl.constexpr, BLOCK: tl.constexpr):
     row, g = tl.program_id(0), tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR) / FP8_MAX
-    q = round_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+    scale = group_scale(tl.max(tl.abs(x), axis=0))
+    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + g, scale)
 

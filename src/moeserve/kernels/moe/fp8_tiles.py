@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.gemm import AMAX_FLOOR, FP8_MAX, round_e4m3
+from moeserve.kernels.fp8.gemm import FP8_MAX, group_scale, round_e4m3
 
 FP8 = torch.float8_e4m3fn
 
@@ -19,8 +19,9 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
     """h [M, N] float32 -> (values on the e4m3 grid [M, N] float32, scales [M, N / GROUP_K]):
     per row per GROUP_K columns, amax / 448, as gemm.quantize_groups."""
     h3 = tl.reshape(h, (M, N // GROUP_K, GROUP_K))
-    scale = tl.maximum(tl.max(tl.abs(h3), axis=2), AMAX_FLOOR) / FP8_MAX
-    q = round_e4m3(tl.minimum(tl.maximum(h3 / scale[:, :, None], -FP8_MAX), FP8_MAX))
+    scale = group_scale(tl.max(tl.abs(h3), axis=2))
+    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(h3, scale[:, :, None]), -FP8_MAX),
+                              FP8_MAX))
     return tl.reshape(q, (M, N)), scale
 
 
