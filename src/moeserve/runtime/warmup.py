@@ -155,7 +155,7 @@ def _moe(runner: Any, v: Variant) -> None:
             continue
         seen.add(key)
         n, k = v.size, runner.spec.top_k
-        x = torch.randn(n, mod.hidden, device=dev, dtype=mod.w13.dtype)
+        x = torch.randn(n, mod.hidden, device=dev, dtype=mod.dtype)  # the rows, not fp8 weights
         ids = torch.rand(n, mod.num_experts, device=dev).topk(k, dim=1).indices
         mod(x, ids.to(torch.int32), torch.rand(n, k, device=dev))
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # reference.INV_FP8_MAX
 
 
 @triton.jit
@@ -41,10 +42,9 @@ def round_e4m3(v):
 
 @triton.jit
 def group_scale(amax):
-    """amax / 448 with IEEE division (a kernel's `/` is approximate on the GPU), as torch
-    divides: the same scales, and so the same codes, as reference.quantize_groups."""
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_MAX,
-                                                                 tl.float32))
+    """amax x (1 / 448), as reference.quantize_groups computes it (the codes then divide with
+    IEEE division, tl.math.div_rn: a kernel's `/` is approximate on the GPU)."""
+    return tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
 
 
 @triton.jit

@@ -20,6 +20,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# scales are amax times this (not amax / 448): torch divides by a scalar that way on a GPU and
+# exactly on a CPU, and the Triton kernels multiply too, so every path gives the same scales
+INV_FP8_MAX = 1.0 / FP8_MAX
 # a block of zeros gets this amax: a finite scale, and its quantized values stay zero
 AMAX_FLOOR = 1e-10
 
@@ -47,7 +50,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]
     nb, kb = wp.shape[-2] // bn, wp.shape[-1] // bk
     blocks = wp.reshape(*w.shape[:-2], nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = amax * INV_FP8_MAX
     q = to_fp8(blocks / scale[..., :, None, :, None]).reshape(wp.shape)[..., :n, :k]
     return q.contiguous(), scale.contiguous()
 
@@ -71,7 +74,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     `group` columns, group amax / 448."""
     t, k = x.shape
     xp = _pad_to(x.float(), -1, group).view(t, -1, group)
-    scale = xp.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = xp.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) * INV_FP8_MAX
     q = to_fp8(xp / scale[..., None]).view(t, -1)[:, :k]
     return q.contiguous(), scale
 
