@@ -17,6 +17,7 @@ without a collective (docs/DESIGN.md, "Structured outputs").
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -148,9 +149,18 @@ def fill_bitmask(matchers: Sequence[Optional[Any]], vocab_size: int,
         return None
     words = (vocab_size + 31) // 32
     bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32, pin_memory=pin)
-    for j, m in live:
-        m.fill_next_token_bitmask(bitmask, j)
+    if live:  # the rows in parallel, on xgrammar's threads
+        _batch_matcher().batch_fill_next_token_bitmask([m for _, m in live], bitmask,
+                                                       [j for j, _ in live])
     return bitmask
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    """xgrammar's batch filler (its own thread pool, sized to the machine), made once."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads="auto")
 
 
 def apply_bitmask(logits_SV: torch.Tensor, bitmask_SW: torch.Tensor) -> None:
