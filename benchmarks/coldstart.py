@@ -131,6 +131,7 @@ def part_start(args: Any, which: str, save: Callable[[dict[str, Any]], None]) ->
     save(out)
     if which == "first":
         after_start = cached_kernels(cache)
+        folders_at_start = _kernel_folders(cache)
         for n, length in batches(args):
             rounds = []
             for r in range(2):
@@ -148,6 +149,9 @@ def part_start(args: Any, which: str, save: Callable[[dict[str, Any]], None]) ->
                       f"{s['ttft_ms_p50']:.1f} ms", flush=True)
             out["batches"].append({"n": n, "input_len": length, "rounds": rounds})
             out["kernels_by_requests"] = cached_kernels(cache) - after_start
+            out["kernels_by_requests_names"] = sorted(
+                name for f in _kernel_folders(cache) - folders_at_start
+                for name in _kernel_names(f))
             save(out)
     engine.shutdown()
     return 0
@@ -173,7 +177,9 @@ def render(args: Any, info: RunInfo, ceil: Optional[Ceilings], res: dict[str, An
         body += table(["requests x prompt tokens", "first TTFT p50 ms", "again TTFT p50 ms",
                        "first ÷ again", "first TTFT p90 ms", "again TTFT p90 ms"], rows)
         body += ["", f"Kernels compiled by these requests after the first start: "
-                 f"{first.get('kernels_by_requests')}.", ""]
+                 f"{first.get('kernels_by_requests')}"
+                 + (f" ({', '.join(first['kernels_by_requests_names'])})"
+                    if first.get("kernels_by_requests_names") else "") + ".", ""]
     from moeserve.runtime.startup import PHASES
 
     starts = [(name, r) for name, r in (("first (empty cache)", first),
@@ -244,3 +250,14 @@ def run(args: Any, argv: list[str]) -> int:
     harness.save(out, "coldstart", {**res, "info": info, "ceilings": ceil, "failed": failed},
                  text, None if failed else args.results)
     return 1 if failed else 0
+
+
+def _kernel_folders(cache: Path) -> set[Path]:
+    """The Triton cache's folders (one per compiled kernel or launcher)."""
+    folder = cache / "triton"
+    return {p for p in folder.iterdir() if p.is_dir()} if folder.is_dir() else set()
+
+
+def _kernel_names(folder: Path) -> list[str]:
+    """The kernels a cache folder holds (its metadata files, named after the kernel)."""
+    return [p.stem for p in folder.glob("*.json") if not p.name.startswith("__grp__")]
