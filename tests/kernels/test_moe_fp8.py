@@ -321,7 +321,8 @@ def test_fp8_engine_with_triton_experts_gives_the_reference_tokens(tmp_path):
     for runner in ("triton", "reference"):
         # the reference runner's fp8 path finds each expert's rows on the host: no graphs
         with Engine(str(tmp_path), moe_runner_backend=runner, **flags,
-                    disable_cuda_graph=runner == "reference") as engine:
+                    disable_cuda_graph=runner == "reference",
+                    disable_piecewise_cuda_graph=runner == "reference") as engine:
             out = engine.generate(input_ids=prompts, sampling_params=params)
         assert all(o["error"] is None for o in out), out
         tokens[runner] = [o["token_ids"] for o in out]

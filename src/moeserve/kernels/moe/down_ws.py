@@ -231,7 +231,9 @@ if gluon is not None:
                 mbarrier.arrive(out_free)
                 done += 1
 
-    @gluon.jit
+    # num_blocks follows the step's size: unspecialised, as fused_moe's kernels, so one
+    # compile serves every size of a tile config (plan/warmup.py's rule)
+    @gluon.jit(do_not_specialize=["num_blocks", "top_k"])
     def _down_ws_kernel(a_desc, a_half_desc, b_desc, y_ptr, sorted_ptr, block_expert_ptr,
                         block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k,
                         STAGES: gl.constexpr, HALF_TAIL: gl.constexpr,
