@@ -25,6 +25,7 @@ import triton.language as tl
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # reference.INV_FP8_MAX
+MIN_GPU_BLOCK_K = 32  # the K of an fp8 tl.dot on the GPU
 
 
 @triton.jit
@@ -129,6 +130,9 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     m, k = xq_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
+    if xq_MK.is_cuda and bk < MIN_GPU_BLOCK_K:
+        raise ValueError(f"fp8 scale blocks {block} are {bk} wide along K; a GPU's fp8 dot "
+                         f"needs at least {MIN_GPU_BLOCK_K} (checkpoints use 128)")
     out = torch.empty(m, n, dtype=out_dtype, device=xq_MK.device)
     if m == 0:
         return out
