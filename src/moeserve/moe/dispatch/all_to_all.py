@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 
 from moeserve.layers.linear import quantize_rows
-from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, hidden_bytes,
-                                        pack_tokens, payload_bytes, unpack_tokens)
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, ExchangeDispatcher,
+                                        hidden_bytes, pack_tokens, payload_bytes,
+                                        unpack_tokens)
 from moeserve.plan.buffers import a2a_row_bytes
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.batch.buffers import A2AWorkspace, ModelBuffers
@@ -44,23 +45,12 @@ class AllToAllHandle:
 
 
 @DISPATCHERS.register("all_to_all")
-class AllToAllDispatcher(Dispatcher):
-    reduces_partial_sums = False
-    graph_safe = True  # no host synchronisation: shapes from the plan and R only
+class AllToAllDispatcher(ExchangeDispatcher):
+    marker = "a2a.send"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        lay, spec, plan = self.state.layout, self.spec, self.plan
-        if not lay.a2a or plan.a2a_cap is None:
-            raise ValueError("the all_to_all dispatcher needs a plan made with "
-                             "--moe-a2a-backend all_to_all")
-        if lay.moe_tp != 1:
-            raise ValueError(f"the all-to-all moves tokens to whole experts: set --ep-size "
-                             f"{lay.tp} (= --tp-size)")
-        self.axis = self.state.ep
-        self.cap = plan.a2a_cap
-        self.hidden, self.top_k = spec.hidden_size, spec.top_k
-        self.experts_per_rank = spec.num_experts // lay.ep
+        plan = self.plan
         self.scale_group = plan.a2a_scale_group
         self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
         # a workspace row carries a token out and its result back

@@ -76,6 +76,29 @@ class Dispatcher(ABC):
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")
 
 
+class ExchangeDispatcher(Dispatcher):
+    """The dispatchers that move each token to whole experts (all_to_all, nvlink: ep == tp),
+    through the plan's all-to-all records (`marker`: one only this transport's plan has)."""
+
+    reduces_partial_sums = False
+    graph_safe = True  # no host synchronisation: shapes from the plan and R only
+    marker: ClassVar[str]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        lay, spec, plan = self.state.layout, self.spec, self.plan
+        if not lay.a2a or plan.a2a_cap is None or not plan.has_buffer(self.marker):
+            raise ValueError(f"the {self.name} dispatcher needs a plan made with "
+                             f"--moe-a2a-backend {self.name}")
+        if lay.moe_tp != 1:
+            raise ValueError(f"the all-to-all moves tokens to whole experts: set --ep-size "
+                             f"{lay.tp} (= --tp-size)")
+        self.axis = self.state.ep
+        self.cap = plan.a2a_cap
+        self.hidden, self.top_k = spec.hidden_size, spec.top_k
+        self.experts_per_rank = spec.num_experts // lay.ep
+
+
 # --- the token payload: one byte row per token (plan/buffers.token_payload_bytes) ----------
 
 def payload_bytes(hidden: int, top_k: int, dtype: torch.dtype,

@@ -37,7 +37,7 @@ import torch
 from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
 from moeserve.batch.step import StepContext
 from moeserve.kernels.moe import exchange_torch
-from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher,
+from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, ExchangeDispatcher,
                                         payload_bytes)
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
@@ -52,23 +52,11 @@ class PeerHandle:
 
 
 @DISPATCHERS.register("nvlink")
-class NVLinkDispatcher(Dispatcher):
-    reduces_partial_sums = False
-    graph_safe = True  # no host synchronisation: the layout comes from the plan and R
+class NVLinkDispatcher(ExchangeDispatcher):
+    marker = "a2a.combine"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        lay, spec, plan = self.state.layout, self.spec, self.plan
-        if not lay.a2a or plan.a2a_cap is None or not plan.has_buffer("a2a.combine"):
-            raise ValueError("the nvlink dispatcher needs a plan made with "
-                             "--moe-a2a-backend nvlink")
-        if lay.moe_tp != 1:
-            raise ValueError(f"the all-to-all moves tokens to whole experts: set --ep-size "
-                             f"{lay.tp} (= --tp-size)")
-        self.axis = self.state.ep
-        self.cap = plan.a2a_cap
-        self.hidden, self.top_k = spec.hidden_size, spec.top_k
-        self.experts_per_rank = spec.num_experts // lay.ep
         self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
         self.buffers: Optional[PeerExchangeBuffers] = None
         self.recv_window: Optional[PeerWindow] = None  # on a GPU: the peers' stores
