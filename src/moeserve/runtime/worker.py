@@ -172,11 +172,15 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
     has_work = False
     last_stats: list[Optional[dict[str, int]]] = [None]
 
+    # only the DP groups' leaders report; with one DP group that is rank 0 alone, which then
+    # publishes without a collective
+    gather = multi and state.layout.dp > 1
+
     def publish(outs: list[TokenOutput]) -> None:
         """Outputs and KV figures of every DP group to rank 0, which hands them to the engine
-        (a collective of the CPU group when there are several ranks)."""
+        (a collective of the CPU group when several DP groups report)."""
         stats = [worker.stats()] if worker.is_dp_leader else []
-        if multi:
+        if gather:
             mine = (outs if worker.is_dp_leader else [], stats)
             gathered: Optional[list] = [None] * state.world.size if state.rank == 0 else None
             dist.gather_object(mine, gathered, dst=0, group=state.cpu)
@@ -197,15 +201,25 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
             if parent_pid is not None and os.getppid() != parent_pid:
                 msgs.append(Message("shutdown"))  # orphaned: the engine died without a word
         if multi:
-            box = [msgs]
-            dist.broadcast_object_list(box, src=0, group=state.cpu)
-            msgs = box[0]
+            msgs = _share(msgs, state)
         outs, stop, has_work = worker.iteration(msgs, publish)
         publish(outs)
         if heartbeat is not None:
             heartbeat.value = time.monotonic()
         if stop:
             return
+
+
+def _share(msgs: list[Message], state: ParallelState) -> list[Message]:
+    """Rank 0's messages on every rank: their count in one broadcast of an int (most steps
+    have none), then the messages themselves only when there are some."""
+    count = torch.tensor([len(msgs)], dtype=torch.int64)
+    dist.broadcast(count, src=0, group=state.cpu)
+    if not int(count):
+        return []
+    box = [msgs]
+    dist.broadcast_object_list(box, src=0, group=state.cpu)
+    return box[0]
 
 
 def _drain(inbox: Any, block: bool) -> list[Message]:
