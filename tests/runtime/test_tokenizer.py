@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -161,3 +162,37 @@ def test_preset_models_get_a_byte_level_stand_in():
     assert max(ids) < 256 and tok.eos_token_ids == {256} and tok.vocab_size == 257
     dec = tok.detokenizer()
     assert "".join(dec.add(i) for i in ids) + dec.flush() == TEXT
+
+
+def _wrap(hf: HFTokenizer):
+    from moeserve.runtime.tokenizer import Tokenizer
+
+    return Tokenizer(hf)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(list(TEXT) + SPECIAL + [" ", "the ", "\u0301"]),
+                max_size=400).map("".join))
+def test_min_tokens_never_exceeds_the_tokens_of_a_text(trained, text):
+    """The bound that refuses a huge prompt untokenized is a true lower bound, with the
+    special tokens (the longest entries) and with a composing normalizer (NFC)."""
+    import copy
+
+    from tokenizers import normalizers
+
+    nfc = copy.deepcopy(trained)
+    nfc.normalizer = normalizers.NFC()
+    for hf in (trained, nfc):
+        tok = _wrap(hf)
+        assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False))
+    assert _wrap(trained).min_tokens("ab " * 10_000) > 0
+
+
+def test_min_tokens_is_zero_where_a_normalizer_may_shrink_a_text_without_bound(trained):
+    import copy
+
+    from tokenizers import normalizers
+
+    strip = copy.deepcopy(trained)
+    strip.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Strip()])
+    assert _wrap(strip).min_tokens(" " * 100_000) == 0

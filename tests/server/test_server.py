@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client as httpclient
 import json
+import statistics
 import threading
 import time
 
@@ -416,6 +417,48 @@ def test_a_10mb_prompt_does_not_hold_up_the_server(server):
     status, _, err = result[0]
     assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
     assert gaps and max(gaps) < 1.0, f"/health took up to {max(gaps, default=0):.2f}s"
+
+
+def test_a_10mb_body_does_not_delay_another_stream(server):
+    """While a 10 MB prompt is refused (its length bounded without tokenizing it), another
+    stream's tokens keep coming: no gap above its median + 100 ms. The big body is encoded
+    before the stream starts, so the client's own work is not timed."""
+    body = json.dumps(_post("/v1/completions", {"prompt": "ab " * 3_400_000})).encode()
+    stream = SSEClient(server, "/v1/chat/completions", _post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "tell me"}], "stream": True,
+        "max_tokens": 1500, "ignore_eos": True, "logprobs": True}))  # an event a token
+    assert stream.status == 200
+    for _ in range(20):  # under way
+        assert stream.next_event() is not None
+    result: list = []
+    big = threading.Thread(target=lambda: result.append(
+        http(server, "POST", "/v1/completions", raw=body, timeout=120)))
+    arrivals = [time.monotonic()]
+    big.start()
+    while big.is_alive() or len(arrivals) < 200:
+        if stream.next_event() is None:
+            break
+        arrivals.append(time.monotonic())
+    big.join()
+    stream.drop()
+    status, _, err = result[0]
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert "at least" in err["error"]["message"]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(gaps) > 50, len(gaps)
+    median = statistics.median(gaps)
+    assert max(gaps) <= median + 0.1, f"a gap of {max(gaps) * 1e3:.0f} ms (median " \
+        f"{median * 1e3:.1f} ms)"
+
+
+def test_a_huge_chat_message_is_refused_before_it_is_tokenized(server):
+    t0 = time.monotonic()
+    status, _, err = http(server, "POST", "/v1/chat/completions", raw=json.dumps(_post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}
+    )).encode(), timeout=60)
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert err["error"]["param"] == "messages"
+    assert time.monotonic() - t0 < 5
 
 
 # --- disconnects and load --------------------------------------------------------------------

@@ -17,6 +17,7 @@ the text) lets the engine run text through dummy weights.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -171,6 +172,26 @@ class Tokenizer:
         encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
         return encode([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), found without encoding (a huge prompt is refused
+        at once, not after seconds of tokenizing): a token stands for at most
+        `max_token_bytes` bytes of the normalized text, a character is at least a byte, and
+        Unicode normalization shrinks a text less than SHRINK-fold. 0 when a normalizer that
+        may shrink a text without bound (strip, replace, ...) comes first."""
+        bound = self._chars_per_token_bound
+        return 0 if bound is None else len(text) // bound
+
+    @functools.cached_property
+    def _chars_per_token_bound(self) -> Optional[int]:
+        """The most characters of a text one token can account for (see min_tokens)."""
+        spec = json.loads(self.hf.to_str()).get("normalizer")
+        shrink = 1 if spec is None else _normalizer_shrink(spec)
+        if shrink is None:
+            return None
+        longest = max((len(t.encode("utf-8")) for t in
+                       self.hf.get_vocab(with_added_tokens=True)), default=1)
+        return shrink * max(longest, 1)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -209,6 +230,20 @@ class Tokenizer:
 
 
 # ------------------------------------------------------------------------------------------
+
+# normalizers that change a text's length by a bounded factor (Unicode composition and case
+# mapping shrink a text's bytes less than SHRINK-fold; prepending only grows it)
+BOUNDED_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"})
+SHRINK = 4
+
+
+def _normalizer_shrink(spec: dict[str, Any]) -> Optional[int]:
+    """How many-fold a tokenizer.json normalizer may shrink a text (None: without bound)."""
+    parts = spec.get("normalizers", []) if spec.get("type") == "Sequence" else [spec]
+    if all(p.get("type") in BOUNDED_NORMALIZERS for p in parts):
+        return SHRINK
+    return None
+
 
 def _chat_template(folder: Path, tok_cfg: dict[str, Any]) -> Optional[str]:
     jinja = folder / "chat_template.jinja"

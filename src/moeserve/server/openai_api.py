@@ -19,9 +19,9 @@ import logging
 import time
 import traceback
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
@@ -126,11 +126,8 @@ class OpenAIHandlers:
     def _limit(self, prompt: Prompt, asked: Optional[int], default: Optional[int],
                prompt_param: str, limit_param: str) -> int:
         n, ctx = len(prompt.ids), self.context_length
-        try:
+        with too_long_as_400(prompt_param):
             check_prompt(n, ctx, "shorten the prompt")
-        except PromptError as exc:
-            code = "context_length_exceeded" if exc.too_long else "invalid_value"
-            raise bad_request(str(exc), prompt_param, code) from None
         if asked is None:
             return output_limit(n, default or ctx, ctx)
         room = output_limit(n, asked, ctx)
@@ -195,7 +192,8 @@ class OpenAIHandlers:
 
     def _completion_prompt(self, p: Union[str, list[int]]) -> Prompt:
         if isinstance(p, str):
-            return Prompt(self.codec.encode(p), p)
+            with too_long_as_400("prompt"):
+                return Prompt(self.codec.encode(p, limit=self.context_length), p)
         bad = [t for t in p if not 0 <= t < self.codec.vocab_size]
         if bad:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary "
@@ -207,8 +205,9 @@ class OpenAIHandlers:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         chat = self.chat.plan(req)
-        text, ids = self.codec.encode_chat(chat.messages, chat.template_tools,
-                                           chat.template_kwargs)
+        with too_long_as_400("messages"):
+            text, ids = self.codec.encode_chat(chat.messages, chat.template_tools,
+                                               chat.template_kwargs, limit=self.context_length)
         output = None if chat.output is None else replace(chat.output, prompt_text=text)
         prompt = Prompt(ids, text)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -367,3 +366,13 @@ def _detail(exc: Exception) -> str:
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+@contextmanager
+def too_long_as_400(param: str) -> Iterator[None]:
+    """A PromptError (empty, or too long for the context) as the 400 that names `param`."""
+    try:
+        yield
+    except PromptError as exc:
+        code = "context_length_exceeded" if exc.too_long else "invalid_value"
+        raise bad_request(str(exc), param, code) from None

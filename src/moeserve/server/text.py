@@ -12,6 +12,7 @@ import functools
 import re
 from typing import Any, Optional, Sequence
 
+from moeserve.runtime.limits import PromptError
 from moeserve.runtime.tokenizer import Tokenizer, TokenizerError, compile_chat_template
 from moeserve.server.errors import bad_request
 
@@ -47,9 +48,17 @@ class TextCodec:
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    def encode(self, text: str, special: bool = True, limit: Optional[int] = None
+               ) -> list[int]:
         """`special`: add the tokenizer's BOS etc. (a plain prompt); a rendered chat template
-        writes its own special tokens."""
+        writes its own special tokens. `limit` (the context length): a text that surely has
+        that many tokens raises PromptError before it is tokenized."""
+        if limit is not None:
+            least = self.tok.min_tokens(text)
+            if least >= limit:
+                raise PromptError(f"the prompt has at least {least} tokens and the context "
+                                  f"length is {limit}: it leaves no room for output; shorten "
+                                  "the prompt", too_long=True)
         return self.tok.encode(text, add_special_tokens=special)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -71,9 +80,10 @@ class TextCodec:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: Optional[list[dict[str, Any]]] = None,
-                    kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
+                    kwargs: Optional[dict[str, Any]] = None, limit: Optional[int] = None
+                    ) -> tuple[str, list[int]]:
         text = self.render_chat(messages, tools, kwargs)
-        return text, self.encode(text, special=False)
+        return text, self.encode(text, special=False, limit=limit)
 
     # --- single tokens ------------------------------------------------------------------------
     def _raw_bytes(self, token_id: int) -> Optional[list[int]]:
