@@ -17,7 +17,7 @@ waits for a compile; the startup's phases are timed (runtime/startup.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +37,7 @@ from moeserve.runtime.warmup import check_captured, run_warmup
 from moeserve.plan.warmup import warmup_plan
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
 from moeserve.runtime.sampler import PromptLogprobs, Sampler, SamplingBatch, score_prompt
+from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.scheduler import PromptLogprobRows, ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class StepResult:
     logprobs: Optional[list[Optional[dict[str, Any]]]]
     # per request of the batch, its prompt tokens scored this step (None: no request asked)
     prompt_logprobs: Optional[list[list[dict[str, Any]]]] = None
+    failed: dict[int, str] = field(default_factory=dict)  # batch row -> why it failed alone
 
 
 @dataclass
@@ -68,6 +70,7 @@ class LaunchedStep:
     top_token_ids: Optional[torch.Tensor]
     done: Optional[torch.cuda.Event]  # None on a CPU: the copies are done already
     prompt: Optional[PromptLogprobs] = None  # on the host, filled once `done` has passed
+    failed: dict[int, str] = field(default_factory=dict)  # batch row -> why it failed alone
 
 
 def copy_to_host(tensors: list[Optional[torch.Tensor]], device: torch.device
@@ -206,21 +209,39 @@ class ModelRunner:
             return LaunchedStep(batch, rows, torch.zeros(0, dtype=torch.int64), None, None,
                                 None, done, prompt)
         reqs = [batch.reqs[i] for i in rows]
-        params = [r.params for r in reqs]
-        sb = SamplingBatch.build(
-            params, [r.output_ids for r in reqs],
-            [r.prompt_ids for r in reqs] if any(p.repetition_penalty != 1.0 for p in params)
-            else None, logits_BV.shape[-1], self.device,
-            # the step's own token is counted in num_output already
-            steps=[r.num_output - 1 for r in reqs],
-            # a decode row's placeholder: its token of the step before, still on the device
-            # (one that the worker has processed since is in output_ids already)
-            pending=[-1 - batch.new_tokens[i][0]
-                     if batch.new_tokens[i][0] < 0 and batch.reqs[i].unresolved > 1 else -1
-                     for i in rows], next_tokens=self.next_tokens,
-            token_bitmask=fill_bitmask([r.matcher for r in reqs], logits_BV.shape[-1],
-                                       pin=self.device.type == "cuda"),
-            banned=[r.stop.banned(r.num_output - 1) for r in reqs])
+        # a request whose own sampling inputs fail (its grammar, its bans, its parameters) is
+        # failed alone: its row samples with neutral inputs, and the token is dropped
+        failed: dict[int, str] = {}
+        banned = [_own(r, lambda r=r: r.stop.banned(r.num_output - 1), failed, i, frozenset())
+                  for i, r in zip(rows, reqs)]
+        bitmask = _bitmask(reqs, rows, logits_BV.shape[-1], self.device.type == "cuda", failed)
+        vocab = logits_BV.shape[-1]
+        # the step's own token is counted in num_output already; a decode row's placeholder is
+        # its token of the step before, still on the device (one that the worker has
+        # processed since is in output_ids already)
+        steps = [r.num_output - 1 for r in reqs]
+        pending = [-1 - batch.new_tokens[i][0]
+                   if batch.new_tokens[i][0] < 0 and batch.reqs[i].unresolved > 1 else -1
+                   for i in rows]
+
+        def build(params: list[SamplingParams], ban: list) -> SamplingBatch:
+            penalised = any(p.repetition_penalty != 1.0 for p in params)
+            return SamplingBatch.build(
+                params, [r.output_ids for r in reqs],
+                [r.prompt_ids for r in reqs] if penalised else None, vocab, self.device,
+                steps=steps, pending=pending, next_tokens=self.next_tokens,
+                token_bitmask=bitmask, banned=ban)
+
+        params = [NEUTRAL if i in failed else r.params for i, r in zip(rows, reqs)]
+        try:
+            sb = build(params, banned)
+        except Exception:  # find the requests whose parameters fail, and leave them out
+            for j, (i, r) in enumerate(zip(rows, reqs)):
+                _own(r, lambda j=j: SamplingBatch.build(
+                    [params[j]], [r.output_ids], [r.prompt_ids], vocab, "cpu",
+                    banned=[banned[j]]), failed, i, None)
+            sb = build([NEUTRAL if i in failed else p for i, p in zip(rows, params)],
+                       [frozenset() if i in failed else b for i, b in zip(rows, banned)])
         if len(rows) < logits_BV.shape[0]:  # (a decode step: every row samples, no copy)
             logits_BV = logits_BV[torch.tensor(rows).to(logits_BV.device, non_blocking=True)]
         out = self.sampler(logits_BV, sb)
@@ -228,7 +249,7 @@ class ModelRunner:
 
         copies, done = copy_to_host([out.token_ids_B, out.logprobs_B, out.top_logprobs_BN,
                                      out.top_token_ids_BN], self.device)
-        return LaunchedStep(batch, rows, *copies, done, prompt)
+        return LaunchedStep(batch, rows, *copies, done, prompt, failed)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and give them per request of its batch."""
@@ -253,9 +274,38 @@ class ModelRunner:
                 logprobs[i] = {"token_id": sampled[j], "logprob": chosen[j],
                                "top": list(zip(top_id[j][:n], top_lp[j][:n])) if n else []}
         scored = batch.prompt_logprobs
-        if launched.prompt is None or scored is None:
-            return StepResult(tokens, logprobs)
-        return StepResult(tokens, logprobs, _prompt_entries(batch, scored, launched.prompt))
+        entries = (None if launched.prompt is None or scored is None
+                   else _prompt_entries(batch, scored, launched.prompt))
+        return StepResult(tokens, logprobs, entries, launched.failed)
+
+
+NEUTRAL = SamplingParams()  # what a failed request's row samples with (its token is dropped)
+
+
+def _own(req: Any, make: Any, failed: dict[int, str], row: int, fallback: Any) -> Any:
+    """make(), or `fallback` with the request's row in `failed` when it raises (the
+    traceback goes to the log under the request's id)."""
+    try:
+        return make()
+    except Exception as exc:
+        log.exception("request %s: its sampling inputs failed", req.rid)
+        failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return fallback
+
+
+def _bitmask(reqs: list[Any], rows: list[int], vocab: int, pin: bool,
+             failed: dict[int, str]) -> Optional[torch.Tensor]:
+    """The grammars' token bitmask of the sampling rows (grammar.fill_bitmask); a matcher
+    that raises fails its request alone, whose row then allows every token."""
+    matchers = [None if i in failed else r.matcher for i, r in zip(rows, reqs)]
+    try:
+        return fill_bitmask(matchers, vocab, pin=pin)
+    except Exception:
+        for i, r, m in zip(rows, reqs, matchers):
+            if m is not None:
+                _own(r, lambda m=m: fill_bitmask([m], vocab), failed, i, None)
+        return fill_bitmask([None if i in failed else m for i, m in zip(rows, matchers)],
+                            vocab, pin=pin)
 
 
 def _prompt_entries(batch: ScheduledBatch, scored: PromptLogprobRows,

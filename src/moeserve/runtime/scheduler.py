@@ -279,10 +279,12 @@ class Scheduler:
     # --- results --------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, token_ids: Sequence[int],
                 logprobs: Optional[Sequence[dict[str, Any]]] = None,
-                prompt_logprobs: Optional[Sequence[list[dict[str, Any]]]] = None
-                ) -> list[TokenOutput]:
+                prompt_logprobs: Optional[Sequence[list[dict[str, Any]]]] = None,
+                failed: Optional[dict[int, str]] = None) -> list[TokenOutput]:
         """Apply one forward's sampled tokens (one per request of the batch; ignored where the
-        request did not sample) and prompt logprobs, and return the news for the engine."""
+        request did not sample) and prompt logprobs, and return the news for the engine.
+        `failed`: the batch's requests whose own sampling failed (row -> why): they end with
+        that error, the others go on."""
         outputs: list[TokenOutput] = []
         for i, req in enumerate(batch.reqs):
             if prompt_logprobs is not None and req.state is not ReqState.FINISHED:
@@ -293,6 +295,10 @@ class Scheduler:
             if req.state is ReqState.FINISHED:
                 continue  # aborted, or ended by a token before this one, while it ran
             assert req.state is ReqState.RUNNING, req  # (never retracted with a token away)
+            if failed and i in failed:
+                self.running.remove(req)
+                outputs.append(self._finish(req, Finish("error"), error=failed[i]))
+                continue
             token = int(token_ids[i])
             req.output_ids.append(token)
             if logprobs is not None and req.params.logprobs:

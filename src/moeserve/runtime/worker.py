@@ -139,7 +139,7 @@ class RankWorker:
             return []
         result = self.runner.collect(launched)
         return self.scheduler.process(launched.batch, result.token_ids, result.logprobs,
-                                      result.prompt_logprobs)
+                                      result.prompt_logprobs, result.failed)
 
     def stats(self) -> dict[str, int]:
         """KV and queue figures of this DP rank (for /metrics and tests)."""
