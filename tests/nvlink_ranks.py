@@ -6,7 +6,7 @@ Records come back to the test process, which asserts on them."""
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -15,6 +15,7 @@ from moeserve.moe.layer import MoELayer
 from moeserve.parallel.groups import init_parallel_state
 from moeserve.plan.capacity import build_plan
 from moeserve.runtime.buffers import bind_model_buffers
+from moeserve.testing.graphs import captured
 from moeserve.testing.tiny_models import exchange_step
 
 LAYOUTS = {"dp_attention": dict(tp=2, dp=2, ep=2), "sp": dict(tp=2, ep=2)}
@@ -36,18 +37,6 @@ def _routing(case: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
         ids[1::4] = -1
         ids[2::5, 0] = -1
     return ids
-
-
-def _capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
 
 
 def run_world(rank: int, world: int, dtype_name: str) -> list[dict]:
@@ -98,9 +87,9 @@ def _run(rank: int, dtype_name: str) -> list[dict]:
                 return layer.dispatcher.combine(y, handle)
 
             y_nv, y_ref = moe(layers["nvlink"]), moe(layers["all_to_all"])
-            replay, y_graph = _capture(lambda: moe(layers["nvlink"]))
+            graph, y_graph = captured(lambda: moe(layers["nvlink"]))
             x.copy_(x.flip(0))  # new inputs in the captured buffers
-            replay()
+            graph.replay()
             y_new = moe(layers["nvlink"])
             torch.cuda.synchronize()
             rec: dict[str, Any] = dict(layout=name, case=case, rank=rank, rows=hi - lo,

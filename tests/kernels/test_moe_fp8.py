@@ -18,6 +18,7 @@ from moeserve.kernels.fp8 import reference as R
 from moeserve.kernels.moe import configs
 from moeserve.moe.experts import create_experts
 from moeserve.parallel.layout import ParallelLayout
+from moeserve.testing.graphs import captured
 
 torch.set_num_threads(1)
 
@@ -283,9 +284,7 @@ def test_fp8_runner_replays_in_a_cuda_graph(n):
     x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(n, 8, 128, "uniform", seed=1, device="cuda")
     tri(x, ids, w)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri(x, ids, w)
+    graph, out = captured(lambda: tri(x, ids, w))
     for seed in (2, 3):
         new_ids, new_w = routing(n, 8, 128, "skewed", seed=seed, device="cuda")
         ids.copy_(new_ids)

@@ -22,6 +22,7 @@ from moeserve.kernels.moe import configs
 from moeserve.kernels.moe.align_torch import align_torch
 from moeserve.kernels.moe.configs import max_blocks
 from moeserve.parallel.layout import ParallelLayout
+from moeserve.testing.graphs import captured
 
 ROUTINGS = ("uniform", "skewed", "padded")
 
@@ -511,19 +512,6 @@ def test_triton_align_equals_torch_align_on_gpu(n):
                 assert torch.equal(got.block_rows, want.block_rows)
 
 
-def _captured(fn):
-    """(graph, its output): fn() captured in a CUDA graph, after a call on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def _replayed_on_new_routings(graph, ids, w, num_experts: int, seed: int):
     """Yields each routing mode after copying a new routing of it into ids and w (the graph's
     inputs) and replaying the graph."""
@@ -546,7 +534,7 @@ def test_fast_runner_replays_in_a_cuda_graph(name):
     x = torch.randn(48, spec.hidden_size, device="cuda").bfloat16()
     ids, w = routing(48, 4, 16, "uniform", seed=1, device="cuda")
     fast(x, ids, w)  # compile outside the capture
-    graph, y = _captured(lambda: fast(x, ids, w))
+    graph, y = captured(lambda: fast(x, ids, w))
     for mode in ROUTINGS:
         new_ids, new_w = routing(48, 4, 16, mode, seed=9, device="cuda")
         x.copy_(torch.randn_like(x))
@@ -651,7 +639,7 @@ def test_warp_specialised_down_computes_the_triton_down(shape, block_n, block_m,
         y = fused_experts(*args, ws)
         assert rel_err(y, fused_experts(*args, plain)) <= 1e-3, (n, mode)
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
-    graph, y = _captured(lambda: fused_experts(*args, ws))
+    graph, y = captured(lambda: fused_experts(*args, ws))
     for _ in _replayed_on_new_routings(graph, ids, w, e, seed=11):
         torch.testing.assert_close(y, fused_experts(*args, ws), rtol=0, atol=0)
 
@@ -682,7 +670,7 @@ def test_atomic_sum_down_gives_the_top_k_pass_result(ws, block_m, half_tail):
         assert rel_err(y, ref(x.float(), ids, w)) <= 1e-2, (n, mode)
         mine = ((ids >= fast.first_expert) & (ids < fast.first_expert + 8)).any(1)
         assert (y[~mine] == 0).all() and mine.any()
-    graph, y = _captured(lambda: fused_experts(*args, summed))
+    graph, y = captured(lambda: fused_experts(*args, summed))
     for mode in _replayed_on_new_routings(graph, ids, w, 16, seed=12):
         assert rel_err(y, fused_experts(*args, plain)) <= 1e-2, mode
 

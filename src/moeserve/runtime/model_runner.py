@@ -35,7 +35,7 @@ from moeserve.runtime.prefill_graph import PrefillGraphRunner
 from moeserve.runtime.startup import StartupClock
 from moeserve.runtime.warmup import check_captured, run_warmup
 from moeserve.plan.warmup import warmup_plan
-from moeserve.batch.forward_batch import ForwardBatch, ForwardMode, resolve_futures
+from moeserve.batch.forward_batch import ForwardBatch, resolve_futures
 from moeserve.runtime.sampler import PromptLogprobs, Sampler, SamplingBatch, score_prompt
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.scheduler import PromptLogprobRows, ScheduledBatch
@@ -212,8 +212,11 @@ class ModelRunner:
         # a request whose own sampling inputs fail (its grammar, its bans, its parameters) is
         # failed alone: its row samples with neutral inputs, and the token is dropped
         failed: dict[int, str] = {}
-        banned = [_own(r, lambda r=r: r.stop.banned(r.num_output - 1), failed, i, frozenset())
-                  for i, r in zip(rows, reqs)]
+        try:
+            banned = [r.stop.banned(r.num_output - 1) for r in reqs]
+        except Exception:  # find the requests whose bans fail
+            banned = [_own(r, lambda r=r: r.stop.banned(r.num_output - 1), failed, i,
+                           frozenset()) for i, r in zip(rows, reqs)]
         bitmask = _bitmask(reqs, rows, logits_BV.shape[-1], self.device.type == "cuda", failed)
         vocab = logits_BV.shape[-1]
         # the step's own token is counted in num_output already; a decode row's placeholder is

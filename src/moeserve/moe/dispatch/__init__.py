@@ -33,7 +33,5 @@ def create_dispatcher(spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
     resolved from --moe-a2a-backend). One dispatcher can serve every MoE layer of a model:
     layers run one after another, and the all-to-all workspace is per rank."""
     transport = plan.backends.a2a if plan.backends is not None else "all_to_all"
-    if transport == "none":
-        transport = "all_to_all"
     name = name or default_dispatcher(state.layout, transport)
     return DISPATCHERS.get(name)(spec, state, plan, dtype)

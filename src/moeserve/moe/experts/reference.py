@@ -21,7 +21,7 @@ Accumulation is in float32.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,26 +77,30 @@ class ReferenceExperts(Experts):
 
     def forward_loop(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                      topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        row, k, expert = self.local_pairs(topk_ids_NK)
         out_NH = torch.zeros(x_NH.shape[0], self.hidden, dtype=torch.float32,
                              device=x_NH.device)
-        if row.numel() == 0:
-            return out_NH.to(x_NH.dtype)
-        weight = topk_weights_NK[row, k].float()
-        order = torch.argsort(expert, stable=True)
-        row, expert, weight = row[order], expert[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.num_local).tolist()
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = row[start: start + count]
+        for e, rows, weight in self._segments(topk_ids_NK, topk_weights_NK):
             gate_up = F.linear(x_NH[rows], self.w13[e])
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
             y = F.linear(h, self.w2[e])
-            out_NH.index_add_(0, rows, y.float() * weight[start: start + count, None])
-            start += count
+            out_NH.index_add_(0, rows, y.float() * weight[:, None])
         return out_NH.to(x_NH.dtype)
+
+    def _segments(self, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor
+                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(local expert, its rows, their float32 weights) for each expert with rows, in expert
+        order (the rows in their order: a stable sort); reads the counts on the host."""
+        row, k, expert = self.local_pairs(topk_ids_NK)
+        if row.numel() == 0:
+            return
+        weight = topk_weights_NK[row, k].float()
+        order = torch.argsort(expert, stable=True)
+        row, expert, weight = row[order], expert[order], weight[order]
+        start = 0
+        for e, count in enumerate(torch.bincount(expert, minlength=self.num_local).tolist()):
+            if count:
+                yield e, row[start: start + count], weight[start: start + count]
+            start += count
 
     def forward_fp8(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                     topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor]
@@ -105,25 +109,13 @@ class ReferenceExperts(Experts):
         block, bk = self.quant.block, self.quant.block_k
         xq, xs = self.input_rows(x_NH, x_scale)
         x32_NH = fp8.dequantize_groups(xq, xs, bk)
-        row, k, expert = self.local_pairs(topk_ids_NK)
         out_NH = torch.zeros(x_NH.shape[0], self.hidden, dtype=torch.float32,
                              device=x_NH.device)
-        if row.numel() == 0:
-            return out_NH.to(self.dtype)
-        weight = topk_weights_NK[row, k].float()
-        order = torch.argsort(expert, stable=True)
-        row, expert, weight = row[order], expert[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.num_local).tolist()
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = row[start: start + count]
+        for e, rows, weight in self._segments(topk_ids_NK, topk_weights_NK):
             w13 = fp8.dequantize_blocks(self.w13[e], self.w13_scale_inv[e], block)
             gate_up = x32_NH[rows] @ w13.T
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
             hd = fp8.dequantize_groups(*fp8.quantize_groups(h, bk), bk)
             y = hd @ fp8.dequantize_blocks(self.w2[e], self.w2_scale_inv[e], block).T
-            out_NH.index_add_(0, rows, y * weight[start: start + count, None])
-            start += count
+            out_NH.index_add_(0, rows, y * weight[:, None])
         return out_NH.to(self.dtype)
