@@ -4,16 +4,26 @@ same run as the baseline.
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         PYTHONPATH=src python -m benchmarks scaleout --gpus 2 --out $OUT [--results ...]
 
-The Qwen3-30B-A3B shape with dummy bf16 weights. Layouts: one GPU, then tp N with each ep
-that divides N, with and without DP attention (--configs picks some). Each engine first
-serves 16 untimed requests (Triton compiles on first use), then --prompts-per-concurrency x C
-prompts of --input-len random tokens, --output-len greedy tokens each, at each concurrency C.
+--model's shape (Qwen3-30B-A3B by default) with dummy weights, bf16 or --quantization fp8.
+Layouts: one GPU, then tp N with each ep that divides N, with and without DP attention
+(--configs picks some); a layout whose plan does not fit is a row that says why. Each engine
+first serves 16 untimed requests, then --prompts-per-concurrency x C prompts of --input-len
+random tokens, --output-len greedy tokens each, at each concurrency C.
+
+--profile: each layout's ranks write where their loop's time goes (runtime/step_profile.py),
+and the section gets, per layout, rank 0's host phases of a decode iteration and the device
+kernels of ten decode forwards (run one concurrency per invocation: the figures are over all
+the layout's iterations).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Optional
+
+import json
+import os
+import re
 
 from benchmarks import harness
 from benchmarks.harness import Ceilings, RunInfo, table
@@ -29,7 +39,9 @@ one-GPU rate of the same run and concurrency; "x one GPU" is the ratio to that r
 def add_arguments(p: Any) -> None:
     harness.add_output_arguments(p)
     p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 256, 1024])
     p.add_argument("--configs", default="",
                    help="';'-separated layout names to run (default: all; see the log)")
     p.add_argument("--input-len", type=int, default=128)
@@ -37,6 +49,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--prompts-per-concurrency", type=int, default=1)
     p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--profile", action="store_true",
+                   help="per layout, where the ranks' step time goes (see above)")
 
 
 def layouts(n: int) -> dict[str, dict[str, Any]]:
@@ -53,9 +67,13 @@ def layouts(n: int) -> dict[str, dict[str, Any]]:
     return found
 
 
+PROFILE_WINDOW = "15:10"  # forwards under torch.profiler: decode ones after the warm-up's
+
+
 def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
     from moeserve.bench import random_prompts, run_bench
     from moeserve.runtime.engine import Engine
+    from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV
 
     configs = layouts(args.gpus)
     print(f"layouts: {list(configs)}", flush=True)
@@ -65,11 +83,22 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
             raise SystemExit(f"unknown --configs {unknown}; known: {sorted(configs)}")
         configs = {k: v for k, v in configs.items() if k in only}
     rows = []
+    quant = {} if args.quantization == "none" else {"quantization": args.quantization}
     for name, kw in configs.items():
-        with Engine(MODEL, load_format="dummy", dtype="bfloat16",
-                    context_length=args.context_length,
-                    mem_fraction_static=args.mem_fraction_static,
-                    max_running_requests=max(args.concurrency), **kw) as e:
+        if args.profile:
+            os.environ[DIR_ENV] = str(profile_dir(args, name))
+            os.environ[KERNELS_ENV] = PROFILE_WINDOW
+        try:
+            engine = Engine(args.model, load_format="dummy", dtype="bfloat16",
+                            context_length=args.context_length,
+                            mem_fraction_static=args.mem_fraction_static,
+                            max_running_requests=max(args.concurrency), **quant, **kw)
+        except Exception as exc:  # a plan that does not fit, a layout the model cannot take
+            why = " ".join(str(exc).split())[:300]
+            print(f"{name}: not run: {why}", flush=True)
+            rows.append({"config": name, "error": why})
+            continue
+        with engine as e:
             run_bench(e, random_prompts(16, args.input_len, e.spec.vocab_size, seed=0), 4, 16,
                       progress=False)
             for c in args.concurrency:
@@ -80,14 +109,48 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
                     k: s[k] for k in ("output_tokens_per_s", "input_tokens_per_s",
                                       "ttft_ms_p50", "itl_ms_p50", "completed", "num_prompts")}})
                 print(rows[-1], flush=True)
+        if args.profile:
+            rows[-1]["profile"] = read_profile(profile_dir(args, name))
+    os.environ.pop(DIR_ENV, None)
     return rows
+
+
+def profile_dir(args: Any, name: str) -> Path:
+    return Path(args.out) / "profile" / re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def read_profile(folder: Path) -> dict[str, Any]:
+    """Rank 0's decode phases (mean µs per iteration) and its kernel report's lines."""
+    steps = json.loads((folder / "rank0_steps.json").read_text())
+    kernels = folder / "rank0_kernels.txt"
+    return {"decode": steps.get("decode"), "prefill": steps.get("prefill"),
+            "kernels": kernels.read_text().splitlines() if kernels.exists() else []}
+
+
+def render_profile(rows: list[dict]) -> list[str]:
+    out: list[str] = []
+    for r in rows:
+        prof = r.get("profile")
+        if not prof or not prof["decode"]:
+            continue
+        d = prof["decode"]
+        phases = ", ".join(f"{k} {v['mean_us']:.0f}" for k, v in d["phases"].items()
+                           if k != "iteration")
+        out += ["", f"{r['config']}, concurrency {r['concurrency']}: {d['iterations']} decode "
+                f"iterations of {d['phases']['iteration']['mean_us']:.0f} µs on rank 0 "
+                f"(mean µs per iteration: {phases})", "", "```"]
+        out += prof["kernels"][:25] + ["```"]
+    return out
 
 
 def render(rows: list[dict]) -> list[str]:
     one = {r["concurrency"]: r["output_tokens_per_s"] for r in rows
-           if r["config"].startswith("1 GPU")}
+           if r["config"].startswith("1 GPU") and "error" not in r}
     out = []
     for r in rows:
+        if "error" in r:
+            out.append([r["config"], "-", "not run", "-", "-", r["error"]])
+            continue
         base = one.get(r["concurrency"])
         out.append([r["config"], r["concurrency"], f"{r['output_tokens_per_s']:.0f}",
                     f"{r['output_tokens_per_s'] / base:.2f}" if base else "-",
@@ -102,7 +165,10 @@ def run(args: Any, argv: list[str]) -> int:
     ceil: Ceilings = harness.measure_ceilings(peer=True)
     print(ceil.line(), flush=True)
     rows = bench(args, [c for c in args.configs.split(";") if c])
-    text = harness.section(f"Scale-out, {args.gpus} GPUs", METHOD, info, ceil, render(rows))
+    model = args.model.removeprefix("preset:")
+    quant = "" if args.quantization == "none" else f", {args.quantization}"
+    text = harness.section(f"Scale-out, {args.gpus} GPUs, {model}{quant}", METHOD, info, ceil,
+                           render(rows) + (render_profile(rows) if args.profile else []))
     harness.save(Path(args.out), "scaleout", {"info": info, "ceilings": ceil, "rows": rows},
                  text, args.results)
     return 0

@@ -49,6 +49,7 @@ from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.model_runner import LaunchedStep, ModelRunner
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.scheduler import Scheduler
+from moeserve.runtime.step_profile import StepProfile, phase
 
 # what a rank raises on input the user can fix: its message says what to change, a traceback
 # would only bury it
@@ -79,6 +80,8 @@ class RankWorker:
         self.is_dp_leader = state.attn_tp.rank == 0
         self.overlap = not cfg.disable_overlap_schedule
         self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
+        self.profile = StepProfile.from_env(state.rank)  # None unless asked for
+        self.kind = "none"  # of the last iteration: "decode", "prefill" or "none"
 
     def iteration(self, msgs: list[Message],
                   publish: Optional[Callable[[list[TokenOutput]], None]] = None
@@ -100,11 +103,14 @@ class RankWorker:
                     outs.append(out)
         if self.in_flight is not None and self.scheduler.needs_tokens():
             outs += self._collect()
-        batch = self.scheduler.schedule()
-        outs += self.scheduler.drain_rejected()
+        with phase(self.profile, "schedule"):
+            batch = self.scheduler.schedule()
+            outs += self.scheduler.drain_rejected()
         decode_or_idle = batch is None or batch.mode is ForwardMode.DECODE
-        counts, anyone_has_work, all_decode = self._exchange(batch.num_tokens if batch else 0,
-                                                             decode_or_idle)
+        with phase(self.profile, "exchange"):
+            counts, anyone_has_work, all_decode = self._exchange(
+                batch.num_tokens if batch else 0, decode_or_idle)
+        self.kind = "none" if not any(counts) else "decode" if all_decode else "prefill"
         if any(counts):
             try:
                 step = step_from_counts(counts, self.state.layout, self.state.rank, self.plan)
@@ -118,14 +124,18 @@ class RankWorker:
                 # device at times): the tokens of the step before go out first, not after it
                 outs += self._collect()
                 if publish is not None:
-                    publish(outs)
+                    with phase(self.profile, "publish"):
+                        publish(outs)
                     outs = []
-            forwarded = self.runner.launch_forward(batch, step, all_decode)
+            with phase(self.profile, "launch.forward"):
+                forwarded = self.runner.launch_forward(batch, step, all_decode)
             if batch is not None and any(r.matcher is not None for r in batch.reqs):
                 # the grammars' masks need the tokens of the step before: they are read back
                 # and processed while the device runs this forward, then the masks filled
                 outs += self._collect()
-            launched = None if forwarded is None else self.runner.launch_sampling(*forwarded)
+            with phase(self.profile, "launch.sampling"):
+                launched = (None if forwarded is None
+                            else self.runner.launch_sampling(*forwarded))
             outs += self._collect()  # the step before this one (done on the device by now)
             self.in_flight = launched
         if not self.overlap or not any(counts):
@@ -137,9 +147,11 @@ class RankWorker:
         launched, self.in_flight = self.in_flight, None
         if launched is None:
             return []
-        result = self.runner.collect(launched)
-        return self.scheduler.process(launched.batch, result.token_ids, result.logprobs,
-                                      result.prompt_logprobs, result.failed)
+        with phase(self.profile, "collect.wait"):
+            result = self.runner.collect(launched)
+        with phase(self.profile, "collect.process"):
+            return self.scheduler.process(launched.batch, result.token_ids, result.logprobs,
+                                          result.prompt_logprobs, result.failed)
 
     def stats(self) -> dict[str, int]:
         """KV and queue figures of this DP rank (for /metrics and tests)."""
@@ -197,15 +209,22 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
     while True:
         msgs: list[Message] = []
         if inbox is not None:
-            msgs = _drain(inbox, block=not has_work)
+            with phase(worker.profile, "drain"):
+                msgs = _drain(inbox, block=not has_work)
             if parent_pid is not None and os.getppid() != parent_pid:
                 msgs.append(Message("shutdown"))  # orphaned: the engine died without a word
         if multi:
-            msgs = _share(msgs, state)
+            with phase(worker.profile, "share"):
+                msgs = _share(msgs, state)
         outs, stop, has_work = worker.iteration(msgs, publish)
-        publish(outs)
+        with phase(worker.profile, "publish"):
+            publish(outs)
         if heartbeat is not None:
             heartbeat.value = time.monotonic()
+        if worker.profile is not None:
+            worker.profile.end(worker.kind)
+            if stop:
+                worker.profile.write()
         if stop:
             return
 

@@ -1,0 +1,146 @@
+"""Where a rank's step time goes: host phases of every iteration, and the device kernels of a
+window of forwards (torch.profiler), written per rank when the loop ends.
+
+Off unless the environment names a folder (the worker processes inherit it):
+
+    MOESERVE_PROFILE_DIR=/tmp/prof       # rank{r}_steps.json: each phase's count and times
+                                         # per kind of iteration (decode, prefill, idle)
+    MOESERVE_PROFILE_KERNELS=200:50      # forwards 200..249 under torch.profiler:
+                                         # rank{r}_kernels.txt, device time per kernel per
+                                         # forward (host time per op on a CPU); these
+                                         # forwards are left out of the phases
+
+An iteration's kind is "decode" when every rank decodes or idles (a graph replay where the
+batch fits a bucket), "prefill" when some rank prefills, "none" when no rank has tokens. With
+the overlap schedule a step's device time hides behind the next iteration's host work, so the
+host waits only in `collect.wait`: a loop whose time is mostly there is bound by the device,
+one whose waits are near zero by the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+DIR_ENV = "MOESERVE_PROFILE_DIR"
+KERNELS_ENV = "MOESERVE_PROFILE_KERNELS"
+
+
+class StepProfile:
+    """Host phase timings of one rank's loop (`phase`), per kind of iteration (`end`)."""
+
+    def __init__(self, rank: int, folder: Path, kernels: Optional[tuple[int, int]] = None
+                 ) -> None:
+        self.rank, self.folder, self.kernels = rank, folder, kernels
+        self.times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.current: dict[str, float] = defaultdict(float)
+        self.started = time.perf_counter()
+        self.forwards = 0  # iterations with tokens on some rank so far
+        self.torch_profiler: Any = None
+        self.window_steps = 0
+        self.on_device = False  # the window times device kernels (else host ops, on a CPU)
+
+    @staticmethod
+    def from_env(rank: int) -> Optional["StepProfile"]:
+        folder = os.environ.get(DIR_ENV)
+        if not folder:
+            return None
+        window = None
+        spec = os.environ.get(KERNELS_ENV)
+        if spec:
+            try:
+                start, count = (int(v) for v in spec.split(":"))
+            except ValueError:
+                raise ValueError(f"{KERNELS_ENV}={spec!r}: expected START:COUNT (forwards), "
+                                 "e.g. 200:50") from None
+            window = (start, count)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return StepProfile(rank, Path(folder), window)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[name] += time.perf_counter() - t0
+
+    def end(self, kind: str) -> None:
+        """Close one iteration of the loop: its phases and its wall time under `kind`."""
+        if self.torch_profiler is None:  # (the profiled forwards run slower: not counted)
+            bucket = self.times[kind]
+            for name, seconds in self.current.items():
+                bucket[name].append(seconds)
+            bucket["iteration"].append(time.perf_counter() - self.started)
+        self.current.clear()
+        if kind != "none":
+            self._kernel_window()
+            self.forwards += 1
+        self.started = time.perf_counter()  # the profiler's start and report not counted
+
+    def _kernel_window(self) -> None:
+        if self.kernels is None:
+            return
+        start, count = self.kernels
+        if self.forwards == start:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.on_device = len(acts) > 1
+            self.torch_profiler = torch.profiler.profile(activities=acts)
+            self.torch_profiler.__enter__()
+        elif self.torch_profiler is not None:
+            self.window_steps += 1
+            if self.forwards == start + count:
+                self._write_kernels()
+
+    def _write_kernels(self) -> None:
+        prof, self.torch_profiler = self.torch_profiler, None
+        prof.__exit__(None, None, None)
+        steps = max(1, self.window_steps)
+        rows = []
+        field = "self_device_time_total" if self.on_device else "self_cpu_time_total"
+        for e in prof.key_averages():
+            us = getattr(e, field, 0.0) or 0.0
+            if us > 0:
+                rows.append((us / steps, e.count / steps, e.key))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        where = "device" if self.on_device else "host (no GPU)"
+        lines = [f"rank {self.rank}: {steps} forwards; {where} time per forward "
+                 f"{total:.1f} us (self times summed)",
+                 f"{'us/forward':>11} {'calls/forward':>13}  name"]
+        lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]
+        (self.folder / f"rank{self.rank}_kernels.txt").write_text("\n".join(lines) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, phases in self.times.items():
+            n = len(phases["iteration"])
+            out[kind] = {"iterations": n, "phases": {
+                name: {"count": len(v), "mean_us": 1e6 * sum(v) / n,
+                       "p50_us": 1e6 * statistics.median(v)}
+                for name, v in sorted(phases.items())}}
+        return out
+
+    def write(self) -> None:
+        if self.torch_profiler is not None:
+            self._write_kernels()
+        path = self.folder / f"rank{self.rank}_steps.json"
+        path.write_text(json.dumps(self.summary(), indent=1))
+
+
+NO_PHASE = contextlib.nullcontext()
+
+
+def phase(profile: Optional[StepProfile], name: str) -> Any:
+    """profile.phase(name), or a shared no-op context when profiling is off."""
+    return NO_PHASE if profile is None else profile.phase(name)

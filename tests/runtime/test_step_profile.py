@@ -1,0 +1,54 @@
+"""MOESERVE_PROFILE_DIR: every rank writes the host phases of its loop per kind of iteration,
+and with MOESERVE_PROFILE_KERNELS the ops of a window of forwards; off, the loop writes
+nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeserve.runtime.engine import Engine
+from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV, StepProfile
+
+FLAGS = dict(load_format="dummy", device="cpu", skip_tokenizer_init=True, max_total_tokens=2048,
+             context_length=128, max_running_requests=8, cpu_threads_per_rank=1)
+PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [[3, 17, 42, 5], [60, 2, 9], [11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("layout", [pytest.param({}, id="tp1"),
+                                    pytest.param(dict(tp_size=2, dp_size=2,
+                                                      enable_dp_attention=True),
+                                                 id="dp2", marks=pytest.mark.multiproc)])
+def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(KERNELS_ENV, "2:3")
+    with Engine("preset:tiny", **FLAGS, **layout) as e:
+        out = e.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    assert all(o["error"] is None for o in out)
+    ranks = layout.get("tp_size", 1)
+    for r in range(ranks):
+        steps = json.loads((tmp_path / f"rank{r}_steps.json").read_text())
+        assert steps["prefill"]["iterations"] >= 1 and steps["decode"]["iterations"] >= 7
+        phases = steps["decode"]["phases"]
+        for name in ("schedule", "exchange", "launch.forward", "launch.sampling",
+                     "collect.wait", "collect.process", "publish", "iteration"):
+            assert name in phases, (r, name, sorted(phases))
+        parts = sum(v["mean_us"] for k, v in phases.items() if k != "iteration")
+        assert 0 < parts <= phases["iteration"]["mean_us"] * 1.01
+        if ranks > 1:
+            assert "share" in phases
+        kernels = (tmp_path / f"rank{r}_kernels.txt").read_text().splitlines()
+        assert kernels[0].startswith(f"rank {r}: 3 forwards; host (no GPU) time per forward")
+        assert len(kernels) > 3  # the ops of the window, most expensive first
+    assert not list(tmp_path.glob(f"rank{ranks}_*"))
+
+
+def test_off_without_the_folder_and_a_bad_window_is_named(monkeypatch):
+    monkeypatch.delenv(DIR_ENV, raising=False)
+    assert StepProfile.from_env(0) is None
+    monkeypatch.setenv(DIR_ENV, "/tmp/moeserve-profile-test")
+    monkeypatch.setenv(KERNELS_ENV, "200")
+    with pytest.raises(ValueError, match="expected START:COUNT"):
+        StepProfile.from_env(0)
