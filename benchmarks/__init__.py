@@ -8,7 +8,8 @@
     attention  decode and extend attention, and the small kernels of a decode step
                (attention.py, step_kernels.py)
     mla        DeepSeek's latent attention, one layer and end to end (mla.py)
-    a2a        the MoE all-to-all against NCCL all_to_all_single, several GPUs (a2a.py)
+    a2a        the MoE all-to-all against NCCL all_to_all_single, several GPUs, one table
+               per model (a2a.py; its plans and buffers in a2a_plans.py)
     scaleout   `moeserve bench` by parallel layout against one GPU, several GPUs (scaleout.py)
     structured structured output (JSON schemas) against the same requests unconstrained
                (structured.py; its schemas in schemas.py, its vocabulary from vocab.py)

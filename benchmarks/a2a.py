@@ -3,13 +3,16 @@ dispatcher (one-sided stores into symmetric memory) beside the NCCL all_to_all d
 NCCL's all_to_all_single moving the same padded bytes, all in one run.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-        PYTHONPATH=src python -m benchmarks a2a --gpus 2 --out $OUT [--results ...]
+        PYTHONPATH=src python -m benchmarks a2a --gpus 4 --out $OUT \
+        [--models preset:qwen3-30b-a3b preset:deepseek-v3] [--results ...]
 
-Qwen3-30B-A3B's shape (tp = dp = ep = --gpus, DP attention), bf16, uniform random routing, the
-experts left out (combine sends back what dispatch delivered). Each rank times every exchange
-as CUDA-graph replays (as decode steps run them; eagerly where capture fails, and the row says
-so), ten calls back to back per replay, after a barrier, between CUDA events: the median
-of 30 replays, per call.
+Each model's shape (tp = dp = ep = --gpus, DP attention), bf16, uniform random routing over
+its experts, the experts left out (combine sends back what dispatch delivered); only the
+dispatchers' buffers are bound, never the weights (a2a_plans.py). Each rank times every
+exchange as CUDA-graph replays (as decode steps run them; eagerly where capture fails, and the
+row says so), ten calls back to back per replay, after a barrier, between CUDA events: the
+median of 30 replays, per call. Each model's table comes with each rank's symmetric workspace:
+the plan's records beside what the bind allocated.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
+from benchmarks import a2a_plans, harness
 from benchmarks.harness import RunInfo, table
+from moeserve.config.spec import load_model_spec
 
 HELP = "the MoE all-to-all against NCCL all_to_all_single (several GPUs)"
 MODEL = "preset:qwen3-30b-a3b"
 SIZES = (1, 8, 32, 128, 512, 2048, 8192)
-RANKS_TIMEOUT_S = 600  # a hung collective fails the run instead of holding the machine
+# per model: a hung collective fails the run instead of holding the machine
+RANKS_TIMEOUT_S = 600
 METHOD = """\
 Per MoE layer, dispatch + combine on rank 0. Floor = the bytes rank 0 must send to other
 ranks (each token once to each other rank that owns one of its experts, counted from the
@@ -37,12 +42,17 @@ routing: its payload of hidden state, ids and weights out, its hidden state back
 rank's peer-store bandwidth measured in the same run (a graph of row stores of 64 MiB into
 the next rank's symmetric window, and a barrier); the synchronisations are not in it. The
 baselines: the all_to_all dispatcher, and NCCL's all_to_all_single of [ranks x tokens] rows,
-both ways (the padded bytes the all_to_all dispatcher's blocks carry)."""
+both ways (the padded bytes the all_to_all dispatcher's blocks carry). The workspace: the
+nvlink plan's symmetric records (the windows peers store into) beside the tensors bound for
+them, the bind's other tensors, and what the bind took from torch's allocator and from the
+device (free memory before and after)."""
 
 
 def add_arguments(p: Any) -> None:
     harness.add_output_arguments(p)
     p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=[MODEL], metavar="MODEL",
+                   help=f"preset:NAME or checkpoint folders, each its own table (default {MODEL})")
     p.add_argument("--tokens", type=int, nargs="+", default=list(SIZES),
                    help="tokens per rank")
 
@@ -81,45 +91,24 @@ def timed(fn: Any, label: str) -> tuple[float, bool]:
     return statistics.median(samples), graph
 
 
-def rank_main(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+def rank_main(rank: int, world: int, port: int, models: list[str], sizes: list[int],
+              out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                            world_size=world, device_id=torch.device("cuda", rank))
     try:
-        rows = exchange_rows(rank, world, sizes)
-        Path(out, f"a2a_rank{rank}.json").write_text(json.dumps(rows, indent=1))
+        torch.cuda.set_device(rank)
+        result: dict[str, Any] = {"peer_store_GBps": peer_store_GBps(rank, world), "models": {}}
+        state = None
+        for model in models:
+            disps, workspace, state = a2a_plans.dispatchers(model, world, rank, sizes, state)
+            result["models"][model] = {"workspace": workspace,
+                                       "rows": exchange_rows(rank, world, sizes, disps)}
+            del disps  # the next model's bind measures from here
+        Path(out, f"a2a_rank{rank}.json").write_text(json.dumps(result, indent=1))
     finally:
         dist.destroy_process_group()
-
-
-BACKENDS = ("nvlink", "all_to_all")
-
-
-def _dispatchers(world: int, rank: int, sizes: list[int]) -> dict[str, Any]:
-    """One MoE dispatcher per backend, each on the buffers of its own plan (bound as the
-    engine binds them: the nvlink windows in symmetric memory, rendezvoused here)."""
-    from moeserve.config import EngineConfig
-    from moeserve.moe.dispatch import create_dispatcher
-    from moeserve.parallel.groups import init_parallel_state
-    from moeserve.plan.capacity import build_plan
-    from moeserve.runtime.buffers import bind_model_buffers
-
-    out, state = {}, None
-    for backend in BACKENDS:
-        cfg = EngineConfig(model=MODEL, tp_size=world, ep_size=world, dp_size=world,
-                           enable_dp_attention=True, moe_a2a_backend=backend,
-                           chunked_prefill_size=max(sizes) * world,
-                           max_running_requests=256 * world,
-                           gpu_memory_gb=torch.cuda.get_device_properties(rank).total_memory
-                           / 1e9)
-        plan = build_plan(cfg)
-        assert plan.ok, plan.errors
-        state = state or init_parallel_state(plan.layout, torch.device("cuda", rank))
-        disp = create_dispatcher(plan.spec, state, plan, torch.bfloat16)
-        disp.bind(bind_model_buffers(plan, torch.device("cuda", rank)))
-        out[backend] = (disp, plan)
-    return out
 
 
 def peer_store_GBps(rank: int, world: int) -> float:
@@ -149,18 +138,17 @@ def peer_store_GBps(rank: int, world: int) -> float:
     return rows * h * 2 / us / 1e3
 
 
-def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
+def exchange_rows(rank: int, world: int, sizes: list[int], dispatchers: dict[str, Any]
+                  ) -> list[dict]:
+    """One row per size: every exchange timed on the same routed rows of the model."""
     import torch.distributed as dist
 
     from moeserve.batch.step import step_from_counts
 
-    torch.cuda.set_device(rank)
-    dispatchers = _dispatchers(world, rank, sizes)
-    store_GBps = peer_store_GBps(rank, world)
     rows = []
+    disp, plan = dispatchers["nvlink"]
+    spec, h = plan.spec, plan.spec.hidden_size
     for m in sizes:
-        disp, plan = dispatchers["nvlink"]
-        spec, h = plan.spec, plan.spec.hidden_size
         x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(m, spec.num_experts, device="cuda").topk(spec.top_k, dim=1).indices
         ids = ids.to(torch.int32)
@@ -172,8 +160,7 @@ def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
         sent = int(goes.sum())  # (token, other rank) pairs: what must cross a link
         row: dict[str, Any] = {"tokens_per_rank": m, "sent_rows": sent,
                                "link_bytes": sent * (disp.payload + 2 * h),
-                               "moved_bytes": world * m * (disp.payload + 2 * h),
-                               "peer_store_GBps": store_GBps}
+                               "moved_bytes": world * m * (disp.payload + 2 * h)}
         for backend, (d, _) in dispatchers.items():
             def exchange(d=d) -> torch.Tensor:
                 toks, handle = d.dispatch(x, ids, w, step)
@@ -202,11 +189,14 @@ def exchange_rows(rank: int, world: int, sizes: list[int]) -> list[dict]:
     return rows
 
 
-def render(ranks: dict[int, list[dict]]) -> list[str]:
+def render(ranks: dict[int, dict], model: str) -> list[str]:
+    """The model's subsection: its exchange table, then each rank's symmetric workspace."""
+    store = ranks[0]["peer_store_GBps"]
+    rows = {k: ranks[k]["models"][model]["rows"] for k in ranks}
     out = []
-    for i, r in enumerate(ranks[0]):
-        floor = r["link_bytes"] / r["peer_store_GBps"] / 1e3
-        spread = max(abs(ranks[k][i]["nvlink_us"] / r["nvlink_us"] - 1) for k in ranks)
+    for i, r in enumerate(rows[0]):
+        floor = r["link_bytes"] / store / 1e3
+        spread = max(abs(rows[k][i]["nvlink_us"] / r["nvlink_us"] - 1) for k in rows)
         cells = [r["tokens_per_rank"], r["sent_rows"], f"{floor:.1f}"]
         for key in ("nvlink", "all_to_all", "nccl"):
             eager = "" if r[f"{key}_graph"] else " (eager)"
@@ -215,10 +205,31 @@ def render(ranks: dict[int, list[dict]]) -> list[str]:
                   f"{r['nvlink_us'] / floor:.2f}" if floor else "-",
                   f"{r['nccl_us'] / r['nvlink_us']:.1f}", f"{100 * spread:.0f}%"]
         out.append(cells)
-    return table(["tokens per rank", "rows sent to other ranks", "floor µs", "nvlink µs",
-                  "all_to_all (NCCL) µs", "NCCL all_to_all_single, same bytes µs",
-                  "nvlink dispatch + combine µs, timed apart", "nvlink x floor", "NCCL same bytes ÷ nvlink",
-                  "other ranks' nvlink µs within"], out)
+    spec = load_model_spec(model)
+    title = (f"### {model}: {spec.num_experts} experts, top-{spec.top_k}, hidden "
+             f"{spec.hidden_size}, {a2a_plans.DTYPE}")
+    return [title, "", *table(
+        ["tokens per rank", "rows sent to other ranks", "floor µs", "nvlink µs",
+         "all_to_all (NCCL) µs", "NCCL all_to_all_single, same bytes µs",
+         "nvlink dispatch + combine µs, timed apart", "nvlink x floor",
+         "NCCL same bytes ÷ nvlink", "other ranks' nvlink µs within"], out),
+        "", *render_workspace(ranks, model), ""]
+
+
+def render_workspace(ranks: dict[int, dict], model: str) -> list[str]:
+    """Per rank: the nvlink plan's symmetric records against what the bind allocated."""
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.1f}"
+
+    out = []
+    for k in sorted(ranks):
+        w = ranks[k]["models"][model]["workspace"]
+        out.append([k, ", ".join(w["records"]), mib(w["plan_bytes"]), mib(w["bound_bytes"]),
+                    mib(w["other_bound_bytes"]), mib(w["allocator_bytes"]),
+                    mib(w["device_bytes"])])
+    return table(["rank", "symmetric records", "plan, symmetric MiB",
+                  "bound for them MiB", "the bind's other tensors MiB",
+                  "torch allocator took MiB", "device memory taken MiB"], out)
 
 
 def run(args: Any, argv: list[str]) -> int:
@@ -227,24 +238,31 @@ def run(args: Any, argv: list[str]) -> int:
     from moeserve.parallel.net import free_port
 
     harness.require_gpu(args.gpus)
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    errors = [e for m in args.models
+              for e in a2a_plans.plan_errors(m, args.gpus, args.tokens, gpu)]
+    if errors:
+        raise SystemExit("cannot plan the exchange:\n" + "\n".join(errors))
     info = RunInfo.collect("a2a", argv, gpus=args.gpus)
     ceil = harness.measure_ceilings(peer=True)
     print(ceil.line(), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ranks_ctx = mp.start_processes(rank_main, nprocs=args.gpus, start_method="spawn",
-                                   args=(args.gpus, free_port(), args.tokens, str(out)),
-                                   join=False)
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    ranks_ctx = mp.start_processes(
+        rank_main, nprocs=args.gpus, start_method="spawn",
+        args=(args.gpus, free_port(), args.models, args.tokens, str(out)), join=False)
+    limit = RANKS_TIMEOUT_S * len(args.models)
+    deadline = time.monotonic() + limit
     while not ranks_ctx.join(timeout=5):  # raises when a rank failed
         if time.monotonic() > deadline:
             for proc in ranks_ctx.processes:
                 proc.kill()
-            raise SystemExit(f"the ranks did not finish in {RANKS_TIMEOUT_S} s")
+            raise SystemExit(f"the ranks did not finish in {limit} s")
     ranks = {r: json.loads((out / f"a2a_rank{r}.json").read_text()) for r in range(args.gpus)}
-    store = ", ".join(f"rank {r} {ranks[r][0]['peer_store_GBps']:.0f}" for r in ranks)
+    store = ", ".join(f"rank {r} {ranks[r]['peer_store_GBps']:.0f}" for r in ranks)
+    body = [line for m in args.models for line in render(ranks, m)]
     text = harness.section(f"All-to-all, ep {args.gpus}", METHOD + f"\nPeer-store GB/s: {store}.",
-                           info, ceil, render(ranks))
+                           info, ceil, body)
     harness.save(out, "a2a", {"info": info, "ceilings": ceil, "ranks": ranks}, text,
                  args.results)
     for r in range(args.gpus):

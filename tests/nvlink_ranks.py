@@ -1,7 +1,8 @@
 """What each GPU rank runs in moe/test_nvlink_gpu.py: one MoE layer behind the nvlink
 dispatcher and behind the NCCL all_to_all dispatcher (the reference, its combine summing in
-rank order), on the same weights and the same routed rows, eagerly and as a CUDA-graph replay.
-Records come back to the test process, which asserts on them."""
+rank order), on the same weights and the same routed rows, eagerly and as a CUDA-graph replay,
+on a world of 2 or 4 GPUs (ep = world; the spec's 8 experts split either way). Records come
+back to the test process, which asserts on them."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ from moeserve.runtime.buffers import bind_model_buffers
 from moeserve.testing.graphs import captured
 from moeserve.testing.tiny_models import exchange_step
 
-LAYOUTS = {"dp_attention": dict(tp=2, dp=2, ep=2), "sp": dict(tp=2, ep=2)}
 CASES = ("skewed", "all_to_one_rank", "zero_rows_here", "minus_one_and_duplicates", "cap")
 
 
-def _routing(case: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
-    per_rank = E // 2
+def layouts(world: int) -> dict[str, dict[str, int]]:
+    """DP attention and the SP layout (attention TP over the world), ep = world."""
+    return {"dp_attention": dict(tp=world, dp=world, ep=world), "sp": dict(tp=world, ep=world)}
+
+
+def _routing(case: str, m: int, k: int, g: torch.Generator, world: int) -> torch.Tensor:
+    per_rank = E // world
+    assert E % world == 0 and per_rank >= k, (E, world, k)
     if case == "all_to_one_rank":  # every id on rank 1's experts
         return torch.stack([torch.randperm(per_rank, generator=g)[:k] + per_rank
                             for _ in range(m)]).reshape(m, k)
@@ -41,23 +47,28 @@ def _routing(case: str, m: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 def run_world(rank: int, world: int, dtype_name: str) -> list[dict]:
     try:
-        return _run(rank, dtype_name)
+        return _run(rank, world, dtype_name)
     except Exception:
         return [dict(case="exception", rank=rank, error=traceback.format_exc())]
 
 
-def _run(rank: int, dtype_name: str) -> list[dict]:
+def plan_for(kw: dict[str, int], a2a: str, dtype_name: str, spec: Any) -> Any:
+    """The plan of one rank of a layout of `layouts` (built on a CPU too)."""
+    cfg = engine_config(**kw, a2a=a2a, deterministic=True).replace(
+        device="cuda", dtype=dtype_name, attention_backend="torch",
+        moe_runner_backend="reference")
+    return build_plan(cfg, spec)
+
+
+def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
     dev, dtype = torch.device("cuda", rank), getattr(torch, dtype_name)
     spec = tiny_spec("qwen3")
     weights = full_weights(spec, seed=3)
     out: list[dict] = []
-    for name, kw in LAYOUTS.items():
+    for name, kw in layouts(world).items():
         layers, plans, state = {}, {}, None
         for a2a in ("nvlink", "all_to_all"):
-            cfg = engine_config(**kw, a2a=a2a, deterministic=True).replace(
-                device="cuda", dtype=dtype_name, attention_backend="torch",
-                moe_runner_backend="reference")
-            plans[a2a] = plan = build_plan(cfg, spec)
+            plans[a2a] = plan = plan_for(kw, a2a, dtype_name, spec)
             assert plan.ok, plan.errors
             state = state or init_parallel_state(plan.layout, dev)
             layer = MoELayer(spec, state, plan, dtype)
@@ -75,7 +86,7 @@ def _run(rank: int, dtype_name: str) -> list[dict]:
             if lay.dp == 1:  # one token count for the attention-TP group
                 tokens = {"zero_rows_here": 1}.get(case, tokens if case == "cap" else 13)
             x_T = torch.randn(tokens, H, generator=g).to(dtype)
-            ids_T = _routing(case, tokens, spec.top_k, g).to(torch.int32)
+            ids_T = _routing(case, tokens, spec.top_k, g, world).to(torch.int32)
             w_T = torch.rand(tokens, spec.top_k, generator=g) + 0.1
             step = exchange_step(tokens, state, plans["nvlink"])
             lo, hi = step.row_range(layers["nvlink"].scattered)
