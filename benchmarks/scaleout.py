@@ -54,16 +54,17 @@ def add_arguments(p: Any) -> None:
 
 
 def layouts(n: int) -> dict[str, dict[str, Any]]:
+    """One GPU; tp n with each ep that divides it (ep < n: the gather path); at ep = n each
+    MoE transport (gather, all_to_all, nvlink); each of them with and without DP attention."""
     found: dict[str, dict[str, Any]] = {"1 GPU (ep 1)": dict(tp_size=1)}
-    for ep in range(1, n + 1):
-        if n % ep == 0:
-            found[f"tp{n} ep{ep}"] = dict(tp_size=n, ep_size=ep)
-            found[f"tp{n} ep{ep}, DP attention (dp {n})"] = dict(
-                tp_size=n, ep_size=ep, dp_size=n, enable_dp_attention=True)
-    for backend in ("all_to_all", "nvlink"):  # whole experts per rank: ep = tp
-        found[f"tp{n} ep{n} {backend}"] = dict(tp_size=n, ep_size=n, moe_a2a_backend=backend)
-        found[f"tp{n} ep{n} {backend}, DP attention (dp {n})"] = dict(
-            tp_size=n, ep_size=n, dp_size=n, enable_dp_attention=True, moe_a2a_backend=backend)
+    dp = dict(dp_size=n, enable_dp_attention=True)
+    for ep in (e for e in range(1, n + 1) if n % e == 0):
+        backends = ("none", "all_to_all", "nvlink") if ep == n else ("none",)
+        for backend in backends:
+            name = f"tp{n} ep{ep}" + ("" if backend == "none" else f" {backend}")
+            kw = dict(tp_size=n, ep_size=ep, moe_a2a_backend=backend)
+            found[name] = kw
+            found[f"{name}, DP attention (dp {n})"] = dict(kw, **dp)
     return found
 
 
@@ -89,10 +90,13 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
             os.environ[DIR_ENV] = str(profile_dir(args, name))
             os.environ[KERNELS_ENV] = PROFILE_WINDOW
         try:
+            # every layout's ranks in processes of their own, as the server runs them (a
+            # rank in this process would share its interpreter with the bench's clients)
             engine = Engine(args.model, load_format="dummy", dtype="bfloat16",
                             context_length=args.context_length,
                             mem_fraction_static=args.mem_fraction_static,
-                            max_running_requests=max(args.concurrency), **quant, **kw)
+                            max_running_requests=max(*args.concurrency, kw.get("dp_size", 1)),
+                            in_process=False, **quant, **kw)
         except Exception as exc:  # a plan that does not fit, a layout the model cannot take
             why = " ".join(str(exc).split())[:300]
             print(f"{name}: not run: {why}", flush=True)

@@ -68,11 +68,11 @@ def sampling_params_from_args(args: argparse.Namespace) -> Any:
         logprobs=args.logprobs, top_logprobs=args.top_logprobs)
 
 
-def _engine(args: argparse.Namespace) -> Any:
+def _engine(args: argparse.Namespace, in_process: Optional[bool] = None) -> Any:
     from moeserve.runtime.engine import Engine
 
     cfg = config_from_args(args)
-    return Engine(**dataclasses.asdict(cfg))
+    return Engine(in_process=in_process, **dataclasses.asdict(cfg))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -98,7 +98,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from moeserve.bench import format_summary, random_prompts, run_bench
 
-    with _engine(args) as engine:
+    # the ranks in processes of their own, as the server runs them: a rank in this process
+    # would share its interpreter with the clients' threads, and wait for them at every step
+    with _engine(args, in_process=False) as engine:
         if args.prompt:
             prompts = [engine.encode(p) for p in args.prompt]
             prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]

@@ -4,6 +4,7 @@ stop tokens, logprobs, seeds, and `moeserve bench` / `moeserve generate` on the 
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -139,3 +140,21 @@ def test_bench_gives_every_request_the_penalties_asked_for():
     assert summary["completed"] == 3 and len(seen) == 3
     assert all((p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature)
                == (1.2, 0.5, 0.25, 0.0) for p in seen)
+
+
+@pytest.mark.multiproc
+def test_kv_figures_are_summed_over_the_dp_ranks_each_reporting_its_own():
+    """Every DP group's first rank puts its figures on the engine's queue itself."""
+    flags = dict(FLAGS, max_total_tokens=1024)
+    with Engine("preset:tiny", **flags) as one:
+        one.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 2})
+        per_rank = one.kv_stats()["total_slots"]
+    with Engine("preset:tiny", **flags, tp_size=2, dp_size=2, enable_dp_attention=True) as e:
+        out = e.generate(input_ids=[[1, 2, 3], [4, 5, 6, 7]], sampling_params={
+            "max_new_tokens": 4, "ignore_eos": True})
+        assert [len(o["token_ids"]) for o in out] == [4, 4]
+        deadline = time.monotonic() + 10
+        while e.kv_stats().get("total_slots") != 2 * per_rank and time.monotonic() < deadline:
+            time.sleep(0.05)  # (each rank reports once its figures change)
+        stats = e.kv_stats()
+    assert stats["total_slots"] == 2 * per_rank and stats["running"] == 0, stats

@@ -30,15 +30,15 @@ def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeyp
     ranks = layout.get("tp_size", 1)
     for r in range(ranks):
         steps = json.loads((tmp_path / f"rank{r}_steps.json").read_text())
-        assert steps["prefill"]["iterations"] >= 1 and steps["decode"]["iterations"] >= 7
+        # 8 tokens: a prefill and 7 decodes, 3 of these forwards in the window (not counted)
+        assert steps["prefill"]["iterations"] + steps["decode"]["iterations"] >= 8 - 3
+        assert steps["decode"]["iterations"] >= 3
         phases = steps["decode"]["phases"]
         for name in ("schedule", "exchange", "launch.forward", "launch.sampling",
                      "collect.wait", "collect.process", "publish", "iteration"):
             assert name in phases, (r, name, sorted(phases))
         parts = sum(v["mean_us"] for k, v in phases.items() if k != "iteration")
         assert 0 < parts <= phases["iteration"]["mean_us"] * 1.01
-        if ranks > 1:
-            assert "share" in phases
         kernels = (tmp_path / f"rank{r}_kernels.txt").read_text().splitlines()
         assert kernels[0].startswith(f"rank {r}: 3 forwards; host (no GPU) time per forward")
         assert len(kernels) > 3  # the ops of the window, most expensive first

@@ -117,7 +117,7 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None
             else checkpoint_eos_ids(self.cfg.model, self.spec.vocab_size)))
         self._pending: dict[str, RequestState] = {}
-        self._stats: dict[str, int] = {}
+        self._stats: dict[int, dict[str, int]] = {}  # DP rank -> its latest figures
         self._load = [0] * self.cfg.attn_dp_size
         self._lock = threading.Lock()
         self._dead: Optional[str] = None
@@ -316,7 +316,7 @@ class Engine:
             except (EOFError, OSError):
                 msg = ("error", -1, "the workers' output queue closed")
             if msg is not None and msg[0] == "stats":
-                self._stats = msg[1]
+                self._stats[msg[1]] = msg[2]
             elif msg is not None and msg[0] == "out":
                 for out in msg[1]:
                     with self._lock:
@@ -400,7 +400,8 @@ class Engine:
     def kv_stats(self) -> dict[str, int]:
         """The workers' latest KV and queue figures, summed over DP ranks: used_slots,
         prefix_cached_slots, total_slots, running, waiting."""
-        return dict(self._stats)
+        parts = list(self._stats.values())
+        return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
 
     # --- requests -------------------------------------------------------------------------
     def _params(self, params: ParamsLike) -> SamplingParams:

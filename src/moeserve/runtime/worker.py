@@ -1,15 +1,18 @@
 """The loop every rank runs in lockstep with the others.
 
 One iteration:
-  1. rank 0 takes the engine's messages (new requests, aborts, shutdown) and broadcasts them;
+  1. every rank applies the engine's messages (new requests, aborts, shutdown) that the
+     iteration before shared;
   2. each rank's scheduler (one per DP rank, replicated on its attn_tp ranks, which therefore
      take the same decisions) picks the next forward;
-  3. the ranks all-gather [tokens of this forward, has work, decodes or idles]: when nobody has
-     tokens there is no forward; otherwise every rank runs one, an idle one if it has no tokens
-     (invariant 7), replaying a decode CUDA graph when every rank decodes or idles;
-  4. the outputs of each DP group's first rank are gathered to rank 0, which hands them to the
-     engine.
-All host-side communication of a step happens here, on the CPU (gloo) group.
+  3. the ranks all-gather [tokens of this forward, has work, decodes or idles, messages rank 0
+     has taken from the engine since]: when nobody has tokens there is no forward; otherwise
+     every rank runs one, an idle one if it has no tokens (invariant 7), replaying a decode
+     CUDA graph when every rank decodes or idles; when rank 0 has messages, it broadcasts
+     them, and they apply at step 1 of the next iteration;
+  4. each DP group's first rank puts its outputs and KV figures on the engine's queue.
+So a step costs the ranks one collective (two when messages arrive), all on the CPU (gloo)
+group; each is a point where every rank waits for the slowest.
 
 Overlap schedule (the default; --disable-overlap-schedule turns it off): the forward of step
 N is queued on the device before the tokens of step N-1 are read back and processed, so the
@@ -31,7 +34,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,14 +85,17 @@ class RankWorker:
         self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
         self.profile = StepProfile.from_env(state.rank)  # None unless asked for
         self.kind = "none"  # of the last iteration: "decode", "prefill" or "none"
+        self.shared: list[Message] = []  # rank 0's messages of the last exchange
 
     def iteration(self, msgs: list[Message],
-                  publish: Optional[Callable[[list[TokenOutput]], None]] = None
-                  ) -> tuple[list[TokenOutput], bool, bool]:
+                  publish: Optional[Callable[[list[TokenOutput]], None]] = None,
+                  arriving: Sequence[Message] = ()) -> tuple[list[TokenOutput], bool, bool]:
         """Returns (outputs of this rank's scheduler, shutdown, whether any rank has work).
-        `publish`, where given, sends outputs on before a prefill's launch; every rank calls
-        it at the same point (it may be a collective)."""
+        `msgs` apply now; `arriving` (rank 0's, of several ranks) are shared with every rank at
+        this iteration's exchange and wait in `self.shared` for the next. `publish`, where
+        given, sends outputs on before a prefill's launch."""
         outs: list[TokenOutput] = []
+        self.shared = []
         for m in msgs:
             if m.kind == "shutdown":
                 return outs + self._collect(), True, False
@@ -108,8 +114,12 @@ class RankWorker:
             outs += self.scheduler.drain_rejected()
         decode_or_idle = batch is None or batch.mode is ForwardMode.DECODE
         with phase(self.profile, "exchange"):
-            counts, anyone_has_work, all_decode = self._exchange(
-                batch.num_tokens if batch else 0, decode_or_idle)
+            counts, anyone_has_work, all_decode, news = self._exchange(
+                batch.num_tokens if batch else 0, decode_or_idle, len(arriving))
+        if news:
+            with phase(self.profile, "share"):
+                self.shared = _broadcast(list(arriving), self.state)
+            anyone_has_work = True  # the next iteration applies them: no idle wait before it
         self.kind = "none" if not any(counts) else "decode" if all_decode else "prefill"
         if any(counts):
             try:
@@ -162,19 +172,24 @@ class RankWorker:
                 "running": len(sched.running) + (sched.chunked is not None),
                 "waiting": len(sched.waiting), "retracted": sched.num_retracted}
 
-    def _exchange(self, num_tokens: int, decode_or_idle: bool) -> tuple[list[int], bool, bool]:
+    def _exchange(self, num_tokens: int, decode_or_idle: bool, arriving: int
+                  ) -> tuple[list[int], bool, bool, int]:
         """(tokens of every rank, whether any rank has work, whether every rank decodes or
-        idles): the same lists on every rank, so all take the same graph/eager decision."""
+        idles, messages to share): the same on every rank, so all take the same graph/eager
+        decision and all join the messages' broadcast or none does."""
         # a batch in flight is work too: its requests are in no queue until processed
-        mine = [num_tokens, int(self.scheduler.has_work or num_tokens > 0), int(decode_or_idle)]
+        mine = [num_tokens, int(self.scheduler.has_work or num_tokens > 0), int(decode_or_idle),
+                arriving]
         out = gather_ints(mine, self.state)
-        return [o[0] for o in out], any(o[1] for o in out), all(o[2] for o in out)
+        return ([o[0] for o in out], any(o[1] for o in out), all(o[2] for o in out),
+                sum(o[3] for o in out))
 
 
 def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
                parent_pid: Optional[int] = None, heartbeat: Optional[Any] = None) -> None:
-    """Run iterations until a shutdown message. Rank 0 holds the engine's inbox and outbox;
-    with `parent_pid`, it also shuts down when the engine's process is gone (killed).
+    """Run iterations until a shutdown message. Rank 0 holds the engine's inbox; every DP
+    group's first rank puts on its outbox (other ranks may pass it, and put nothing); with
+    `parent_pid`, rank 0 also shuts down when the engine's process is gone (killed).
     `heartbeat` (a shared double) gets time.monotonic() after every iteration: the engine's
     watchdog reads it. An idle rank 0 iterates every IDLE_TICK_S, so only a stuck step (a
     stopped or hung peer, a device that never finishes) leaves it old; writing it is a store
@@ -183,40 +198,32 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
     multi = state.world.size > 1
     has_work = False
     last_stats: list[Optional[dict[str, int]]] = [None]
-
-    # only the DP groups' leaders report; with one DP group that is rank 0 alone, which then
-    # publishes without a collective
-    gather = multi and state.layout.dp > 1
+    reports = outbox is not None and worker.is_dp_leader
 
     def publish(outs: list[TokenOutput]) -> None:
-        """Outputs and KV figures of every DP group to rank 0, which hands them to the engine
-        (a collective of the CPU group when several DP groups report)."""
-        stats = [worker.stats()] if worker.is_dp_leader else []
-        if gather:
-            mine = (outs if worker.is_dp_leader else [], stats)
-            gathered: Optional[list] = [None] * state.world.size if state.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0, group=state.cpu)
-            outs = [o for part in (gathered or []) for o in part[0]]
-            stats = [s for part in (gathered or []) for s in part[1]]
-        if outbox is not None:
-            total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
-            if total is not None and total != last_stats[0]:
-                outbox.put(("stats", total))  # before the outputs it explains
-                last_stats[0] = total
-            if outs:
-                outbox.put(("out", outs))
+        """This DP group's outputs and KV figures (when they changed) to the engine."""
+        if not reports:
+            return
+        stats = worker.stats()
+        if stats != last_stats[0]:
+            outbox.put(("stats", state.dp_rank, stats))  # before the outputs it explains
+            last_stats[0] = stats
+        if outs:
+            outbox.put(("out", outs))
 
+    pending: list[Message] = []  # shared at the last exchange: applied this iteration
     while True:
-        msgs: list[Message] = []
+        arriving: list[Message] = []
         if inbox is not None:
             with phase(worker.profile, "drain"):
-                msgs = _drain(inbox, block=not has_work)
+                arriving = _drain(inbox, block=not has_work and not pending)
             if parent_pid is not None and os.getppid() != parent_pid:
-                msgs.append(Message("shutdown"))  # orphaned: the engine died without a word
-        if multi:
-            with phase(worker.profile, "share"):
-                msgs = _share(msgs, state)
-        outs, stop, has_work = worker.iteration(msgs, publish)
+                arriving.append(Message("shutdown"))  # orphaned: the engine died without a word
+        if multi:  # rank 0's messages reach every rank at this iteration's exchange
+            outs, stop, has_work = worker.iteration(pending, publish, arriving)
+            pending = worker.shared
+        else:
+            outs, stop, has_work = worker.iteration(arriving, publish)
         with phase(worker.profile, "publish"):
             publish(outs)
         if heartbeat is not None:
@@ -229,13 +236,9 @@ def serve_loop(worker: RankWorker, inbox: Optional[Any], outbox: Optional[Any],
             return
 
 
-def _share(msgs: list[Message], state: ParallelState) -> list[Message]:
-    """Rank 0's messages on every rank: their count in one broadcast of an int (most steps
-    have none), then the messages themselves only when there are some."""
-    count = torch.tensor([len(msgs)], dtype=torch.int64)
-    dist.broadcast(count, src=0, group=state.cpu)
-    if not int(count):
-        return []
+def _broadcast(msgs: list[Message], state: ParallelState) -> list[Message]:
+    """Rank 0's messages on every rank (every rank calls this when the exchange counted
+    some)."""
     box = [msgs]
     dist.broadcast_object_list(box, src=0, group=state.cpu)
     return box[0]
@@ -305,7 +308,7 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads(),
                                     "compile_cache": str(cache),
                                     "triton_cache_dir": os.environ.get(TRITON_ENV)}))
-        serve_loop(worker, inbox if rank == 0 else None, outbox if rank == 0 else None,
+        serve_loop(worker, inbox if rank == 0 else None, outbox,
                    parent_pid, heartbeat if rank == 0 else None)
         outbox.put(("exit", rank))
     except BaseException as exc:  # report why this rank stops, then stop
