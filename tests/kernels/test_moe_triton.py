@@ -13,8 +13,6 @@ import json
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from interpreter import run_interpreted
 from moe_cases import fake_state
@@ -298,17 +296,13 @@ def test_hopper_defaults_take_the_sm90_tiles_past_48_rows_an_expert():
     ("NVIDIA H200", (64, 2048, 1408), 3000, (9, 0)),  # a shipped table, max between its keys
     ("NVIDIA H100", (128, 2048, 768), 5000, None),  # no table: the defaults
     ("NVIDIA H20", (128, 2048, 768), 5000, (9, 0))])  # no table: the Hopper defaults
-@pytest.mark.parametrize("ep", [1, 4])
-def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tokens, cap, ep):
+def test_warm_up_sizes_reach_every_config_a_step_can_take(device, shape, max_tokens, cap):
     """The warm-up runs each distinct config once, at a size that takes it, within the bound:
-    after it, no step of 1..max_tokens rows meets an uncompiled config (a rank with 1/ep of
-    the experts looks configs up by its share of the rows' pairs)."""
+    after it, no step of 1..max_tokens rows meets an uncompiled config."""
     e, h, i = shape
-    e, total = e // ep, e
-    get = lambda n: json.dumps(configs.get_config(n, 8, e, h, i, torch.bfloat16, device, cap,
-                                                  num_experts=total), sort_keys=True)
-    sizes = configs.warm_up_sizes(max_tokens, 8, e, h, i, torch.bfloat16, device, cap,
-                                  num_experts=total)
+    get = lambda n: json.dumps(configs.get_config(n, 8, e, h, i, torch.bfloat16, device, cap),
+                               sort_keys=True)
+    sizes = configs.warm_up_sizes(max_tokens, 8, e, h, i, torch.bfloat16, device, cap)
     assert sizes == sorted(sizes) and 1 <= sizes[0] and sizes[-1] <= max_tokens
     warmed = [get(n) for n in sizes]
     assert len(set(warmed)) == len(warmed)  # no config twice
@@ -742,27 +736,5 @@ def test_triton_warm_up_runs_each_config_once():
     spec = make_spec(e=16, k=4, h=256, i=192)
     fast, _ = _gpu_pair("triton", spec, 2, 1, seed=7)
     want = configs.warm_up_sizes(3000, 4, 8, 256, 192, torch.bfloat16,
-                                 torch.cuda.get_device_name(), num_experts=16)
+                                 torch.cuda.get_device_name())
     assert fast.warm_up(3000, torch.device("cuda")) == want and len(want) >= 3
-
-
-@given(rows=st.integers(1, 100_000), ep=st.sampled_from([1, 2, 4, 8, 3]),
-       experts=st.sampled_from([8, 60, 64, 128, 256]))
-def test_config_rows_count_a_ranks_share_of_the_pairs(rows, ep, experts):
-    """A rank with E/ep experts looks its config up by ceil(rows / ep) rows (all of them with
-    every expert), and rows_for_config is the fewest rows that give each such count."""
-    local = experts // ep
-    n = configs.config_rows(rows, local, experts)
-    assert n == (rows if local == experts else -(-rows * local // experts))
-    first = configs.rows_for_config(n, local, experts)
-    assert first <= rows and configs.config_rows(first, local, experts) == n
-    assert first == 1 or configs.config_rows(first - 1, local, experts) == n - 1
-
-
-def test_a_window_of_rows_masked_to_a_quarter_of_the_experts_takes_the_gemv_path():
-    """Decode at ep 4: the receive window of 4 ranks x 1 row carries about one row's worth of
-    pairs on each rank's experts: the GEMV entry, as one row on one GPU."""
-    get = lambda n, e, total: configs.get_config(n, 8, e, 2048, 768, torch.bfloat16, "none",
-                                                 num_experts=total)
-    assert "decode" in get(4, 32, 128) and get(4, 32, 128) == get(1, 128, 128)
-    assert "decode" not in get(4, 128, 128)

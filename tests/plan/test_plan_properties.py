@@ -97,7 +97,7 @@ def test_every_mode_fits_its_buffers_without_slack(cfg):
     # the GPU has no tile table, or none on this machine)
     spec, i_local = plan.spec, plan.spec.moe_intermediate_size // lay.moe_tp
     down_rows = rows_writing_pairs(reach, e_local, spec.hidden_size, i_local, plan.dtype,
-                                   down_sum_tables(cfg), num_experts=spec.num_experts)
+                                   down_sum_tables(cfg))
     assert plan.buffer("moe.runner.down").shape == (down_rows * spec.top_k, spec.hidden_size)
     assert plan.buffer("moe.runner.align").shape == (align_scratch_len(all_pairs, e_local),)
 

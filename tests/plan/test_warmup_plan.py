@@ -38,8 +38,7 @@ def _gpu_plan(**flags):
 def _config_of(plan, rows):
     e, h, i = expert_shape(plan)
     return json.dumps(configs.get_config(rows, plan.spec.top_k, e, h, i, plan.dtype, H100,
-                                         HOPPER, num_experts=plan.spec.num_experts),
-                      sort_keys=True)
+                                         HOPPER), sort_keys=True)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

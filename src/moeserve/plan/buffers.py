@@ -158,7 +158,7 @@ def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: in
     blocks = max(max_blocks(all_pairs, m, e_local) for m in BLOCK_MS)
     af = f"{rows_formula} x K"
     down_rows = rows_writing_pairs(rows, e_local, h, i_local, dtype, device_name,
-                                   quant_block=quant_block, num_experts=spec.num_experts)
+                                   quant_block=quant_block)
     df = af if down_rows == rows else (
         f"{down_rows} x K ({device_name}'s tile tables: larger steps sum the top-k in down)")
     gf = f"max over BLOCK_M of min(P, ceil(P/BLOCK_M) + E/ep) x BLOCK_M, P = {af}"

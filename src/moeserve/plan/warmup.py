@@ -198,7 +198,7 @@ def _moe_variants(plan: CapacityPlan, device_name: Optional[str],
     e, h, i = expert_shape(plan)
     sizes = warm_up_sizes(plan.moe_runner_rows, plan.spec.top_k, e, h, i, plan.dtype,
                           device_name or "", capability,
-                          quant_block=plan.expert_block, num_experts=plan.spec.num_experts)
+                          quant_block=plan.expert_block)
     return [Variant("moe", n, EAGER, f"tile config of {n} rows") for n in sizes]
 
 

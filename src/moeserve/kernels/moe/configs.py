@@ -253,34 +253,12 @@ def nearest(table: dict[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]
     return table[min(table, key=lambda k: (abs(math.log2(max(k, 1)) - target), k))]
 
 
-def config_rows(rows: int, num_local: int, num_experts: Optional[int]) -> int:
-    """The row count a runner's config is looked up by. The tables and defaults are keyed by
-    rows whose top-k pairs all fall on the runner's experts; a rank that holds num_local of
-    num_experts gets rows whose ids are masked to its experts (the gather path, or the
-    all-to-all's receive window, whose size is its capacity), so about num_local / num_experts
-    of their pairs are its own under uniform routing: ceil(rows x that share) rows' worth.
-    A rank that holds every expert (num_experts None or num_local) looks up `rows` itself."""
-    if not num_experts or num_local >= num_experts:
-        return rows
-    return -(-rows * num_local // num_experts)
-
-
-def rows_for_config(n: int, num_local: int, num_experts: Optional[int]) -> int:
-    """The fewest rows whose config_rows is n (n >= 1)."""
-    if not num_experts or num_local >= num_experts:
-        return n
-    return (n - 1) * num_experts // num_local + 1
-
-
 def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
                config_dir: Path = CONFIG_DIR,
-               quant_block: Optional[tuple[int, int]] = None,
-               num_experts: Optional[int] = None) -> dict[str, Any]:
+               quant_block: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """The tuned entry for this shape and device, else the defaults (for the device's compute
-    capability when given); quant_block: fp8 weights with these scale blocks; num_experts:
-    the model's, when this rank holds num_local of them (config_rows)."""
-    num_tokens = config_rows(num_tokens, num_local, num_experts)
+    capability when given); quant_block: fp8 weights with these scale blocks."""
     table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block), device_name,
                        config_dir)
     if table:
@@ -293,22 +271,14 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
 
 def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
                        device_name: Optional[str], config_dir: Path = CONFIG_DIR,
-                       quant_block: Optional[tuple[int, int]] = None,
-                       num_experts: Optional[int] = None) -> int:
+                       quant_block: Optional[tuple[int, int]] = None) -> int:
     """The most rows (at most max_rows) of a step whose config writes every pair's row to a
     [P, H] buffer (the plan's moe.runner.down): a step whose tuned entry has down sum the
-    top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table.
-    num_experts: as get_config's."""
+    top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
     table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block),
                        device_name or "", config_dir)
-    top = config_rows(max_rows, num_local, num_experts)
-    if not table or not nearest(table, top)["down"].get("ATOMIC_SUM"):
+    if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
         return max_rows
-    return min(max_rows, rows_for_config(_rows_writing_pairs(table, top) + 1, num_local,
-                                         num_experts) - 1)
-
-
-def _rows_writing_pairs(table: dict[int, dict[str, Any]], max_rows: int) -> int:
     keys = sorted(table)
     below = [k for k in keys if k < max_rows and not table[k]["down"].get("ATOMIC_SUM")]
     if not below:
@@ -324,20 +294,16 @@ def _rows_writing_pairs(table: dict[int, dict[str, Any]], max_rows: int) -> int:
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                   dtype: Any, device_name: str, capability: Optional[tuple[int, int]] = None,
                   config_dir: Path = CONFIG_DIR,
-                  quant_block: Optional[tuple[int, int]] = None,
-                  num_experts: Optional[int] = None) -> list[int]:
-    """One row count per distinct config that a step of 1..max_tokens rows can take (the
-    fewest rows of each config among the tuned sizes, the powers of two and max_tokens, as
-    config_rows counts them): running the kernels once at each compiles every config before
-    the first request needs it."""
+                  quant_block: Optional[tuple[int, int]] = None) -> list[int]:
+    """One token count per distinct config that a step of 1..max_tokens rows can take (the
+    smallest among the tuned sizes, the powers of two and max_tokens): running the kernels
+    once at each compiles every config before the first request needs it."""
     table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block), device_name,
                        config_dir) or {}
-    top = config_rows(max_tokens, num_local, num_experts)
-    keys = {1 << b for b in range(top.bit_length())} | set(table) | {top}
+    sizes = {1 << b for b in range(max_tokens.bit_length())} | set(table) | {max_tokens}
     first: dict[str, int] = {}
-    for k in sorted(s for s in keys if 1 <= s <= top):
-        n = min(max_tokens, rows_for_config(k, num_local, num_experts))
+    for n in sorted(s for s in sizes if 1 <= s <= max_tokens):
         cfg = get_config(n, top_k, num_local, hidden, inter, dtype, device_name, capability,
-                         config_dir, quant_block, num_experts)
+                         config_dir, quant_block)
         first.setdefault(json.dumps(cfg, sort_keys=True), n)
     return sorted(first.values())

@@ -74,7 +74,7 @@ class TritonFusedExperts(Experts):
         if key not in self._configs:
             cfg = get_config(num_tokens, self.top_k, self.num_local, self.hidden, self.i_local,
                              self.dtype, *_device(device), config_dir=self.config_dir,
-                             quant_block=self.block, num_experts=self.num_experts)
+                             quant_block=self.block)
             if self.deterministic and cfg.get("down", {}).get("ATOMIC_SUM"):
                 down = {k: v for k, v in cfg["down"].items() if k != "ATOMIC_SUM"}
                 cfg = {**cfg, "down": down}
@@ -87,7 +87,7 @@ class TritonFusedExperts(Experts):
         the first prefills (a few seconds each). Returns the row counts run."""
         sizes = warm_up_sizes(max_rows, self.top_k, self.num_local, self.hidden, self.i_local,
                               self.dtype, *_device(device), config_dir=self.config_dir,
-                              quant_block=self.block, num_experts=self.num_experts)
+                              quant_block=self.block)
         for n in sizes:
             x = torch.randn(n, self.hidden, device=device, dtype=self.dtype)
             ids = torch.rand(n, self.num_experts, device=device).topk(self.top_k, dim=1).indices
