@@ -158,3 +158,29 @@ def test_kv_figures_are_summed_over_the_dp_ranks_each_reporting_its_own():
             time.sleep(0.05)  # (each rank reports once its figures change)
         stats = e.kv_stats()
     assert stats["total_slots"] == 2 * per_rank and stats["running"] == 0, stats
+
+
+@pytest.mark.multiproc
+def test_an_abort_reaches_the_dp_rank_of_its_request_and_the_others_go_on():
+    """Rank 0's messages reach every rank at the exchange after they arrive: a stream closed
+    after its first token is aborted where it runs (its KV back), the rest finish, and the
+    engine serves the next request."""
+    long = {"max_new_tokens": 240, "ignore_eos": True, "temperature": 0.0}
+    short = dict(long, max_new_tokens=16)
+    with Engine("preset:tiny", **FLAGS, tp_size=2, dp_size=2, enable_dp_attention=True) as e:
+        streams = [e.stream(input_ids=[3 + i, 5, 7], sampling_params=long if i < 2 else short)
+                   for i in range(4)]
+        firsts = [next(s) for s in streams]  # all four run, two on each DP rank
+        assert all(f["token_ids"] for f in firsts)
+        for s in streams[:2]:
+            s.close()  # aborts its request, which would run 239 more steps
+        rest = [[c for c in s] for s in streams[2:]]
+        assert all(sum(len(c["token_ids"]) for c in r) == 15 for r in rest)
+        deadline = time.monotonic() + 1
+        while e.kv_stats().get("running", 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = e.kv_stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0, stats
+        assert stats["used_slots"] == stats["prefix_cached_slots"], stats
+        out = e.generate(input_ids=[9, 9, 9], sampling_params={"max_new_tokens": 3})
+        assert out["error"] is None and len(out["token_ids"]) == 3
