@@ -11,8 +11,8 @@ import torch
 import xgrammar as xgr
 
 from moeserve.runtime.engine import Engine
-from moeserve.runtime.grammar import (GrammarBackend, GrammarError, GrammarSpec, fill_bitmask,
-                                      tokenizer_info)
+from moeserve.runtime.grammar import (MAX_UNROLL, GrammarBackend, GrammarError, GrammarSpec,
+                                      fill_bitmask, tokenizer_info, unroll_bounded_strings)
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.tokenizer import load_tokenizer
@@ -149,3 +149,72 @@ def test_tokenizer_info_marks_padding_ids_unusable(backend):
     mask = _allowed(fill_bitmask([m], 320), 320)[0]
     assert not mask[257:].any() and mask[ord("b")] and not mask[ord("a")]
     assert isinstance(be.info, xgr.TokenizerInfo)
+
+
+def _walk_vocab(seed: int = 0, size: int = 3000) -> list[bytes]:
+    """A byte-level vocabulary of the kinds of tokens a mask must sort: every byte, then
+    pieces of words, digits, JSON punctuation (quotes and backslashes inside them), whitespace
+    and multi-byte characters, some cut mid-character."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = [*"abcxyzAZ09 ", '"', "\\", ",", ":", "}", "]", "{", "[", "\t", "\n", "é", "中"]
+    vocab, seen = [bytes([b]) for b in range(256)], set()
+    while len(vocab) < size - 1:
+        n = int(torch.randint(2, 9, (1,), generator=g))
+        text = "".join(alphabet[i] for i in torch.randint(len(alphabet), (n,), generator=g))
+        piece = text.encode()[:int(torch.randint(2, 4 * n, (1,), generator=g))]
+        if len(piece) > 1 and piece not in seen:
+            seen.add(piece)
+            vocab.append(piece)
+    return vocab + [b"<eos>"]
+
+
+BOUNDED = {"type": "object", "properties": {
+    "a": {"type": "string", "maxLength": 5},
+    "b": {"type": "string", "minLength": 2, "maxLength": 4},
+    "c": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+    "d": {"type": "string", "maxLength": 0},
+    "e": {"type": "string", "maxLength": 12}, "f": {"type": "string"}},
+    "required": ["a", "b", "c", "e", "f"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec.json_schema(BOUNDED),
+    GrammarSpec.json_schema({"type": "string", "minLength": 2, "maxLength": 2}),
+    GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "tags_with_separator", "separator": "\n", "at_least_one": True,
+        "stop_after_first": False, "tags": [{"type": "tag", "begin": "<f>", "end": "</f>",
+                                             "content": {"type": "json_schema",
+                                                         "json_schema": BOUNDED}}]}}))])
+def test_bounded_strings_unroll_to_the_same_masks(spec):
+    """A bounded string's chain of rules (grammar.unroll_bounded_strings) gives the masks of
+    xgrammar's counted repetition, bit for bit, along random walks through the grammar (the
+    bits past the vocabulary in the last word are left as either fill happens to leave them)."""
+    vocab = _walk_vocab()
+    V = len(vocab) + 5  # the model's padding ids too
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=V,
+                             stop_token_ids=[len(vocab) - 1])
+    be = GrammarBackend(info, max_threads=1)
+    assert unroll_bounded_strings(str(spec.grammar())) != str(spec.grammar())
+    reference = be.compiler.compile_grammar(spec.grammar())
+    rows = 0
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        fast, slow = be.matcher(spec), xgr.GrammarMatcher(reference)
+        for _ in range(300):
+            if slow.is_terminated():
+                break
+            masks = _allowed(fill_bitmask([fast, slow], V), V)
+            assert torch.equal(masks[0], masks[1]), (seed, rows)
+            allowed = masks[1].nonzero().flatten()
+            token = int(allowed[torch.randint(len(allowed), (1,), generator=g)])
+            assert fast.accept_token(token) and slow.accept_token(token)
+            assert fast.is_terminated() == slow.is_terminated()
+            rows += 1
+    assert rows >= 12 * 2  # (every walk: its text, then EOS)
+
+
+def test_long_bounds_stay_repetitions():
+    text = str(GrammarSpec.json_schema({"type": "string", "maxLength": MAX_UNROLL + 1}).grammar())
+    assert unroll_bounded_strings(text) == text
+    text = str(GrammarSpec.json_schema({"type": "string", "maxLength": MAX_UNROLL}).grammar())
+    assert "_len_0" in unroll_bounded_strings(text)
