@@ -15,12 +15,15 @@
                (structured.py; its schemas in schemas.py, its vocabulary from vocab.py)
     coldstart  the first batches after a start against the same batches again, and a second
                start with the compile cache in place (coldstart.py)
+    outputs    the engine process's output path (router, detokenizer, clients) without a
+               model, on the CPU (outputs.py)
     tune-moe   tune the fused MoE kernels' tiles into src/moeserve/kernels/moe/configs/
                (tune_moe.py)
     record     write sections from an --out folder into RESULTS.md (record.py)
 
-Every benchmark measures on the GPU, in one run, moeserve, its baseline and the device's
-ceilings, all through harness.py; it writes NAME.json (every number) and NAME.md (its
-RESULTS.md section) into --out, and with --results replaces its section in RESULTS.md.
+Every benchmark but outputs (the engine's host side, on any CPU) measures on the GPU, in one
+run, moeserve, its baseline and the device's ceilings, all through harness.py; it writes
+NAME.json (every number) and NAME.md (its RESULTS.md section) into --out, and with --results
+replaces its section in RESULTS.md.
 engine_steps.py holds the timed steps of a running engine that e2e and mla share.
 """

@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 # run(args, argv) -> exit status
 SUBCOMMANDS = {"e2e": "e2e", "moe": "moe", "attention": "attention", "mla": "mla",
                "a2a": "a2a", "scaleout": "scaleout", "tune-moe": "tune_moe",
-               "record": "record", "structured": "structured", "coldstart": "coldstart"}
+               "record": "record", "structured": "structured", "coldstart": "coldstart",
+               "outputs": "outputs"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import collections
+import queue
 import random
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 from moeserve.runtime.grammar import GrammarSpec
+from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams
 
 
@@ -32,28 +33,39 @@ def random_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
 
 
-def _one(engine: Any, ids: Sequence[int], params: SamplingParams,
-         grammar: Optional[GrammarSpec] = None) -> RequestTiming:
-    t = RequestTiming(len(ids))
-    extra = {} if grammar is None else {"grammar": grammar}
-    start = last = time.perf_counter()
-    for chunk in engine.stream(input_ids=list(ids), sampling_params=params, **extra):
+class _Recorder:
+    """One request's timings, taken as the engine hands each output over (on its output
+    thread: Engine.submit's on_output); `ended` gets the request's index when it ends."""
+
+    def __init__(self, index: int, prompt_tokens: int, ended: "queue.SimpleQueue[int]"):
+        self.index, self.ended = index, ended
+        self.timing = RequestTiming(prompt_tokens)
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, out: TokenOutput) -> None:
         now = time.perf_counter()
-        n = len(chunk["token_ids"])
-        if chunk["error"]:
-            t.error = chunk["error"]
-            break
-        t.finish_reason = chunk.get("finish_reason") or t.finish_reason
-        if n:
-            if t.ttft is None:
-                t.ttft = now - start
-            else:
-                # a chunk of n tokens after `now - last`: n gaps of equal share
-                t.itl += [(now - last) / n] * n
-            t.output_tokens += n
-            last = now
-    t.latency = time.perf_counter() - start
-    return t
+        t, n = self.timing, len(out.token_ids)
+        if out.error is not None:
+            t.error = out.error
+        else:
+            if n:
+                if t.ttft is None:
+                    t.ttft = now - self.start
+                else:
+                    # a chunk of n tokens after `now - last`: n gaps of equal share
+                    t.itl += [(now - self.last) / n] * n
+                t.output_tokens += n
+                self.last = now
+            if out.finish is not None:
+                t.finish_reason = out.finish.reason
+        if out.finish is not None or out.error is not None:
+            t.latency = now - self.start
+            self.ended.put(self.index)
+
+    def failed(self, exc: Exception) -> None:
+        """submit raised: the request ends with that error."""
+        self.timing.error = f"{type(exc).__name__}: {exc}"
+        self.ended.put(self.index)
 
 
 def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
@@ -62,38 +74,43 @@ def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
               **penalties: float) -> dict[str, Any]:
     """Greedy, ignore_eos; `grammars`: one output constraint (or None) per prompt, whose end
     ends its request; `penalties`: repetition/frequency/presence_penalty for every request
-    (SamplingParams' names)."""
+    (SamplingParams' names).
+
+    Each request's outputs are timed by a callback on the engine's output thread as it hands
+    them over (Engine.submit's on_output), and this thread only submits the next request when
+    one ends: no thread waits on each request, since waking one of a thousand threads for
+    every token would make the bench's own process the bound at high concurrency."""
     if grammars is not None and len(grammars) != len(prompts):
         raise ValueError(f"{len(grammars)} grammars for {len(prompts)} prompts: give one "
                          "(or None) per prompt")
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
                             **penalties)
-    timings: list[Optional[RequestTiming]] = [None] * len(prompts)
-    next_index = iter(range(len(prompts)))
-    lock = threading.Lock()
+    recorders: list[_Recorder] = []
+    ended: "queue.SimpleQueue[int]" = queue.SimpleQueue()
     bar = tqdm(total=len(prompts), desc="bench", unit="req", disable=not progress)
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(next_index, None)
-            if i is None:
-                return
-            timings[i] = _one(engine, prompts[i], params,
-                              None if grammars is None else grammars[i])
-            with lock:
-                bar.update(1)
+    def submit_next() -> None:
+        i = len(recorders)
+        if i == len(prompts):
+            return
+        rec = _Recorder(i, len(prompts[i]), ended)
+        recorders.append(rec)
+        try:
+            engine.submit(list(prompts[i]), params, stream=True,
+                          grammar=None if grammars is None else grammars[i], on_output=rec)
+        except Exception as exc:  # the engine stopped, or refused the prompt
+            rec.failed(exc)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True)
-               for _ in range(max(1, min(max_concurrency, len(prompts))))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    for _ in range(max(1, min(max_concurrency, len(prompts)))):
+        submit_next()
+    for _ in range(len(prompts)):
+        ended.get()
+        bar.update(1)
+        submit_next()
     duration = time.perf_counter() - start
     bar.close()
-    return summarize([t for t in timings if t is not None], duration, max_concurrency)
+    return summarize([r.timing for r in recorders], duration, max_concurrency)
 
 
 def _pct(values: list[float], q: float) -> Optional[float]:

@@ -6,6 +6,8 @@ import pytest
 from moeserve.bench import run_bench
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.grammar import GrammarSpec
+from moeserve.runtime.request import TokenOutput
+from moeserve.runtime.sampling import Finish
 
 pytest.importorskip("xgrammar")
 
@@ -27,9 +29,10 @@ def test_grammars_are_handed_to_the_engine_only_where_given():
     seen = []
 
     class Engine:
-        def stream(self, input_ids, sampling_params, **extra):
-            seen.append((input_ids[0], extra.get("grammar")))
-            yield {"token_ids": [1], "error": None, "finish_reason": "length"}
+        def submit(self, input_ids, params, stream, grammar, on_output):
+            seen.append((input_ids[0], grammar))
+            on_output(TokenOutput("r", [1], Finish("length")))
+            return "r", None
 
     spec = GrammarSpec("json_object")
     s = run_bench(Engine(), [[0], [1], [2]], 1, 1, progress=False, grammars=[None, spec, None])

@@ -9,6 +9,8 @@ import time
 import pytest
 
 from moeserve.runtime.engine import Engine
+from moeserve.runtime.request import TokenOutput
+from moeserve.runtime.sampling import Finish
 
 FLAGS = dict(load_format="dummy", device="cpu", max_total_tokens=4096, context_length=256)
 
@@ -131,9 +133,10 @@ def test_bench_gives_every_request_the_penalties_asked_for():
     seen = []
 
     class Engine:
-        def stream(self, input_ids, sampling_params):
-            seen.append(sampling_params)
-            yield {"token_ids": [1, 2], "error": None}
+        def submit(self, input_ids, params, stream, grammar, on_output):
+            seen.append(params)
+            on_output(TokenOutput("r", [1, 2], Finish("length")))
+            return "r", None
 
     summary = run_bench(Engine(), [[5, 6]] * 3, 2, 2, progress=False, repetition_penalty=1.2,
                         frequency_penalty=0.5, presence_penalty=0.25)

@@ -12,6 +12,7 @@ fails to start within seconds with that fix.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import queue
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.multiprocessing as mp
@@ -80,6 +81,32 @@ def make_plan(cfg: EngineConfig) -> CapacityPlan:
     if problems:
         raise EngineError("the engine cannot start:\n" + "\n".join(f"- {p}" for p in problems))
     return plan
+
+
+class _FrozenHeap:
+    """The objects of this process stay out of the garbage collector's full collections while
+    an engine of it is ready (gc.freeze: torch's, the plan's, an in-process rank's model;
+    each engine that becomes ready freezes what exists then). A full collection walks every
+    object it tracks (about 100 ms with only torch imported), and the output thread allocates
+    a few per token, so that at tens of thousands of tokens/s one came every second or so:
+    a stall of every stream. Unfrozen when the last ready engine of the process shuts down."""
+
+    lock = threading.Lock()
+    holders: set[int] = set()
+
+    @classmethod
+    def hold(cls, engine: "Engine") -> None:
+        with cls.lock:
+            cls.holders.add(id(engine))
+            gc.freeze()
+
+    @classmethod
+    def release(cls, engine: "Engine") -> None:
+        with cls.lock:
+            if id(engine) in cls.holders:
+                cls.holders.discard(id(engine))
+                if not cls.holders:
+                    gc.unfreeze()
 
 
 class Engine:
@@ -161,6 +188,7 @@ class Engine:
             self._router = threading.Thread(target=self._route, name="moeserve-router",
                                             daemon=True)
             self._router.start()
+            _FrozenHeap.hold(self)
             self._ready.set()
 
     def _phase(self, rank: int, name: str, seconds: float, detail: str) -> None:
@@ -276,13 +304,12 @@ class Engine:
             # a message no rank will read must not hold the interpreter's exit
             self._inbox.cancel_join_thread()
         self._fail_all("the engine was shut down")
+        _FrozenHeap.release(self)
 
-    @staticmethod
-    def _release_device_memory() -> None:
+    def _release_device_memory(self) -> None:
         """An in-process rank's tensors die with its thread; hand the allocator's cached blocks
         back too, so that the next engine (or another process) on this GPU can have them."""
-        import gc
-
+        _FrozenHeap.release(self)  # the rank's objects are the collector's again
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -318,19 +345,7 @@ class Engine:
             if msg is not None and msg[0] == "stats":
                 self._stats[msg[1]] = msg[2]
             elif msg is not None and msg[0] == "out":
-                for out in msg[1]:
-                    with self._lock:
-                        pend = self._pending.get(out.rid)
-                    if pend is None:
-                        continue  # ended here already (stop string), or shut down
-                    out, ended_here = pend.translate(out)  # a failure there ends only it
-                    if out.finish is not None or out.error is not None:
-                        with self._lock:
-                            self._pending.pop(out.rid, None)
-                            self._load[pend.dp_rank] -= 1
-                        if ended_here:
-                            self.abort(out.rid)
-                    pend.outputs.put(out)
+                self._deliver(msg[1])
             elif msg is not None and msg[0] == "error" and not self._closing:
                 # a rank that failed in a collective often only reports a peer's death:
                 # give the dead peer a moment to be seen, and name it first
@@ -345,6 +360,35 @@ class Engine:
                 return
             if self._closing and (msg is None or msg[0] == "exit"):
                 return
+
+    def _deliver(self, outs: list[TokenOutput]) -> None:
+        """One message's outputs to their requests, each with its text, on its queue or to its
+        callback. A request ends with its last output, or here (a stop string matched, its
+        output or its callback failed), and then the workers abort it. The one output thread
+        does this for every token the engine serves: the lookups take no lock (a dict's get
+        is atomic), only the end of a request does."""
+        for out in outs:
+            pend = self._pending.get(out.rid)
+            if pend is None:
+                continue  # ended here already (stop string), or shut down
+            out, ended_here = pend.translate(out)  # a failure there ends only it
+            ends = out.finish is not None or out.error is not None
+            if ends:
+                self._end(pend)
+            try:
+                pend.deliver(out)
+            except Exception:
+                log.exception("request %s: its output callback failed, so it ends", out.rid)
+                if not ends:
+                    self._end(pend)
+                    ended_here = True
+            if ended_here:
+                self.abort(out.rid)
+
+    def _end(self, pend: RequestState) -> None:
+        with self._lock:
+            self._pending.pop(pend.rid, None)
+            self._load[pend.dp_rank] -= 1
 
     def _died(self) -> Optional[str]:
         """The first rank that died, one killed by a signal before one that exited with an
@@ -385,7 +429,10 @@ class Engine:
         with self._lock:
             pending, self._pending = self._pending, {}
         for rid, pend in pending.items():
-            pend.outputs.put(TokenOutput(rid, [], None, error=why))
+            try:
+                pend.deliver(TokenOutput(rid, [], None, error=why))
+            except Exception:
+                log.exception("request %s: its output callback failed", rid)
 
     @property
     def failure(self) -> Optional[str]:
@@ -423,23 +470,26 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def submit(self, input_ids: Sequence[int], params: ParamsLike = None,
-               stream: bool = False, grammar: Optional[GrammarSpec] = None
-               ) -> tuple[str, "queue.Queue[TokenOutput]"]:
+               stream: bool = False, grammar: Optional[GrammarSpec] = None,
+               on_output: Optional[Callable[[TokenOutput], None]] = None
+               ) -> tuple[str, "queue.SimpleQueue[TokenOutput]"]:
         """Queue one request; returns its id and the queue its outputs arrive on. With
         `grammar` (runtime/grammar.py) every output token follows it, and its end ends the
-        request (finish reason "stop"); an invalid one raises GrammarError."""
-        rid, outputs, inp = self._request(input_ids, params, stream, grammar)
+        request (finish reason "stop"); an invalid one raises GrammarError. With `on_output`,
+        the engine's output thread calls on_output(output) instead (the queue stays empty;
+        the error of an engine that stops comes on the thread that stops it): many requests
+        are served without a thread waiting on each. It must return at once; one that raises
+        ends its request (logged)."""
+        rid, outputs, inp = self._request(input_ids, params, stream, grammar, on_output)
         self._inbox.put(Message("add", inp))
         return rid, outputs
 
     def _request(self, input_ids: Sequence[int], params: ParamsLike, stream: bool,
-                 grammar: Optional[GrammarSpec] = None
-                 ) -> tuple[str, "queue.Queue[TokenOutput]", RequestInput]:
+                 grammar: Optional[GrammarSpec] = None,
+                 on_output: Optional[Callable[[TokenOutput], None]] = None
+                 ) -> tuple[str, "queue.SimpleQueue[TokenOutput]", RequestInput]:
         """Check one request and register it; the caller queues the RequestInput."""
-        if self._dead is not None:
-            raise EngineError(f"the engine has stopped: {self._dead}")
-        if self._closing:
-            raise EngineError("the engine is shut down")
+        self._check_running()
         if not self._ready.is_set():
             raise EngineError("the engine is still starting (Engine.ready is False); call "
                               "Engine.wait_ready() first")
@@ -462,12 +512,21 @@ class Engine:
         detok = (self.tokenizer.detokenizer(ids, skip_special_tokens=sp.skip_special_tokens)
                  if self.tokenizer is not None else None)
         with self._lock:
+            # again under the lock that _fail_all takes the pending requests with: one that
+            # came after them would never end (nobody would call its callback)
+            self._check_running()
             dp = min(range(len(self._load)), key=lambda d: self._load[d])
             self._load[dp] += 1
-            pend = self._pending[rid] = RequestState(rid, sp, dp, detok)
+            pend = self._pending[rid] = RequestState(rid, sp, dp, detok, on_output)
         # stop strings are matched on the text here, so their tokens must come every step
         every_step = stream or bool(sp.stop)
         return rid, pend.outputs, RequestInput(rid, tuple(ids), sp, dp, every_step, grammar)
+
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise EngineError(f"the engine has stopped: {self._dead}")
+        if self._closing:
+            raise EngineError("the engine is shut down")
 
     def abort(self, rid: str) -> None:
         if self._dead is None and not self._closing:
@@ -531,7 +590,7 @@ class Engine:
             if not done:
                 self.abort(rid)
 
-    def _next(self, q: "queue.Queue[TokenOutput]") -> TokenOutput:
+    def _next(self, q: "queue.SimpleQueue[TokenOutput]") -> TokenOutput:
         while True:
             try:
                 return q.get(timeout=1.0)
@@ -539,7 +598,7 @@ class Engine:
                 if self._dead is not None:
                     return TokenOutput("", [], None, error=self._dead)
 
-    def _collect(self, rid: str, q: "queue.Queue[TokenOutput]") -> dict[str, Any]:
+    def _collect(self, rid: str, q: "queue.SimpleQueue[TokenOutput]") -> dict[str, Any]:
         tokens: list[int] = []
         text, logprobs, prompt_lps = [], [], []
         n_prompt = cached = 0

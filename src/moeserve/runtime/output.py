@@ -15,7 +15,7 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import Finish, SamplingParams
@@ -103,7 +103,10 @@ class RequestState:
     params: SamplingParams
     dp_rank: int
     detok: Any  # IncrementalDetokenizer, or None without a tokenizer
-    outputs: "queue.Queue[TokenOutput]" = field(default_factory=queue.Queue)
+    # where its outputs go: the caller's callback (called on the engine's output thread), else
+    # this queue (a SimpleQueue: put and get without a Python-level lock and condition)
+    on_output: Optional[Callable[[TokenOutput], None]] = None
+    outputs: "queue.SimpleQueue[TokenOutput]" = field(default_factory=queue.SimpleQueue)
     unsent: str = ""
     sent_chars: int = 0
     tokens: int = 0  # output tokens translated
@@ -111,6 +114,12 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.params.stop)  # text only: EOS is the workers' business
+
+    def deliver(self, out: TokenOutput) -> None:
+        if self.on_output is None:
+            self.outputs.put(out)
+        else:
+            self.on_output(out)
 
     def translate(self, out: TokenOutput) -> tuple[TokenOutput, bool]:
         """Add text to the workers' output; returns it and whether it ended here (a stop string

@@ -51,6 +51,14 @@ class TokenOutput:
     # {"token_id", "logprob", "rank", "top": [(id, logprob), ...]} each
     prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # the fields as a tuple: the ranks pickle every output of a step onto the engine's
+        # queue and the engine's one output thread unpickles them, where the default (a dict
+        # of attributes each) takes it 1.6x the time to load
+        return TokenOutput, (self.rid, self.token_ids, self.finish, self.text, self.logprobs,
+                             self.prompt_tokens, self.cached_tokens, self.error,
+                             self.prompt_logprobs)
+
 
 class Req:
     """A request as a scheduler tracks it.

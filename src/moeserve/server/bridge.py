@@ -1,9 +1,9 @@
 """The asyncio face of an Engine: submit sequences, await their outputs, abort on cancel.
 
-`Engine.submit` hands back a `queue.Queue` per sequence. A small daemon thread per sequence
-blocks on that queue and moves each output onto the event loop, into one asyncio queue shared by
-the sequences of an HTTP request (its n choices, its prompts). Blocking waits cost a thread, not
-a poll loop, and outputs reach the client as soon as the engine produces them.
+`Engine.submit` hands back a `queue.SimpleQueue` per sequence. A small daemon thread per
+sequence blocks on that queue and moves each output onto the event loop, into one asyncio queue
+shared by the sequences of an HTTP request (its n choices, its prompts). Blocking waits cost a
+thread, not a poll loop, and outputs reach the client as soon as the engine produces them.
 
 The generator `EngineClient.run` owns the sequences it submitted: however it ends (finished,
 the client went away, the server drains) its `finally` aborts what is unfinished, which frees
@@ -161,7 +161,7 @@ class EngineClient:
             m.cached_tokens.inc(out.cached_tokens)
 
 
-def _pump(q: "queue.Queue[TokenOutput]", loop: asyncio.AbstractEventLoop,
+def _pump(q: "queue.SimpleQueue[TokenOutput]", loop: asyncio.AbstractEventLoop,
           sink: "asyncio.Queue[tuple[int, TokenOutput]]", index: int,
           stop: threading.Event) -> None:
     while not stop.is_set():
