@@ -17,11 +17,13 @@
                start with the compile cache in place (coldstart.py)
     outputs    the engine process's output path (router, detokenizer, clients) without a
                model, on the CPU (outputs.py)
+    masks      the grammars' token masks per step (fill and accept) without a model, on
+               the CPU (masks.py)
     tune-moe   tune the fused MoE kernels' tiles into src/moeserve/kernels/moe/configs/
                (tune_moe.py)
     record     write sections from an --out folder into RESULTS.md (record.py)
 
-Every benchmark but outputs (the engine's host side, on any CPU) measures on the GPU, in one
+Every benchmark but outputs and masks (host work, on any CPU) measures on the GPU, in one
 run, moeserve, its baseline and the device's ceilings, all through harness.py; it writes
 NAME.json (every number) and NAME.md (its RESULTS.md section) into --out, and with --results
 replaces its section in RESULTS.md.

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {"e2e": "e2e", "moe": "moe", "attention": "attention", "mla": "mla",
                "a2a": "a2a", "scaleout": "scaleout", "tune-moe": "tune_moe",
                "record": "record", "structured": "structured", "coldstart": "coldstart",
-               "outputs": "outputs"}
+               "outputs": "outputs", "masks": "masks"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -27,6 +27,7 @@ waiting behind it would delay them by that much.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import queue
 import signal
@@ -305,6 +306,10 @@ def rank_main(rank: int, cfg: EngineConfig, plan: CapacityPlan, init_method: str
         worker = RankWorker(cfg, plan.spec, plan, state, eos_token_ids,
                             report=lambda name, s, detail: outbox.put(
                                 ("phase", rank, name, s, detail)))
+        # what startup made (the model, the plan's buffers, the graphs) lives as long as the
+        # rank: out of the full collections, which would walk it at every one of them
+        gc.collect()
+        gc.freeze()
         outbox.put(("ready", rank, {"torch_threads": torch.get_num_threads(),
                                     "compile_cache": str(cache),
                                     "triton_cache_dir": os.environ.get(TRITON_ENV)}))
