@@ -53,12 +53,11 @@ class _FailingEngine:
     def kv_stats(self) -> dict[str, int]:
         return {}
 
-    def submit(self, ids, params, stream=True, grammar=None):
-        assert grammar is None
+    def submit(self, ids, params, stream=True, grammar=None, on_output=None):
+        assert grammar is None and on_output is not None
         self.n += 1
-        q: queue.Queue[TokenOutput] = queue.Queue()
-        q.put(TokenOutput(f"rid-{self.n}", [], None, error=RANK_FAILURE))
-        return f"rid-{self.n}", q
+        on_output(TokenOutput(f"rid-{self.n}", [], None, error=RANK_FAILURE))
+        return f"rid-{self.n}", queue.SimpleQueue()
 
     def abort(self, rid: str) -> None:
         pass

@@ -1,9 +1,11 @@
 """The asyncio face of an Engine: submit sequences, await their outputs, abort on cancel.
 
-`Engine.submit` hands back a `queue.SimpleQueue` per sequence. A small daemon thread per
-sequence blocks on that queue and moves each output onto the event loop, into one asyncio queue
-shared by the sequences of an HTTP request (its n choices, its prompts). Blocking waits cost a
-thread, not a poll loop, and outputs reach the client as soon as the engine produces them.
+Each sequence is submitted with an `on_output` callback, which the engine's output thread calls
+per output: it schedules the output onto the event loop (`call_soon_threadsafe`), into one
+asyncio queue shared by the sequences of an HTTP request (its n choices, its prompts). No thread
+waits on a sequence, and outputs reach the client as soon as the engine produces them. An engine
+that stops hands its error to every pending callback, on whichever thread stops it (the output
+thread, or shutdown's caller, which may be the loop itself: call_soon_threadsafe serves both).
 
 The generator `EngineClient.run` owns the sequences it submitted: however it ends (finished,
 the client went away, the server drains) its `finally` aborts what is unfinished, which frees
@@ -15,9 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
@@ -32,7 +33,6 @@ from moeserve.server.metrics import ServerMetrics
 RETRY_AFTER_S = 1
 LOGGED_ERRORS = 64  # distinct failures remembered, so that one rank's death is logged once
 log = logging.getLogger("moeserve.server")
-_POLL_S = 0.25  # how often a pump thread looks whether its sequence was given up
 
 
 class Seats:
@@ -96,25 +96,22 @@ class EngineClient:
         (from reserve) are given back when it ends. An output's error is one line for the
         client, with `request_id`; the server log has the rest under that id."""
         assert seats.count == len(prompts)
-        loop = asyncio.get_running_loop()
-        sink: asyncio.Queue[tuple[int, TokenOutput]] = asyncio.Queue()
-        stop = threading.Event()
+        sink = _Sink(asyncio.get_running_loop())
         seqs: list[_Seq] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 try:
-                    rid, q = self.engine.submit(ids, p, stream=True, grammar=grammar)
+                    rid, _ = self.engine.submit(ids, p, stream=True, grammar=grammar,
+                                                on_output=functools.partial(sink.put, i))
                 except EngineError as exc:
                     raise APIError(503, f"the engine is not running: {public_line(str(exc))} "
                                    f"(request id {request_id})", None, "engine_unavailable",
                                    headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                 seqs.append(_Seq(rid, time.monotonic()))
                 self.metrics.prompt_tokens.inc(len(ids))
-                threading.Thread(target=_pump, args=(q, loop, sink, i, stop), daemon=True,
-                                 name=f"moeserve-pump-{rid[:8]}").start()
             left = len(seqs)
             while left:
-                i, out = await sink.get()
+                i, out = await sink.queue.get()
                 self._observe(seqs[i], out)
                 if seqs[i].done:
                     left -= 1
@@ -122,7 +119,7 @@ class EngineClient:
                     out = dataclasses.replace(out, error=self._public(out.error, request_id))
                 yield i, out
         finally:
-            stop.set()
+            sink.open = False
             for s in seqs:
                 if not s.done:
                     self.engine.abort(s.rid)
@@ -161,17 +158,20 @@ class EngineClient:
             m.cached_tokens.inc(out.cached_tokens)
 
 
-def _pump(q: "queue.SimpleQueue[TokenOutput]", loop: asyncio.AbstractEventLoop,
-          sink: "asyncio.Queue[tuple[int, TokenOutput]]", index: int,
-          stop: threading.Event) -> None:
-    while not stop.is_set():
+class _Sink:
+    """Where the outputs of one HTTP request's sequences meet on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, TokenOutput]] = asyncio.Queue()
+        self.open = True  # False once run has ended: its aborted sequences' last outputs go nowhere
+
+    def put(self, index: int, out: TokenOutput) -> None:
+        """Sequence `index`'s on_output: called on the engine's output thread (or on the thread
+        that stops the engine), so it only schedules the put on the loop."""
+        if not self.open:
+            return
         try:
-            out = q.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
-        try:
-            loop.call_soon_threadsafe(sink.put_nowait, (index, out))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            return
-        if out.finish is not None or out.error is not None:
-            return
+            pass
