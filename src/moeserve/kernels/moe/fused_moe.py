@@ -167,6 +167,22 @@ def _gate_up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_r
 
 
 @triton.jit
+def _store_down(acc, y_ptr, topk_weights_ptr, pair, row_ok, offs_n, n_ok, hidden, top_k,
+                ATOMIC_SUM: tl.constexpr):
+    """down's epilogue: each row of acc scaled by its pair's top-k weight, written at the
+    pair's slot (ATOMIC_SUM: added into its token's row of the zeroed [N, H] output)."""
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y = (acc * weight[:, None]).to(y_ptr.dtype.element_ty)
+    ok = row_ok[:, None] & n_ok[None, :]
+    if ATOMIC_SUM:
+        token = (pair // top_k).to(tl.int64)
+        tl.atomic_add(y_ptr + token[:, None] * hidden + offs_n[None, :], y, mask=ok,
+                      sem="relaxed")
+    else:
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y, mask=ok)
+
+
+@triton.jit
 def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0, rows, pid_n,
                hidden, inter, top_k, M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
@@ -193,15 +209,8 @@ def _down_tile(h_ptr, w2_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0,
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    y = (acc * weight[:, None]).to(y_ptr.dtype.element_ty)
-    ok = row_ok[:, None] & n_ok[None, :]
-    if ATOMIC_SUM:
-        token = (pair // top_k).to(tl.int64)
-        tl.atomic_add(y_ptr + token[:, None] * hidden + offs_n[None, :], y, mask=ok,
-                      sem="relaxed")
-    else:
-        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y, mask=ok)
+    _store_down(acc, y_ptr, topk_weights_ptr, pair, row_ok, offs_n, n_ok, hidden, top_k,
+                ATOMIC_SUM)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])

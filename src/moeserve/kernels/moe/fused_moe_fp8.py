@@ -38,8 +38,8 @@ from moeserve.kernels.moe.align import align_triton
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.decode_moe_fp8 import decode_experts_fp8
 from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_rows
-from moeserve.kernels.moe.fused_moe import (_block_pairs, _launch_opts, _row_tile, _tile_of,
-                                            _weight_tile, _weights_arg, topk_sum)
+from moeserve.kernels.moe.fused_moe import (_block_pairs, _launch_opts, _row_tile, _store_down,
+                                            _tile_of, _weight_tile, _weights_arg, topk_sum)
 
 @triton.jit
 def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert, row0, rows,
@@ -141,15 +141,8 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    y = (acc * weight[:, None]).to(y_ptr.dtype.element_ty)
-    ok = row_ok[:, None] & n_ok[None, :]
-    if ATOMIC_SUM:
-        token = (pair // top_k).to(tl.int64)
-        tl.atomic_add(y_ptr + token[:, None] * hidden + offs_n[None, :], y, mask=ok,
-                      sem="relaxed")
-    else:
-        tl.store(y_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :], y, mask=ok)
+    _store_down(acc, y_ptr, topk_weights_ptr, pair, row_ok, offs_n, n_ok, hidden, top_k,
+                ATOMIC_SUM)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])

@@ -86,13 +86,7 @@ class AllToAllDispatcher(ExchangeDispatcher):
         """No host synchronisation: the slot of every (row, peer) comes from a prefix sum, and
         the send block is one gather from the packed rows (plus an empty row for unused
         slots), so the shapes depend only on the plan and R."""
-        p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
-        if x_MH.dtype != self.dtype:
-            raise ValueError(f"the all-to-all workspace was planned for {self.dtype} tokens, "
-                             f"got {x_MH.dtype}")
-        if not m <= r <= self.cap:
-            raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
-                             f"{r} (cap {self.cap}): pass the rows the step describes")
+        p, m, r = self._step_rows(x_MH, step, "the all-to-all workspace was")
         dev = x_MH.device
         valid = topk_ids_MK >= 0
         dest_MK = torch.where(valid, topk_ids_MK.long() // self.experts_per_rank, p)

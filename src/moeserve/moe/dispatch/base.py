@@ -98,6 +98,18 @@ class ExchangeDispatcher(Dispatcher):
         self.hidden, self.top_k = spec.hidden_size, spec.top_k
         self.experts_per_rank = spec.num_experts // lay.ep
 
+    def _step_rows(self, x_MH: torch.Tensor, step: StepContext, where: str
+                   ) -> tuple[int, int, int]:
+        """(ranks, this rank's rows, the step's runtime max per rank), after checking the rows
+        against what `where` (the plan's exchange buffers) was planned for."""
+        p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
+        if x_MH.dtype != self.dtype:
+            raise ValueError(f"{where} planned for {self.dtype} tokens, got {x_MH.dtype}")
+        if not m <= r <= self.cap:
+            raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
+                             f"{r} (cap {self.cap}): pass the rows the step describes")
+        return p, m, r
+
 
 # --- the token payload: one byte row per token (plan/buffers.token_payload_bytes) ----------
 

@@ -105,16 +105,10 @@ class NVLinkDispatcher(ExchangeDispatcher):
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
                  ) -> tuple[DispatchedTokens, PeerHandle]:
-        p, m, r = self.axis.size, x_MH.shape[0], step.runtime_max_per_rank
         if self.buffers is None:
             raise RuntimeError("bind the plan's buffers (bind_model_buffers) before the nvlink "
                                "dispatcher exchanges tokens")
-        if x_MH.dtype != self.dtype:
-            raise ValueError(f"the all-to-all windows were planned for {self.dtype} tokens, "
-                             f"got {x_MH.dtype}")
-        if not m <= r <= self.cap:
-            raise ValueError(f"rank holds {m} MoE rows but the step's runtime max per rank is "
-                             f"{r} (cap {self.cap}): pass the rows the step describes")
+        p, m, r = self._step_rows(x_MH, step, "the all-to-all windows were")
         ids_MK = topk_ids_MK.to(torch.int32).contiguous()
         weights_MK = topk_weights_MK.to(torch.float32).contiguous()
         slots_MP = region(self.buffers.slots, (m, p), torch.int32)
