@@ -11,6 +11,10 @@ from typing import Any, Optional
 
 import torch
 
+from moeserve.parallel.layout import ParallelLayout
+
+ONE_GPU = ParallelLayout(tp=1, dp=1, ep=1, dense_tp=1, a2a=False)
+
 
 def engine_runner(engine: Any) -> Any:
     """The model runner of an in-process (tp = 1) Engine. Its loop idles between requests,
@@ -27,27 +31,43 @@ def randomize_kv(pool: Any) -> None:
     storage.normal_(0, 0.5)
 
 
-def decode_bytes(spec: Any, batch: int, ctx: int, elem: int = 2) -> dict[str, float]:
+def decode_bytes(spec: Any, batch: int, ctx: int, dtype: str = "bfloat16",
+                 quant: Optional[Any] = None) -> dict[str, float]:
     """Bytes one decode step of `batch` requests with `ctx` cached tokens each must read: the
-    dense weights (attention, norms, router, shared and dense MLPs, LM head), the experts
-    touched under uniform routing, E (1 - (1 - k/E)^B) per MoE layer, and the KV cache."""
-    from moeserve.parallel.layout import ParallelLayout
-    from moeserve.plan.memory import attention_params, kv_elems_per_token_per_layer
+    dense weights (every weight but the routed experts and the embedding table, of which the
+    batch's rows), the experts touched under uniform routing, E (1 - (1 - k/E)^B) per MoE
+    layer, and the KV cache. The weights count as the planner stores them on one GPU
+    (plan.memory.weight_bytes_per_rank): in `dtype`, or with `quant` (a QuantSpec) the
+    matrices it converts in fp8, a byte a value and a float32 scale a block; KV in `dtype`."""
+    from moeserve.plan.memory import (DTYPE_BYTES, kv_elems_per_token_per_layer,
+                                      weight_bytes_per_rank)
 
-    one_gpu = ParallelLayout(tp=1, dp=1, ep=1, dense_tp=1, a2a=False)
-    h, layers = spec.hidden_size, spec.num_layers
-    attn = attention_params(spec, one_gpu) + 2 * h  # and the layer's two norms
-    moe_layers = len(spec.moe_layers)
-    e, k = spec.num_experts, spec.top_k
-    touched = e * (1 - (1 - k / e) ** batch)
-    shared = 3 * h * spec.shared_expert_intermediate_size
-    dense = (attn * layers + (e * h + shared) * moe_layers
-             + 3 * h * spec.dense_intermediate_size * (layers - moe_layers)
-             + spec.vocab_size * h + batch * h) * elem
-    experts = touched * 3 * h * spec.moe_intermediate_size * moe_layers * elem
-    kv = batch * ctx * layers * kv_elems_per_token_per_layer(spec, one_gpu) * elem
+    elem, h, e = DTYPE_BYTES[dtype], spec.hidden_size, spec.num_experts
+    touched = e * (1 - (1 - spec.top_k / e) ** batch)
+    one_expert = expert_bytes(spec, dtype, quant)
+    table = 0 if spec.tie_word_embeddings else spec.vocab_size * h * elem  # the LM head's else
+    dense = (weight_bytes_per_rank(spec, ONE_GPU, dtype, quant) - e * one_expert - table
+             + batch * h * elem)
+    experts = touched * one_expert
+    kv = (batch * ctx * spec.num_layers * kv_elems_per_token_per_layer(spec, ONE_GPU) * elem)
     return {"dense": dense, "experts": experts, "kv": kv, "total": dense + experts + kv,
             "touched_experts_per_layer": touched}
+
+
+def expert_bytes(spec: Any, dtype: str, quant: Optional[Any] = None) -> int:
+    """Bytes of one routed expert's weights over all MoE layers, as the planner stores them:
+    3 H I values in `dtype` a layer, or in the layers where `quant` converts the experts (the
+    planner's fp8 matrices with one matrix per expert, plan.memory._fp8_matrices) a byte a
+    value and a float32 scale per block_n x block_k block."""
+    from moeserve.plan.memory import DTYPE_BYTES, _fp8_matrices
+
+    elem = DTYPE_BYTES[dtype]
+    total = 3 * spec.hidden_size * spec.moe_intermediate_size * len(spec.moe_layers) * elem
+    for count, n, k in _fp8_matrices(spec, ONE_GPU, quant) if quant is not None else ():
+        if count == spec.num_experts:  # the others are one matrix each
+            scales = -(-n // quant.block_n) * -(-k // quant.block_k) * 4
+            total -= n * k * elem - (n * k + scales)
+    return total
 
 
 class DecodeBatch:
