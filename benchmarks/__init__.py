@@ -3,7 +3,9 @@
     PYTHONPATH=src python -m benchmarks SUBCOMMAND --out $OUT [--results benchmarks/RESULTS.md]
 
     e2e        a whole model on one GPU: decode steps against their floor, transformers'
-               generate, `moeserve bench`                                  (e2e.py)
+               generate, `moeserve bench`                                  (e2e.py);
+               with --quantization fp8 the FP8 engine's steps against their FP8 floor beside
+               the bf16 engine's                                           (e2e_fp8.py)
     moe        the MoE layer against torch._grouped_mm and transformers' block (moe.py)
     attention  decode and extend attention, and the small kernels of a decode step
                (attention.py, step_kernels.py)

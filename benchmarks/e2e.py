@@ -11,6 +11,11 @@ Each part runs in its own process, so that our model and transformers' never sha
             kernels, experts touched by the dummy routing, one prefill of each
             --prefill-tokens, then `moeserve bench` at each --concurrency
   hf        transformers' generate, each experts implementation, batch 1 and 8
+
+With --quantization fp8 (section "End to end, FP8", e2e_fp8.py) the parts are ceilings (with
+the FP8 GEMM rate), ours (the bf16 engine's decode steps only) and ours_fp8 (the same engine
+with --quantization fp8, all of ours' measurements); `moeserve bench` runs on both only with
+--concurrency given, and hf does not run (transformers cannot run our fp8).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +36,7 @@ from benchmarks.harness import Ceilings, RunInfo, table
 HELP = "decode step, generate and serving of a whole model on one GPU"
 TITLE = "End to end"
 MODEL = "preset:qwen3-30b-a3b"
+QUANTIZATIONS = ("none", "fp8")
 HF_REPS = 5  # transformers' time per token wanders with its host: the median of this many
 METHOD = """\
 One GPU, dummy bf16 weights, random KV. The floor of a decode step is the bytes it must read
@@ -45,13 +51,17 @@ prompts through the same engine, greedy, ignore_eos."""
 
 def add_arguments(p: Any) -> None:
     harness.add_output_arguments(p)
-    p.add_argument("--parts", default="ceilings,ours,hf")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="fp8: the engine with --quantization fp8 beside the bf16 one (e2e_fp8.py)")
+    p.add_argument("--parts", help="default: ceilings,ours,hf; with --quantization fp8 "
+                   "ceilings,ours,ours_fp8")
     p.add_argument("--part", help="run one part in this process (the parent runs each so)")
     p.add_argument("--model", default=MODEL, help="our engine's model (hf: the default only)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--ctx", type=int, default=512, help="cached tokens of each decode request")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--concurrency", type=int, nargs="*",
+                   help="`moeserve bench` at each (default: 1 16 64 256; none with fp8)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, nargs="*", default=[],
@@ -60,13 +70,39 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--disable-pdl", action="store_true", help="the engine's --disable-pdl")
 
 
+def resolve_args(args: Any) -> Any:
+    """Fill the defaults that follow --quantization (parts, concurrency) and check the parts:
+    the same in the parent and in each part's process, which gets the parent's argv."""
+    fp8 = args.quantization == "fp8"
+    known = ("ceilings", "ours", "ours_fp8") if fp8 else ("ceilings", "ours", "hf")
+    if args.parts is None:
+        args.parts = ",".join(known)
+    if args.concurrency is None:
+        args.concurrency = [] if fp8 else [1, 16, 64, 256]
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in known]
+    if unknown:
+        why = (" (transformers cannot run our fp8: run hf without --quantization)"
+               if fp8 and "hf" in unknown else "")
+        raise SystemExit(f"--parts {args.parts}: {', '.join(unknown)} is not a part of "
+                         f"{'--quantization fp8' if fp8 else 'this run'}; its parts are "
+                         f"{', '.join(known)}{why}")
+    if "ceilings" not in parts:
+        raise SystemExit("--parts must include ceilings: every floor divides by them")
+    return args
+
+
 # --- parts ------------------------------------------------------------------------------------
 
 def part_ceilings(args: Any) -> dict[str, Any]:
-    return vars(harness.measure_ceilings())
+    return vars(harness.measure_ceilings(fp8=args.quantization == "fp8"))
 
 
-def part_ours(args: Any) -> dict[str, Any]:
+def part_ours(args: Any, quantization: Optional[str] = None, detail: bool = True
+              ) -> dict[str, Any]:
+    """Our engine (with `quantization`, else in bf16): the decode steps and replays at
+    --batches, then with `detail` the eager step, the experts touched, the batch-1 kernels and
+    the prefills, and `moeserve bench` at --concurrency."""
     from moeserve.bench import random_prompts, run_bench
     from moeserve.parallel.devices import resolve_backends
     from moeserve.runtime.engine import Engine
@@ -77,6 +113,8 @@ def part_ours(args: Any) -> dict[str, Any]:
         load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
         moe_runner_backend=args.experts, context_length=args.ctx + args.output_len + 64,
         max_running_requests=max(args.batches + args.concurrency))
+    if quantization is not None:
+        flags["quantization"] = quantization
     if args.prefill_tokens:
         longest = max(args.prefill_tokens)
         flags.update(context_length=max(flags["context_length"], longest + 64),
@@ -95,14 +133,10 @@ def part_ours(args: Any) -> dict[str, Any]:
     for b in args.batches:
         out["decode_ms"][str(b)] = S.decode_ms(runner, b, args.ctx, True, args.steps)
         out["replay_ms"][str(b)] = S.replay_ms(runner, b, args.ctx)
-        print(f"decode batch {b}: {out['decode_ms'][str(b)]:.3f} ms/step", flush=True)
-    out["eager_ms"]["1"] = S.decode_ms(runner, 1, args.ctx, False, 10)
-    for b in args.batches:
-        seen: list[int] = []
-        S.decode_ms(runner, b, args.ctx, False, 1, touched=seen)
-        out["touched"][str(b)] = statistics.mean(seen) if seen else None
-    out["profile_batch1"] = S.kernel_profile(runner, args.ctx)
-    out["prefill"] = [S.prefill_ms(runner, n) for n in args.prefill_tokens]
+        print(f"{quantization or 'bf16'} decode batch {b}: {out['decode_ms'][str(b)]:.3f} "
+              "ms/step", flush=True)
+    if detail:
+        part_detail(args, runner, out)
     for c in args.concurrency:
         prompts = random_prompts(max(2 * c, 8), args.input_len, runner.spec.vocab_size, seed=c)
         s = run_bench(engine, prompts, args.output_len, c, progress=False)
@@ -110,6 +144,18 @@ def part_ours(args: Any) -> dict[str, Any]:
         print(f"bench concurrency {c}: {s['output_tokens_per_s']:.0f} output tok/s", flush=True)
     engine.shutdown()
     return out
+
+
+def part_detail(args: Any, runner: Any, out: dict[str, Any]) -> None:
+    from benchmarks import engine_steps as S
+
+    out["eager_ms"]["1"] = S.decode_ms(runner, 1, args.ctx, False, 10)
+    for b in args.batches:
+        seen: list[int] = []
+        S.decode_ms(runner, b, args.ctx, False, 1, touched=seen)
+        out["touched"][str(b)] = statistics.mean(seen) if seen else None
+    out["profile_batch1"] = S.kernel_profile(runner, args.ctx)
+    out["prefill"] = [S.prefill_ms(runner, n) for n in args.prefill_tokens]
 
 
 def part_hf(args: Any) -> dict[str, Any]:
@@ -173,7 +219,10 @@ def hf_decode_ms(model: Any, vocab: int, batch: int, ctx: int, n: int) -> float:
     return statistics.median((gen(1 + n) - gen(1)) / n * 1e3 for _ in range(HF_REPS))
 
 
-PARTS = {"ceilings": part_ceilings, "ours": part_ours, "hf": part_hf}
+PARTS = {"ceilings": part_ceilings, "hf": part_hf,
+         # with --quantization fp8, ours is the bf16 step beside ours_fp8's
+         "ours": lambda args: part_ours(args, detail=args.quantization == "none"),
+         "ours_fp8": lambda args: part_ours(args, "fp8")}
 
 
 # --- the section ------------------------------------------------------------------------------
@@ -208,6 +257,16 @@ def render(res: dict[str, Any]) -> str:
         rows.append(cells)
     body += table(["batch", "bytes/step (dense + experts + KV)", "floor ms", "moeserve ms/step",
                    "x floor", "GB/s", "tokens/s", "transformers best ms/token", "speedup"], rows)
+    body += engine_notes(ours)
+    body += render_hf(hf, a["ctx"], ours.get("decode_ms", {}).get("1"))
+    body += render_bench(ours.get("bench", []), a, spec, bw, best_hf.get("1"))
+    return harness.section(TITLE, METHOD, RunInfo(**res["info"]), ceil, body)
+
+
+def engine_notes(ours: dict[str, Any]) -> list[str]:
+    """What a part measured beside its decode steps: the eager step, the graphs replayed back
+    to back, the batch-1 step's kernels, the prefills."""
+    body: list[str] = []
     if ours.get("eager_ms", {}).get("1"):
         body += ["", f"Batch 1 without CUDA graphs (eager): {ours['eager_ms']['1']:.2f} ms/step."]
     replays = {b: v for b, v in ours.get("replay_ms", {}).items() if v}
@@ -230,9 +289,7 @@ def render(res: dict[str, Any]) -> str:
                         f"{p['graph_ms']:.2f}" if "graph_ms" in p else "-",
                         f"{p['graph_host_ms']:.2f}" if "graph_ms" in p else "-"]
                        for p in ours["prefill"]])
-    body += render_hf(hf, a["ctx"], ours.get("decode_ms", {}).get("1"))
-    body += render_bench(ours.get("bench", []), a, spec, bw, best_hf.get("1"))
-    return harness.section(TITLE, METHOD, RunInfo(**res["info"]), ceil, body)
+    return body
 
 
 def render_hf(hf: dict[str, Any], ctx: int, ours_ms: Any) -> list[str]:
@@ -259,12 +316,15 @@ def render_hf(hf: dict[str, Any], ctx: int, ours_ms: Any) -> list[str]:
 
 
 def render_bench(bench: list[dict[str, Any]], a: dict[str, Any], spec: Any, bw: float,
-                 hf_best: Any) -> list[str]:
+                 hf_best: Any, quant: Optional[Any] = None, engine: str = "the same engine"
+                 ) -> list[str]:
+    """The rows of `moeserve bench`; `quant`: the engine's weights are fp8 (the floor's
+    bytes follow)."""
     from benchmarks.engine_steps import decode_bytes
 
     if not bench:
         return []
-    body = ["", f"`moeserve bench` on the same engine: max(2 x concurrency, 8) prompts of "
+    body = ["", f"`moeserve bench` on {engine}: max(2 x concurrency, 8) prompts of "
             f"{a['input_len']} random tokens, {a['output_len']} output tokens each, greedy, "
             "ignore_eos:", ""]
     body += table(["concurrency", "output tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p90 ms"],
@@ -274,7 +334,7 @@ def render_bench(bench: list[dict[str, Any]], a: dict[str, Any], spec: Any, bw: 
     one = [s for s in bench if s["max_concurrency"] == 1 and s["itl_ms_p50"]]
     if one:  # the per-token time a lone client sees, the host's part included
         itl, mean_ctx = one[0]["itl_ms_p50"], a["input_len"] + a["output_len"] // 2
-        floor = decode_bytes(spec, 1, mean_ctx)["total"] / bw * 1e3
+        floor = decode_bytes(spec, 1, mean_ctx, quant=quant)["total"] / bw * 1e3
         body += ["", f"At concurrency 1 the ITL p50 is {itl:.2f} ms: {itl / floor:.2f}x the "
                  f"batch-1 floor at the mean context ({mean_ctx} tokens)"
                  + (f", {hf_best / itl:.1f}x faster than transformers' best" if hf_best else "")
@@ -285,13 +345,17 @@ def render_bench(bench: list[dict[str, Any]], a: dict[str, Any], spec: Any, bw: 
 # --- driver -----------------------------------------------------------------------------------
 
 def run(args: Any, argv: list[str]) -> int:
-    out = Path(args.out)
+    from moeserve.config.spec import load_model_spec
+
+    out, args = Path(args.out), resolve_args(args)
     if args.part:
         return harness.run_part(out, f"e2e_{args.part}", lambda: PARTS[args.part](args))
-    if "ceilings" not in args.parts.split(","):
-        raise SystemExit("--parts must include ceilings: every floor divides by them")
+    if load_model_spec(args.model).quant is not None:
+        raise SystemExit(f"{args.model} ships fp8 weights: e2e measures a bf16 model with dummy "
+                         "weights (and with --quantization fp8 the same model quantized at load)")
+    fp8 = args.quantization == "fp8"
     res: dict[str, Any] = {"args": vars(args), "info": vars(RunInfo.collect(
-        "e2e", argv, extra_versions=("transformers",)))}
+        "e2e", argv, extra_versions=() if fp8 else ("transformers",)))}
     for part in args.parts.split(","):
         rc = subprocess.call([sys.executable, "-m", "benchmarks", "e2e", *argv, "--part", part],
                              cwd=harness.REPO)
@@ -300,5 +364,10 @@ def run(args: Any, argv: list[str]) -> int:
             print(f"part {part} failed (exit {rc})", flush=True)
             return rc or 1
         res[part] = json.loads(path.read_text())
-    harness.save(out, "e2e", res, render(res), args.results)
+    if fp8:
+        from benchmarks import e2e_fp8
+
+        harness.save(out, "e2e_fp8", res, e2e_fp8.render(res), args.results)
+    else:
+        harness.save(out, "e2e", res, render(res), args.results)
     return 0
