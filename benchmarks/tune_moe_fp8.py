@@ -43,7 +43,8 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
     """GEMV tiles by the fp8 rules whose accumulators take 16..64 registers a thread."""
     if gemm == "gate_up":
-        space = itertools.product((GROUP,), (16, 32, 64), (4, 8))
+        # whole groups (quantized in the epilogue) or a divisor of one (quantized after)
+        space = itertools.product((16, 32, 64, GROUP), (32, 64, 128), (4, 8))
         elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
     else:
         tk = 1 << (top_k - 1).bit_length()

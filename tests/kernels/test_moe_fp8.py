@@ -48,6 +48,9 @@ def test_fp8_tile_rules():
                                      quant_block=(128, group))
             configs.validate(cfg, "defaults", group)
             assert cfg["gate_up"]["BLOCK_N"] % group == 0
+            if "decode" in cfg:  # the GEMV's tile: whole groups or a divisor of one
+                up_n = cfg["decode"]["gate_up"]["BLOCK_N"]
+                assert up_n % group == 0 or group % up_n == 0
     bad = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                                       "num_warps": 4, "num_stages": 3},
            "down": {"BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
@@ -132,6 +135,8 @@ cases = [
                         "down": gemm_cfg(16, 16, HALF_TAIL=1, ATOMIC_SUM=1)}),
     ((32, 16), "silu", {"decode": gemv}),
     ((16, 32), "gelu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 64}}}),
+    # a GEMV gate_up tile below the group: its float32 product quantized after it
+    ((16, 32), "silu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8}}}),
 ]
 for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64),
                                                                     ((2, 1), 40)]):
@@ -201,7 +206,7 @@ for n, cfg in [(30, grouped), (3, {"decode": gemv})]:
         raise AssertionError("a workspace too small was taken")
 # tiles that break the fp8 rules are refused at launch, naming the rule
 for bad in ({"BLOCK_M": 16, "gate_up": gemm_cfg(16, 32), "down": gemm_cfg(16, 16)},
-            {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8}}}):
+            {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 24}}}):
     try:
         run(tri, x, ids, w, bad)
     except ValueError as exc:

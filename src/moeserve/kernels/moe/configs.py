@@ -26,7 +26,8 @@ entry changes nothing there (decode_moe._opts).
 FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keyed by
 `fp8_w8a8_{bn}x{bk}` in place of the dtype (table_dtype), and defaults of their own
 (fp8_default_config): BLOCK_K divides the scale group bk (one scale a K step) and gate_up's
-BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". A
+BLOCK_N is a multiple of it (its epilogue quantizes whole groups), or for the decode GEMV a
+divisor of it (its float32 product quantized after it); no "PAIRED" or "WS". A
 table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
@@ -119,8 +120,9 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
 def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
                        group: int) -> dict[str, Any]:
     """The fp8 kernels' tiles: the bf16 defaults' BLOCK_M and warps (no TMA, pairing or warp
-    specialisation), BLOCK_K the largest power of two up to 128 that divides the group, gate_up's
-    BLOCK_N (GEMM and GEMV) rounded up to whole groups; the GEMVs' BLOCK_K at most 64, so that a
+    specialisation), BLOCK_K the largest power of two up to 128 that divides the group, the
+    GEMM gate_up's BLOCK_N rounded up to whole groups, the GEMV's 16 (a divisor of the group)
+    where it can; from 64 rows an expert BLOCK_M 64; the GEMVs' BLOCK_K at most 64, so that a
     program's [BLOCK_N, BLOCK_K] accumulators stay in registers. Not tuned: `python -m
     benchmarks tune-moe --fp8` writes tables that replace them."""
     base = default_config(num_tokens, top_k, num_local)
@@ -142,9 +144,10 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
                            "down": gemm(base["down"], False)}
     if "decode" in base:
         gemv_k = math.gcd(group, 64)
-        cfg["decode"] = {"gate_up": _gemv(-(-16 // group) * group, gemv_k,
-                                          8 if group >= 64 else 4),
-                         "down": _gemv(16, gemv_k, 4)}
+        # gate_up 16 columns a program (split below the group, quantized after it) when
+        # 16 divides the group: whole-group tiles leave most SMs idle at a row or two
+        up_n = 16 if group % 16 == 0 else -(-16 // group) * group
+        cfg["decode"] = {"gate_up": _gemv(up_n, gemv_k, 4), "down": _gemv(16, gemv_k, 4)}
     return cfg
 
 
@@ -174,8 +177,13 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
     gemms += [(f"decode.{g}", cfg["decode"][g], g == "gate_up") for g in cfg.get("decode", ())]
     bad = [f"{name}.BLOCK_K {c['BLOCK_K']} does not divide the scale group {group}"
            for name, c, _ in gemms if group % c["BLOCK_K"]]
+    # the decode gate_up GEMV also takes a tile that divides the group (its product is
+    # quantized after it, decode_moe_fp8.py); the grouped gate_up quantizes whole groups
     bad += [f"{name}.BLOCK_N {c['BLOCK_N']} is not a multiple of the scale group {group}"
-            for name, c, whole in gemms if whole and c["BLOCK_N"] % group]
+            + (" nor divides it" if name.startswith("decode") else "")
+            for name, c, whole in gemms
+            if whole and c["BLOCK_N"] % group
+            and not (name.startswith("decode") and group % c["BLOCK_N"] == 0)]
     bad += [f"{name} sets {key}, which has no fp8 kernel" for name, c, _ in gemms
             for key in ("PAIRED", "WS", "PREFETCH") if c.get(key)]
     if bad:

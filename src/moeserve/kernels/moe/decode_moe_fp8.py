@@ -4,7 +4,10 @@ launches with fp8 operands (legend as there and in fused_moe_fp8.py).
     gate_up   one program per (pair, BLOCK_N columns of I): per K step (BLOCK_K divides G)
                 acc += w13q[e, n, k] * (xq[tok, k] xs[tok, kb]) * w13_s[e, n // bn, kb]
               then act(gate) * up, quantized per G columns in the epilogue (BLOCK_N a
-              multiple of G): h fp8 [P, I] beside hs [P, ceil(I/G)]
+              multiple of G): h fp8 [P, I] beside hs [P, ceil(I/G)]; or (BLOCK_N < G, a
+              divisor of it) stored in float32 and quantized by quantize_groups after it:
+              at one row a tile of whole groups leaves most SMs idle (P I / G programs,
+              48 for Qwen3-30B-A3B), the split one streams the weights on all of them
     down      one program per (row, BLOCK_N columns of H), the tiles of all the row's experts
               at once: acc += w2q * (hq hs w_k) * w2_s; the top-k sum in registers
 
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
+from moeserve.kernels.fp8.gemm import quantize_groups
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.decode_moe import (_ARGS, _down_row, _gu_tiles, _h_chunk, _opts,
@@ -34,7 +38,7 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, ids_pt
                            top_k, first_expert, num_local, stride_xs, stride_we, stride_wn,
                            stride_hs, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           EVEN_K: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
@@ -66,13 +70,16 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, ids_pt
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1)
-    q, scale = quantize_rows(h[None, :], 1, BLOCK_N, GROUP_K)
     row = pair.to(tl.int64)
-    tl.store(h_ptr + row * inter + offs_n, tl.reshape(q, (BLOCK_N,)).to(h_ptr.dtype.element_ty),
-             mask=n_ok)
-    groups = tl.program_id(1) * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
-    tl.store(hs_ptr + row * stride_hs + groups, tl.reshape(scale, (BLOCK_N // GROUP_K,)),
-             mask=groups * GROUP_K < inter)
+    if QUANT:
+        q, scale = quantize_rows(h[None, :], 1, BLOCK_N, GROUP_K)
+        tl.store(h_ptr + row * inter + offs_n,
+                 tl.reshape(q, (BLOCK_N,)).to(h_ptr.dtype.element_ty), mask=n_ok)
+        groups = tl.program_id(1) * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+        tl.store(hs_ptr + row * stride_hs + groups, tl.reshape(scale, (BLOCK_N // GROUP_K,)),
+                 mask=groups * GROUP_K < inter)
+    else:  # h_ptr: the float32 product, quantized by the caller
+        tl.store(h_ptr + row * inter + offs_n, h, mask=n_ok)
 
 
 @triton.jit(do_not_specialize=_ARGS)
@@ -119,18 +126,24 @@ def decode_gate_up_fp8(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor,
     unwritten (down skips them)."""
     num_local, two_i, hidden = w13.shape
     inter, group = two_i // 2, block[1]
-    check_tiles(cfg, group, "decode gate_up", whole_groups=True)
+    check_tiles(cfg, group, "decode gate_up", whole_groups=True, split=True)
     pairs = ids_P.shape[0]
     h = take(ws and ws.act, pairs, "act", inter, dtype=FP8, device=xq.device)
     hs = take(ws and ws.act_scale, pairs, "act_scale", triton.cdiv(inter, group),
               dtype=torch.float32, device=xq.device)
     if pairs:
+        quant = cfg["BLOCK_N"] % group == 0
+        # a split tile's float32 product: the few rows of a decode step, from the allocator
+        # as the step's output is (decode_down_fp8)
+        dst = h if quant else torch.empty(pairs, inter, dtype=torch.float32, device=xq.device)
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
-        _decode_gate_up_kernel[grid](xq, xs, w13, w13_s, h, hs, ids_P, hidden, inter, top_k,
+        _decode_gate_up_kernel[grid](xq, xs, w13, w13_s, dst, hs, ids_P, hidden, inter, top_k,
                                      first_expert, num_local, xs.stride(0), w13_s.stride(0),
                                      w13_s.stride(1), hs.stride(0), ACT=ACT_CODES[act],
-                                     GROUP_N=block[0], GROUP_K=group, **_opts(cfg, hidden),
-                                     **pdl_args(xq.device))
+                                     GROUP_N=block[0], GROUP_K=group, QUANT=quant,
+                                     **_opts(cfg, hidden), **pdl_args(xq.device))
+        if not quant:  # rows of pairs this rank does not own: garbage that down skips
+            quantize_groups(dst, group, out=(h, hs))
     return h, hs
 
 

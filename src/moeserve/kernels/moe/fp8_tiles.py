@@ -25,14 +25,17 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
     return tl.reshape(q, (M, N)), scale
 
 
-def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool) -> None:
+def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,
+                split: bool = False) -> None:
     """BLOCK_K must divide the scale group (one scale a K step); a tile that quantizes its
-    output (whole_groups) holds whole groups: BLOCK_N a multiple of it."""
+    output (whole_groups) holds whole groups: BLOCK_N a multiple of it, or (split: a kernel
+    whose product can be quantized after it) a divisor of it."""
     bad = []
     if group % cfg["BLOCK_K"]:
         bad.append(f"BLOCK_K {cfg['BLOCK_K']} does not divide the scale group {group}")
-    if whole_groups and cfg["BLOCK_N"] % group:
-        bad.append(f"BLOCK_N {cfg['BLOCK_N']} is not a multiple of the scale group {group}")
+    if whole_groups and cfg["BLOCK_N"] % group and not (split and group % cfg["BLOCK_N"] == 0):
+        bad.append(f"BLOCK_N {cfg['BLOCK_N']} is not a multiple of the scale group {group}"
+                   + (" nor divides it" if split else ""))
     if cfg.get("PAIRED") or cfg.get("WS"):
         bad.append("PAIRED and WS have no fp8 kernel")
     if bad:
