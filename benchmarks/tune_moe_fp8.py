@@ -50,8 +50,9 @@ def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
         tk = 1 << (top_k - 1).bit_length()
         space = itertools.product((4, 8, 16, 32), (32, 64, 128), (2, 4, 8))
         elems = lambda bn, bk: tk * bn * bk  # noqa: E731
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
-            if 16 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
+    prefetch = ({}, {"PREFETCH": 1}) if gemm == "gate_up" else ({},)
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, **pf} for bn, bk, w in space
+            for pf in prefetch if 16 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
 
 
 def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:

@@ -136,7 +136,8 @@ cases = [
     ((32, 16), "silu", {"decode": gemv}),
     ((16, 32), "gelu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 64}}}),
     # a GEMV gate_up tile below the group: its float32 product quantized after it
-    ((16, 32), "silu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8}}}),
+    ((16, 32), "silu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8,
+                                                        "PREFETCH": 1}}}),
 ]
 for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64),
                                                                     ((2, 1), 40)]):

@@ -185,7 +185,7 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
             if whole and c["BLOCK_N"] % group
             and not (name.startswith("decode") and group % c["BLOCK_N"] == 0)]
     bad += [f"{name} sets {key}, which has no fp8 kernel" for name, c, _ in gemms
-            for key in ("PAIRED", "WS", "PREFETCH") if c.get(key)]
+            for key in ("PAIRED", "WS") if c.get(key)]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")

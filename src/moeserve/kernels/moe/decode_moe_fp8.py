@@ -33,12 +33,28 @@ from moeserve.kernels.moe.decode_moe import (_ARGS, _down_row, _gu_tiles, _h_chu
 from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_rows
 
 
+@triton.jit
+def _gu_step(acc_g, acc_u, g, u, x_ptrs, xs_ptr, gs_ptrs, us_ptrs, token, stride_xs, n_ok,
+             offs_k, k0, hidden, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The products of the weight tiles g, u at K chunk k0 with the row's chunk, each scaled
+    by its groups' scales."""
+    kb = k0 // GROUP_K
+    x = _x_chunk(x_ptrs + k0, offs_k, hidden - k0, EVEN_K) * tl.load(xs_ptr + token * stride_xs
+                                                                      + kb)
+    g_s = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
+    u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
+    acc_g += g.to(tl.float32) * x[None, :] * g_s[:, None]
+    acc_u += u.to(tl.float32) * x[None, :] * u_s[:, None]
+    return acc_g, acc_u
+
+
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, ids_ptr, hidden, inter,
                            top_k, first_expert, num_local, stride_xs, stride_we, stride_wn,
                            stride_hs, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                           EVEN_K: tl.constexpr, QUANT: tl.constexpr, PREFETCH: tl.constexpr,
+                           PDL: tl.constexpr):
     pdl_gate(PDL)
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0: first_expert >= 0
@@ -57,18 +73,24 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, ids_pt
     us_ptrs = s_base + ((inter + offs_n) // GROUP_N) * stride_wn
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        kb = k0 // GROUP_K
-        x = _x_chunk(x_ptrs, offs_k, hidden - k0, EVEN_K) * tl.load(xs_ptr + token * stride_xs
-                                                                     + kb)
-        g, u = _gu_tiles(g_ptrs, u_ptrs, n_ok, offs_k, hidden - k0, EVEN_K)
-        g_s = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
-        u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
-        acc_g += g.to(tl.float32) * x[None, :] * g_s[:, None]
-        acc_u += u.to(tl.float32) * x[None, :] * u_s[:, None]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if PREFETCH:  # as decode_moe.py's: the next chunk's tiles load before these products
+        g, u = _gu_tiles(g_ptrs, u_ptrs, n_ok, offs_k, hidden, EVEN_K)
+        for k0 in range(BLOCK_K, hidden, BLOCK_K):
+            g_next, u_next = _gu_tiles(g_ptrs + k0, u_ptrs + k0, n_ok, offs_k, hidden - k0,
+                                       EVEN_K)
+            acc_g, acc_u = _gu_step(acc_g, acc_u, g, u, x_ptrs, xs_ptr, gs_ptrs, us_ptrs,
+                                    token, stride_xs, n_ok, offs_k, k0 - BLOCK_K, hidden,
+                                    GROUP_K, EVEN_K)
+            g, u = g_next, u_next
+        last = (hidden - 1) // BLOCK_K * BLOCK_K
+        acc_g, acc_u = _gu_step(acc_g, acc_u, g, u, x_ptrs, xs_ptr, gs_ptrs, us_ptrs, token,
+                                stride_xs, n_ok, offs_k, last, hidden, GROUP_K, EVEN_K)
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            g, u = _gu_tiles(g_ptrs + k0, u_ptrs + k0, n_ok, offs_k, hidden - k0, EVEN_K)
+            acc_g, acc_u = _gu_step(acc_g, acc_u, g, u, x_ptrs, xs_ptr, gs_ptrs, us_ptrs,
+                                    token, stride_xs, n_ok, offs_k, k0, hidden, GROUP_K,
+                                    EVEN_K)
     h = _act(tl.sum(acc_g, 1), ACT) * tl.sum(acc_u, 1)
     row = pair.to(tl.int64)
     if QUANT:
@@ -141,7 +163,8 @@ def decode_gate_up_fp8(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor,
                                      first_expert, num_local, xs.stride(0), w13_s.stride(0),
                                      w13_s.stride(1), hs.stride(0), ACT=ACT_CODES[act],
                                      GROUP_N=block[0], GROUP_K=group, QUANT=quant,
-                                     **_opts(cfg, hidden), **pdl_args(xq.device))
+                                     PREFETCH=bool(cfg.get("PREFETCH")), **_opts(cfg, hidden),
+                                     **pdl_args(xq.device))
         if not quant:  # rows of pairs this rank does not own: garbage that down skips
             quantize_groups(dst, group, out=(h, hs))
     return h, hs
