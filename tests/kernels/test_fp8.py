@@ -109,3 +109,14 @@ def test_triton_fp8_kernels_under_the_interpreter():
 @pytest.mark.gpu
 def test_triton_fp8_kernels_on_the_gpu():
     exec(KERNEL_SCRIPT.replace("{device}", "cuda"), {})
+
+
+def test_decode_tiles_narrow_until_the_weight_fills_the_device():
+    pytest.importorskip("triton")
+    from moeserve.kernels.fp8.gemm import gemm_tiles
+
+    assert gemm_tiles(1, 2048, 0) == (16, 64)  # no device to fill (the interpreter)
+    assert gemm_tiles(1, 2048, 264) == (16, 16)  # 128 programs: as narrow as it goes
+    assert gemm_tiles(4, 16384, 264) == (16, 32)  # 512 programs of 32 columns suffice
+    assert gemm_tiles(16, 32768, 264) == (16, 64)
+    assert gemm_tiles(17, 2048, 264) == (64, 64) and gemm_tiles(65, 2048, 264) == (128, 128)

@@ -6,8 +6,8 @@ the dense projections (kernels/fp8/reference.py is the same arithmetic in torch)
 
 The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
-float32. Decode-sized steps take 16-row tiles and narrow column tiles, so that the weight
-streams through many programs; prefills take 64/128-row tiles.
+float32. Decode-sized steps take 16-row tiles and column tiles narrow enough (64 down to 16)
+that the weight streams through about two programs an SM; prefills take 64/128-row tiles.
 
 Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
 cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
@@ -16,6 +16,7 @@ into the next binade wrongly, then store the same bits as torch's `.to(float8_e4
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -113,10 +114,21 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, M
              acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def gemm_tiles(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for m rows: narrow tiles for decode steps, wide ones for prefills."""
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gemm_tiles(m: int, n: int = 0, programs: int = 0) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for m rows of an n-column output: narrow tiles for decode steps,
+    narrower (down to 16 columns) until the weight streams through at least `programs`
+    programs (at one row a 64-column tile gives a 2048-column projection 32 programs, a
+    quarter of an H200's SMs); wide ones for prefills."""
     if m <= 16:
-        return 16, 64
+        for block_n in (64, 32):
+            if triton.cdiv(n, block_n) >= programs:
+                return 16, block_n
+        return 16, 16
     if m <= 64:
         return 64, 64
     return 128, 128
@@ -137,7 +149,8 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     if m == 0:
         return out
     assert w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1 and xq_MK.stride(-1) == 1
-    block_m, block_n = gemm_tiles(m)
+    programs = 2 * _sm_count(xq_MK.device.index or 0) if xq_MK.is_cuda else 0
+    block_m, block_n = gemm_tiles(m, n, programs)
     res = residual if residual is not None else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
