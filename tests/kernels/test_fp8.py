@@ -119,4 +119,7 @@ def test_decode_tiles_narrow_until_the_weight_fills_the_device():
     assert gemm_tiles(1, 2048, 264) == (16, 16)  # 128 programs: as narrow as it goes
     assert gemm_tiles(4, 16384, 264) == (16, 32)  # 512 programs of 32 columns suffice
     assert gemm_tiles(16, 32768, 264) == (16, 64)
-    assert gemm_tiles(17, 2048, 264) == (64, 64) and gemm_tiles(65, 2048, 264) == (128, 128)
+    assert gemm_tiles(64, 2048, 264) == (64, 16)  # 128 programs at most
+    assert gemm_tiles(256, 5120, 264) == (128, 32)  # 2 x 160 programs
+    assert gemm_tiles(8192, 2048, 264) == (128, 128)
+    assert gemm_tiles(17, 2048, 0) == (64, 64) and gemm_tiles(65, 2048, 0) == (128, 128)

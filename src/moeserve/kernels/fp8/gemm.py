@@ -6,8 +6,8 @@ the dense projections (kernels/fp8/reference.py is the same arithmetic in torch)
 
 The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
-float32. Decode-sized steps take 16-row tiles and column tiles narrow enough (64 down to 16)
-that the weight streams through about two programs an SM; prefills take 64/128-row tiles.
+float32. Decode-sized steps take 16-row tiles, prefills 64/128-row ones; the column tile is
+narrowed (down to 16) until the weight streams through about two programs an SM.
 
 Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
 cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
@@ -120,18 +120,16 @@ def _sm_count(device_index: int) -> int:
 
 
 def gemm_tiles(m: int, n: int = 0, programs: int = 0) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for m rows of an n-column output: narrow tiles for decode steps,
-    narrower (down to 16 columns) until the weight streams through at least `programs`
-    programs (at one row a 64-column tile gives a 2048-column projection 32 programs, a
-    quarter of an H200's SMs); wide ones for prefills."""
-    if m <= 16:
-        for block_n in (64, 32):
-            if triton.cdiv(n, block_n) >= programs:
-                return 16, block_n
-        return 16, 16
-    if m <= 64:
-        return 64, 64
-    return 128, 128
+    """(BLOCK_M, BLOCK_N) for m rows of an n-column output: 16-row tiles for decode steps,
+    64/128-row ones for prefills; the column tile the widest (128 or 64 down to 16) that
+    still gives at least `programs` programs (one row through a 2048-column projection in
+    64-column tiles is 32 programs, a quarter of an H200's SMs)."""
+    block_m = 16 if m <= 16 else 64 if m <= 64 else 128
+    widths = (128, 64, 32, 16) if block_m == 128 else (64, 32, 16)
+    for block_n in widths:
+        if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= programs:
+            return block_m, block_n
+    return block_m, widths[-1]
 
 
 def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
