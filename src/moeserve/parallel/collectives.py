@@ -10,6 +10,12 @@ equal-size collective: one call, shapes that depend only on max(sizes). The all-
 receives into a view of the plan's buffer when given one (`region`), so that the step
 allocates nothing for it and a CUDA graph reads the same address on every replay.
 
+`symm` (the axis's SymmetricCollectives, parallel/symm_comm.py, bound from the plan's
+comm.symm.<axis> window on the GPUs of one node): a collective whose full tensor fits its
+window runs there, one-shot over symmetric memory, with no padding; a larger one, or any
+without `symm` (across nodes, on a CPU), runs on NCCL (gloo). Every rank decides from the same
+sizes, width and dtype, so all ranks take the same path.
+
 Shape legend: R rows of this rank, N rows of all ranks, P ranks of the axis, C per-peer slots.
 """
 
@@ -22,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.parallel.groups import Axis
+from moeserve.parallel.symm_comm import SymmetricCollectives
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,7 +70,8 @@ def region(buffer: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> to
 
 
 def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
-                      buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      buffer: Optional[torch.Tensor] = None,
+                      symm: Optional[SymmetricCollectives] = None) -> torch.Tensor:
     """Concatenate every rank's rows in rank order: [sum(sizes), ...]. x_R has sizes[rank]
     rows; trailing dims must agree across ranks. `buffer` (the plan's) receives the padded
     blocks; the result may be a view of it, valid until the next gather into it."""
@@ -72,6 +80,11 @@ def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
         return x_R
     if pad == 0:
         return x_R.new_empty((0, *x_R.shape[1:]))
+    whole = (sum(sizes), *x_R.shape[1:])
+    if symm is not None and symm.takes(math.prod(whole) * x_R.element_size()):
+        out = x_R.new_empty(whole) if buffer is None else region(buffer, whole, x_R.dtype)
+        symm.all_gather(x_R.contiguous(), sizes, out)
+        return out
     send = x_R.contiguous()
     if x_R.shape[0] < pad:
         send = x_R.new_zeros((pad, *x_R.shape[1:]))
@@ -84,7 +97,8 @@ def all_gather_uneven(x_R: torch.Tensor, sizes: Sequence[int], axis: Axis,
     return torch.cat([out[r * pad: r * pad + s] for r, s in enumerate(sizes)])
 
 
-def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis) -> torch.Tensor:
+def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis,
+                          symm: Optional[SymmetricCollectives] = None) -> torch.Tensor:
     """Sum y_N over the ranks and keep this rank's block. y_N holds every rank's block in rank
     order ([sum(sizes), ...], the layout all_gather_uneven returns); out: [sizes[rank], ...]."""
     pad = _block_rows(sizes, axis, y_N.shape[0], sum(sizes), "the reduce-scatter input")
@@ -92,6 +106,10 @@ def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis) -
         return y_N
     if pad == 0:
         return y_N.new_empty((0, *y_N.shape[1:]))
+    if symm is not None and symm.takes(y_N.numel() * y_N.element_size(), y_N.dtype):
+        out = y_N.new_empty((sizes[axis.rank], *y_N.shape[1:]))
+        symm.reduce_scatter(y_N.contiguous(), sizes, out)
+        return out
     if all(s == pad for s in sizes):
         send = y_N.contiguous()
     else:
@@ -103,11 +121,14 @@ def reduce_scatter_uneven(y_N: torch.Tensor, sizes: Sequence[int], axis: Axis) -
     return out[: sizes[axis.rank]]
 
 
-def all_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, axis: Axis,
+               symm: Optional[SymmetricCollectives] = None) -> torch.Tensor:
     """Sum over the axis; in place when x is contiguous. Returns the sum."""
     if axis.size == 1 or x.numel() == 0:
         return x
     x = x.contiguous()
+    if symm is not None and symm.takes(x.numel() * x.element_size(), x.dtype):
+        return symm.all_reduce(x)
     dist.all_reduce(x, group=axis.group)
     return x
 

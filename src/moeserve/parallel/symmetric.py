@@ -3,6 +3,7 @@
     buf = symmetric_empty(shape, dtype, device)   # the binder, for a record marked symmetric
     win = PeerWindow.open(buf, axis)              # every rank of the axis, before any capture
     win.peer_ptrs                                 # [P] int64 on the device: each peer's buf
+    win.signal_ptrs                               # [P] int64: each peer's signal pad (int32s)
     win.barrier()                                 # all peers' earlier stores are visible
 
 Built on torch's symmetric memory (torch.distributed._symmetric_memory) with its CUDA
@@ -47,6 +48,10 @@ class PeerWindow:
     local: torch.Tensor
     peer_ptrs: torch.Tensor  # [P] int64 on the device: the base address of each peer's buffer
     handle: Any  # torch's _SymmetricMemory
+    # [P] int64 on the device: each peer's signal pad, the slots of the barriers that kernels
+    # run themselves (kernels/comm/one_shot.py)
+    signal_ptrs: torch.Tensor
+    group_name: str  # the axis's group, which torch's symmetric-memory ops are given
 
     @classmethod
     def open(cls, buf: torch.Tensor, axis: Axis) -> "PeerWindow":
@@ -62,7 +67,10 @@ class PeerWindow:
         bases = [int(p) for p in handle.buffer_ptrs]
         into = buf.data_ptr() - bases[axis.rank]  # where buf starts in its allocation
         ptrs = [b + into for b in bases]
-        return cls(buf, torch.tensor(ptrs, dtype=torch.int64, device=buf.device), handle)
+        pads = [int(p) for p in handle.signal_pad_ptrs]
+        return cls(buf, torch.tensor(ptrs, dtype=torch.int64, device=buf.device), handle,
+                   torch.tensor(pads, dtype=torch.int64, device=buf.device),
+                   axis.group.group_name)
 
     def barrier(self) -> None:
         """Every peer has reached this point of its stream, and the stores it issued before
