@@ -28,11 +28,12 @@ DTYPE = "bfloat16"
 def plan_for(model: str, backend: str, world: int, sizes: list[int],
              gpu_bytes: int) -> CapacityPlan:
     """The plan of one rank of `world` (tp = dp = ep = world, DP attention) for up to
-    max(sizes) tokens a rank, on a GPU of `gpu_bytes` plus room for the rank's weights."""
+    max(sizes) tokens a rank, on a GPU of `gpu_bytes` plus room for the rank's weights. No
+    windows of the one-shot collectives: the benchmark binds the dispatchers alone."""
     cfg = EngineConfig(model=model, tp_size=world, ep_size=world, dp_size=world,
                        enable_dp_attention=True, moe_a2a_backend=backend, dtype=DTYPE,
                        device="cuda", chunked_prefill_size=max(sizes) * world,
-                       max_running_requests=256 * world)
+                       max_running_requests=256 * world, symm_comm_max_bytes=0)
     spec = load_model_spec(model)
     weights = weight_bytes_per_rank(spec, ParallelLayout.from_config(cfg), DTYPE)
     gpu = gpu_bytes + weights / cfg.mem_fraction_static

@@ -112,7 +112,8 @@ def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
                 rec["repeat_equal"] = bool(torch.equal(moe(layers["nvlink"]), y_new))
             out.append(rec)
         ws = layers["nvlink"].dispatcher.buffers
-        symmetric = [r for r in plans["nvlink"].buffers if r.symmetric]
+        symmetric = [r for r in plans["nvlink"].buffers
+                     if r.symmetric and r.name.startswith("a2a.")]
         out.append(dict(layout=name, case="symmetric_bytes", rank=rank,
                         plan=sum(r.bytes for r in symmetric),
                         allocated=sum(t.numel() * t.element_size()

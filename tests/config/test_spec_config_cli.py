@@ -10,6 +10,7 @@ import transformers
 
 from moeserve.cli import build_parser, main
 from moeserve.config import EngineConfig, config_from_args
+from moeserve.config.engine import SYMM_COMM_MAX_BYTES
 from moeserve.config.presets import PRESETS
 from moeserve.config.spec import ModelSpecError, load_model_spec, spec_from_hf_config
 from moeserve.parallel.layout import layout_problems
@@ -142,7 +143,9 @@ def test_plan_json_has_the_contract_fields(capsys):
     names = {b["name"] for b in out["buffers"]}
     assert {"a2a.send", "a2a.recv", "kv_cache", "moe.runner.down", "moe.router.topk_ids"} <= names
     assert out["backends"] == {"device": "cuda", "attention": "triton", "experts": "triton",
-                               "a2a": "all_to_all"}
+                               "a2a": "all_to_all", "symm_comm_max_bytes": SYMM_COMM_MAX_BYTES}
+    # attn_tp is 1; the dense first layer is split over the world, which it gathers over
+    assert {n for n in names if n.startswith("comm.")} == {"comm.symm.world"}
     assert out["a2a"]["workspace_bytes_per_rank"] == sum(
         b["bytes"] for b in out["buffers"] if b["name"].startswith("a2a."))
     for b in out["buffers"]:

@@ -43,6 +43,12 @@ GATHERS = {
     "dp2_attn_tp2_gather": {"dp_gather.rows", "attn_tp_gather.hidden"},
     "sp4": {"attn_tp_gather.hidden"}, "dense_replicated": {"attn_tp_gather.hidden"},
 }
+# the windows of the one-shot collectives a GPU plan adds: attn_tp where attention is split,
+# the world where the gather dispatcher or a dense MLP split over it (tiny's layer 0) runs
+BOTH = {"comm.symm.attn_tp", "comm.symm.world"}
+COMMS = {"tp1": set(), "tp2_ep2_gather": BOTH, "tp2_ep2_all_to_all": BOTH,
+         "tp2_ep2_nvlink": BOTH, "dp2_attention": {"comm.symm.world"},
+         "dp2_attn_tp2_gather": BOTH, "sp4": BOTH, "dense_replicated": BOTH}
 
 
 def _plan(layout: str, device: str):
@@ -75,9 +81,14 @@ def test_every_record_is_allocated_once_with_its_bytes(layout, device):
     a2a = LAYOUTS[layout].get("a2a", False)
     assert ({"a2a.send", "a2a.recv"} <= names) == (a2a is True)
     assert ({"a2a.recv", "a2a.combine", "a2a.slots", "a2a.sources"} <= names) == (a2a == "nvlink")
-    assert {r.name for r in plan.buffers if r.symmetric} == \
-        ({"a2a.recv", "a2a.combine"} if a2a == "nvlink" else set())
     gpu = device == "cuda"  # the triton runner's workspace, partials and graph inputs
+    comm = COMMS[layout] if gpu else set()  # a CPU runs every collective on gloo
+    assert {n for n in names if n.startswith("comm.")} == comm
+    assert {r.name for r in plan.buffers if r.symmetric} == \
+        ({"a2a.recv", "a2a.combine"} if a2a == "nvlink" else set()) | comm
+    assert all(records[n].bytes == plan.config.symm_comm_max_bytes for n in comm)
+    assert {n for n in ("attn_tp", "world") if getattr(bufs.model.comm, n) is not None} == \
+        {n.removeprefix("comm.symm.") for n in comm}
     assert any(n.startswith("moe.runner.") for n in names) == gpu
     assert any(n.startswith("graph.decode.") for n in names) == gpu
     assert (bufs.decode_graph is not None) == (bufs.prefill_graph is not None) == gpu

@@ -13,12 +13,14 @@ consume memory that the caching allocator hands from one layer to the next.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from moeserve.kernels.moe.align_torch import Workspace
+from moeserve.parallel.groups import Axis
+from moeserve.parallel.symm_comm import SymmetricCollectives
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +46,31 @@ class GatherBuffers:
 
     attn_tp: Optional[torch.Tensor] = None  # attn_tp_gather.hidden [attn_tp x chunk, H]
     world: Optional[torch.Tensor] = None  # dp_gather.rows [tp x chunk, bytes a row] uint8
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommWindows:
+    """comm.symm.<axis>: the windows of the one-shot collectives, [--symm-comm-max-bytes]
+    uint8 each, symmetric on a GPU. `collectives(name, axis)` hands every layer of an axis the
+    same SymmetricCollectives: the first call rendezvouses the window with the axis's peers
+    (collective: every rank binds its layers in the same order, at startup, before any graph
+    capture); None where the plan has no window for the axis or the window is not on a GPU
+    (a CPU runs every collective on gloo)."""
+
+    attn_tp: Optional[torch.Tensor] = None
+    world: Optional[torch.Tensor] = None
+    _opened: dict[str, SymmetricCollectives] = field(default_factory=dict, compare=False,
+                                                     repr=False)
+
+    def collectives(self, name: str, axis: Axis) -> Optional[SymmetricCollectives]:
+        buf = getattr(self, name)
+        if buf is None or axis.size == 1 or not buf.is_cuda:
+            return None
+        if name not in self._opened:
+            self._opened[name] = SymmetricCollectives.open(buf, axis)
+        symm = self._opened[name]
+        assert symm.axis.ranks == axis.ranks, (name, symm.axis, axis)
+        return symm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +105,7 @@ class AttentionPartials:
 class ModelBuffers:
     router: Optional[RouterBuffers] = None
     gather: GatherBuffers = GatherBuffers()
+    comm: CommWindows = field(default_factory=CommWindows)
     a2a: Optional[A2AWorkspace | PeerExchangeBuffers] = None
     experts: Optional[Workspace] = None  # moe.runner.* (the triton expert runner)
     attention: Optional[AttentionPartials] = None

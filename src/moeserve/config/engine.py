@@ -25,6 +25,10 @@ A2A_BACKENDS = ("none", "all_to_all", "nvlink", "auto")
 DEVICES = ("auto", "cuda", "cpu")
 MOE_RUNNERS = ("auto", "triton", "grouped_mm", "reference")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# up to this many bytes (a collective's full tensor) a step's all-reduce, all-gather and
+# reduce-scatter run one-shot on symmetric memory, above it on NCCL: where NCCL starts to win
+# (`python -m benchmarks collectives` measures it; provisional until measured)
+SYMM_COMM_MAX_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class EngineConfig:
     moe_a2a_max_tokens_per_rank: Optional[int] = knob(
         None, "Per-rank token cap of the all-to-all workspace; default: the plan's worst case.",
         "--moe-a2a-max-tokens-per-rank")
+    symm_comm_max_bytes: int = knob(
+        SYMM_COMM_MAX_BYTES, "On the GPUs of one node, a step's all-reduce, all-gather and "
+        "reduce-scatter whose tensor (all ranks' rows) is at most this many bytes run one-shot "
+        "on symmetric memory (one launch, the peers' memory loaded and stored directly), larger "
+        "ones on NCCL; each axis holds a window of this size. 0: NCCL for every collective.",
+        "--symm-comm-max-bytes")
     # --- scheduling bounds -------------------------------------------------------------------
     max_running_requests: Optional[int] = knob(
         None, "Max requests decoding at once, over all DP ranks (default 1024).",
@@ -254,6 +264,10 @@ def config_errors(cfg: EngineConfig) -> list[tuple[str, str]]:
                        ("context_length", "--context-length"),
                        ("cpu_threads_per_rank", "--cpu-threads-per-rank")]:
         positive(name, flag)
+    if not 0 <= cfg.symm_comm_max_bytes < 2**31:
+        errors.append((f"--symm-comm-max-bytes must be in [0, 2**31), got "
+                       f"{cfg.symm_comm_max_bytes}.",
+                       f"set --symm-comm-max-bytes {SYMM_COMM_MAX_BYTES}, or 0 for NCCL alone"))
     if cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size == 0:
         errors.append(("--chunked-prefill-size 0 is not a chunk size.",
                        "set --chunked-prefill-size to a positive size, or -1 to disable chunking"))

@@ -29,6 +29,8 @@ same rows (one DP rank, not scattered), no gather and an all-reduce.
 The all-gathers receive into the plan's buffers (attn_tp_gather.hidden, dp_gather.rows),
 which the binder hands over (`bind`, or the `buffer` argument); a gathered result may be a
 view of them, which the layer reads before the next layer gathers into the same buffer.
+On the GPUs of one node each axis's collectives up to --symm-comm-max-bytes run one-shot on
+the plan's comm.symm.<axis> window (`bind`, or the `symm` argument: parallel/symm_comm.py).
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from typing import Optional
 
 import torch
 
-from moeserve.batch.buffers import GatherBuffers
+from moeserve.batch.buffers import CommWindows, GatherBuffers
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.symm_comm import SymmetricCollectives
 from moeserve.batch.step import StepContext
 from moeserve.plan.budget import layer_scatters
 
 __all__ = ["LayerCommunicator", "gather_world_rows", "gathers_world_rows", "layer_scatters",
-           "reduce_world_rows", "rows_distinct", "world_buffer"]
+           "reduce_world_rows", "rows_distinct", "world_buffer", "world_collectives"]
 
 
 class LayerCommunicator:
@@ -55,22 +58,25 @@ class LayerCommunicator:
         self.moe = moe
         self.scattered = layer_scatters(state.layout, moe=moe)
         self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+        self.symm: Optional[SymmetricCollectives] = None  # None: NCCL (gloo) alone
 
-    def bind(self, buffers: GatherBuffers) -> None:
-        """The plan's attn_tp_gather.hidden, which every gather_rows receives into."""
+    def bind(self, buffers: GatherBuffers, comm: CommWindows = CommWindows()) -> None:
+        """The plan's attn_tp_gather.hidden, which every gather_rows receives into, and the
+        attn_tp window of the one-shot collectives (where the plan has one)."""
         if self.scattered and buffers.attn_tp is None:
             raise ValueError("this layer gathers its rows over attn_tp, but the plan has no "
                              "attn_tp_gather.hidden record for it")
         self.gather_buffer = buffers.attn_tp if self.scattered else None
+        self.symm = comm.collectives("attn_tp", self.state.attn_tp)
 
     def reduce_attn_output(self, a_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Sum the attention partial sums over attn_tp: [T, H] replicated (reduced in place),
         or this rank's scattered rows [M, H]."""
         axis = self.state.attn_tp
         if not self.scattered:
-            return C.all_reduce(a_TH, axis)
+            return C.all_reduce(a_TH, axis, self.symm)
         sizes = step.scatter_sizes(step.dp_rank)
-        return C.reduce_scatter_uneven(a_TH, sizes, axis)
+        return C.reduce_scatter_uneven(a_TH, sizes, axis, self.symm)
 
     def local_rows(self, x_TH: torch.Tensor, step: StepContext) -> torch.Tensor:
         """This rank's rows of a replicated [T, H] tensor (the residual)."""
@@ -82,7 +88,7 @@ class LayerCommunicator:
         if not self.scattered:
             return y_MH
         return C.all_gather_uneven(y_MH, step.scatter_sizes(step.dp_rank), self.state.attn_tp,
-                                   self.gather_buffer)
+                                   self.gather_buffer, self.symm)
 
 
 def rows_distinct(state: ParallelState, scattered: bool) -> bool:
@@ -113,21 +119,31 @@ def world_buffer(buffers: GatherBuffers, state: ParallelState, scattered: bool,
     return buffers.world
 
 
+def world_collectives(comm: CommWindows, state: ParallelState
+                      ) -> Optional[SymmetricCollectives]:
+    """The world's one-shot collectives for a block that exchanges rows over it (the gather
+    dispatcher, a dense MLP split over the world); None where the plan has no window."""
+    return comm.collectives("world", state.world)
+
+
 def gather_world_rows(x_MH: torch.Tensor, step: StepContext, state: ParallelState,
-                      scattered: bool, buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      scattered: bool, buffer: Optional[torch.Tensor] = None,
+                      symm: Optional[SymmetricCollectives] = None) -> torch.Tensor:
     """Every rank's rows, in rank order [N, ...]; the rows themselves when all ranks hold the
-    same rows. `buffer`: the plan's dp_gather.rows (world_buffer)."""
+    same rows. `buffer`: the plan's dp_gather.rows (world_buffer); `symm`: the world's
+    one-shot collectives (world_collectives)."""
     if not gathers_world_rows(state, scattered):
         return x_MH
-    return C.all_gather_uneven(x_MH, step.rows_per_rank(scattered), state.world, buffer)
+    return C.all_gather_uneven(x_MH, step.rows_per_rank(scattered), state.world, buffer, symm)
 
 
 def reduce_world_rows(y_NH: torch.Tensor, step: StepContext, state: ParallelState,
-                      scattered: bool) -> torch.Tensor:
+                      scattered: bool, symm: Optional[SymmetricCollectives] = None
+                      ) -> torch.Tensor:
     """Sum partial sums over the world and keep this rank's rows (inverse of
     gather_world_rows)."""
     if state.world.size == 1:
         return y_NH
     if not rows_distinct(state, scattered):
-        return C.all_reduce(y_NH, state.world)
-    return C.reduce_scatter_uneven(y_NH, step.rows_per_rank(scattered), state.world)
+        return C.all_reduce(y_NH, state.world, symm)
+    return C.reduce_scatter_uneven(y_NH, step.rows_per_rank(scattered), state.world, symm)

@@ -27,9 +27,10 @@ from moeserve.config.spec import ModelSpec
 from moeserve.layers.weights import (WeightError, check_segments, check_shard_blocks,
                                      load_gated_mlp)
 from moeserve.layers.communicator import (gather_world_rows, layer_scatters, reduce_world_rows,
-                                          world_buffer)
+                                          world_buffer, world_collectives)
 from moeserve.batch.buffers import ModelBuffers
 from moeserve.parallel.groups import ParallelState
+from moeserve.parallel.symm_comm import SymmetricCollectives
 from moeserve.batch.step import StepContext
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -103,12 +104,15 @@ class DenseMLP(nn.Module):
         self.gate_up = _Proj(2 * self.i_local, self.hidden, dtype, quant)
         self.down = _Proj(self.hidden, self.i_local, dtype, quant)
         self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+        self.symm: Optional[SymmetricCollectives] = None  # None: NCCL (gloo) alone
 
     def bind_buffers(self, buffers: ModelBuffers) -> None:
-        """A dense layer split over the world gathers into the plan's dp_gather.rows."""
+        """A dense layer split over the world gathers into the plan's dp_gather.rows, and
+        exchanges rows on the world's one-shot collectives where the plan has a window."""
         if self.tp_size > 1:
             self.gather_buffer = world_buffer(buffers.gather, self.state, self.scattered,
                                               "a dense MLP split over the tp world")
+            self.symm = world_collectives(buffers.comm, self.state)
 
     def partial(self, x_NH: torch.Tensor, add_to: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
@@ -125,8 +129,10 @@ class DenseMLP(nn.Module):
         """A dense layer's block on this rank's rows (see the module doc for the layouts)."""
         if self.tp_size == 1:
             return self.partial(x_MH)
-        x_NH = gather_world_rows(x_MH, step, self.state, self.scattered, self.gather_buffer)
-        return reduce_world_rows(self.partial(x_NH), step, self.state, self.scattered)
+        x_NH = gather_world_rows(x_MH, step, self.state, self.scattered, self.gather_buffer,
+                                 self.symm)
+        return reduce_world_rows(self.partial(x_NH), step, self.state, self.scattered,
+                                 self.symm)
 
     # --- weights (names relative to the module, e.g. "mlp.") ------------------------------
     def checkpoint_names(self) -> list[str]:

@@ -286,7 +286,7 @@ class MoECausalLM(nn.Module):
         that use them; before any forward that a CUDA graph captures."""
         self.attention_backend.bind_partials(buffers.attention)
         for layer in self.layers:
-            layer.comm.bind(buffers.gather)
+            layer.comm.bind(buffers.gather, buffers.comm)
             layer.mlp.bind_buffers(buffers)
 
     # --- checkpoint naming --------------------------------------------------------------

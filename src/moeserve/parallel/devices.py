@@ -62,3 +62,10 @@ def resolve_a2a_transport(cfg: EngineConfig, device_type: str) -> str:
     if cfg.moe_a2a_backend == "auto":
         return "nvlink" if device_type == "cuda" and cfg.nnodes == 1 else "all_to_all"
     return cfg.moe_a2a_backend
+
+
+def resolve_symm_comm(cfg: EngineConfig, device_type: str) -> int:
+    """Bytes up to which a step's collectives run one-shot on symmetric memory: the flag's on
+    the GPUs of one node (the rule of the nvlink all-to-all's auto), 0 (NCCL, or gloo on a
+    CPU, for every collective) across nodes or on a CPU."""
+    return cfg.symm_comm_max_bytes if device_type == "cuda" and cfg.nnodes == 1 else 0

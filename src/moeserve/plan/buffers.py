@@ -220,6 +220,30 @@ def gather_records(spec: ModelSpec, layout: ParallelLayout, budget: TokenBudget,
     return recs
 
 
+def comm_axes(spec: ModelSpec, layout: ParallelLayout) -> list[str]:
+    """The axes whose collectives a step runs: attn_tp (attention's all-reduce, or its
+    reduce-scatter and the all-gather after the block) and the world (the gather dispatcher's
+    all-gather and reduce-scatter or all-reduce, and those of dense MLPs split over it)."""
+    axes = ["attn_tp"] if layout.attn_tp > 1 else []
+    dense_world = bool(spec.dense_layers) and layout.dense_tp == layout.tp
+    if layout.tp > 1 and (not layout.a2a or dense_world):
+        axes.append("world")
+    return axes
+
+
+def comm_records(spec: ModelSpec, layout: ParallelLayout, max_bytes: int) -> list[BufferRecord]:
+    """The windows of the one-shot collectives (parallel/symm_comm.py), one per axis that
+    exchanges anything: a collective whose full tensor (an all-reduce's input, an all-gather's
+    output, a reduce-scatter's input, all ranks' rows, unpadded) fits runs in it, a larger one
+    on NCCL. None where max_bytes is 0 (across nodes, on a CPU, or turned off)."""
+    if not max_bytes:
+        return []
+    return [BufferRecord(f"comm.symm.{axis}", (max_bytes,), "uint8",
+                         f"--symm-comm-max-bytes, the largest one-shot collective over {axis} "
+                         "(all ranks' rows) [symmetric]", ("--symm-comm-max-bytes",), True)
+            for axis in comm_axes(spec, layout)]
+
+
 def decode_graph_records(spec: ModelSpec, budget: TokenBudget) -> list[BufferRecord]:
     """The decode graphs' inputs and logits (runtime/cuda_graph.py: DecodeGraphBuffers); bucket
     bs uses the first bs rows of each."""

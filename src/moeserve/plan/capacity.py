@@ -42,6 +42,9 @@ class Backends:
     attention: str  # the attention backend
     experts: str  # the expert runner
     a2a: str = "none"  # the token transport (parallel/devices.resolve_a2a_transport)
+    # bytes up to which a step's collectives run one-shot on symmetric memory; 0: NCCL alone
+    # (parallel/devices.resolve_symm_comm)
+    symm_comm_max_bytes: int = 0
 
     @property
     def graph_blocker(self) -> Optional[str]:
@@ -58,7 +61,8 @@ def planned_backends(cfg: EngineConfig) -> tuple[Optional[Backends], list[Proble
     """The backends of a rank on the device the config names (auto: this machine's)."""
     import torch
 
-    from moeserve.parallel.devices import resolve_a2a_transport, resolve_backends
+    from moeserve.parallel.devices import (resolve_a2a_transport, resolve_backends,
+                                           resolve_symm_comm)
 
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = "cuda" if gpu else "cpu"
@@ -72,7 +76,7 @@ def planned_backends(cfg: EngineConfig) -> tuple[Optional[Backends], list[Proble
         return None, [Problem(f"--moe-a2a-backend nvlink stores into the peers' memory over "
                               f"NVLink, within one node; this engine spans {cfg.nnodes} nodes.",
                               "use --moe-a2a-backend all_to_all (or auto) across nodes")]
-    return Backends(device, attention, experts, a2a), []
+    return Backends(device, attention, experts, a2a, resolve_symm_comm(cfg, device)), []
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
                                     down_sum_tables(cfg),
                                     quant.block if quant and fp8_layers else None)
     records += B.gather_records(spec, layout, budget, dtype)
+    records += B.comm_records(spec, layout, backends.symm_comm_max_bytes)
     if backends.attention == "triton":  # the backends that take planned partials
         records += B.attention_records(spec, layout, budget)
     if backends.graph_blocker is None:

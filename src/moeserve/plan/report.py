@@ -20,6 +20,19 @@ def _graphs_line(sizes: tuple[int, ...]) -> str:
     return f"{head}, ..., {sizes[-1]}  ({len(sizes)} sizes)"
 
 
+def _comm_line(plan: CapacityPlan) -> str:
+    """Where the all-reduces, all-gathers and reduce-scatters of a step run."""
+    windows = [r.name.removeprefix("comm.symm.") for r in plan.buffers
+               if r.name.startswith("comm.symm.")]
+    if not windows:
+        why = ("--symm-comm-max-bytes 0" if plan.backends and plan.backends.device == "cuda"
+               and plan.config.nnodes == 1 else "not on the GPUs of one node")
+        return f"NCCL (gloo on a CPU) at every size ({why})"
+    most = plan.backends.symm_comm_max_bytes
+    return (f"one-shot on symmetric memory up to {most / 1024:g} KiB (all ranks' rows) over "
+            f"{', '.join(windows)}, NCCL above (--symm-comm-max-bytes)")
+
+
 def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
     console = console or Console(width=160)
     spec, cfg = plan.spec, plan.config
@@ -48,11 +61,13 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
                       f"{b.chunk_tokens or 'off'}; context length {b.context_length}")
         if plan.a2a_cap is not None:
             transport = plan.backends.a2a if plan.backends else "all_to_all"
-            symmetric = sum(r.bytes for r in plan.buffers if r.symmetric)
+            symmetric = sum(r.bytes for r in plan.buffers
+                            if r.symmetric and r.name.startswith("a2a."))
             console.print(f"all-to-all ({transport}): cap {plan.a2a_cap} tokens per rank, "
                           f"workspace {plan.a2a_workspace_bytes_per_rank / MIB:.1f} MiB per "
                           f"rank" + (f", {symmetric / MIB:.1f} MiB of it symmetric memory "
                                      "(the peers store into it)" if symmetric else ""))
+        console.print(f"step collectives: {_comm_line(plan)}")
         console.print(f"decode graph batch sizes: {_graphs_line(b.decode_batch_sizes)}")
         console.print(f"prefill graph token sizes: {_graphs_line(b.prefill_token_sizes)}")
     if plan.buffers:

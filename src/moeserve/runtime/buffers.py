@@ -26,8 +26,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from moeserve.batch.buffers import (A2AWorkspace, AttentionPartials, GatherBuffers,
-                                    ModelBuffers, PeerExchangeBuffers, RouterBuffers)
+from moeserve.batch.buffers import (A2AWorkspace, AttentionPartials, CommWindows,
+                                    GatherBuffers, ModelBuffers, PeerExchangeBuffers,
+                                    RouterBuffers)
 from moeserve.batch.kv_cache import (KVCachePool, MLAKVCachePool, PagedKVPool,
                                      ReqToTokenPool)
 from moeserve.kernels.moe.align_torch import BASE_FIELDS, Workspace
@@ -134,12 +135,15 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         for fields in (("act_scale",), ("input", "input_scale")):
             experts.update(a.group("moe.runner.", fields) or {})
     partials = a.group("attn.decode.", ("part_o", "part_lse"))
+    comm = CommWindows(**{axis: a.take(f"comm.symm.{axis}") for axis in ("attn_tp", "world")
+                          if a.has(f"comm.symm.{axis}")})
     return ModelBuffers(
         router=None if router is None else RouterBuffers(topk_ids_MK=router["topk_ids"],
                                                          topk_weights_MK=router["topk_weights"]),
         gather=GatherBuffers(
             attn_tp=a.take("attn_tp_gather.hidden") if a.has("attn_tp_gather.hidden") else None,
             world=a.take("dp_gather.rows") if a.has("dp_gather.rows") else None),
+        comm=comm,
         a2a=a2a,
         experts=None if experts is None else Workspace(**experts),
         attention=None if partials is None else AttentionPartials(**partials))

@@ -7,7 +7,8 @@ attn_tp > 1): the dispatch all-gathers them with the step's uneven per-rank size
 ranks included) and combine reduce-scatters. With one DP rank every rank already holds the same
 rows: no gather, and combine is an all-reduce. Partial sums of the moe_tp shards ride the same
 reduction. The all-gather receives the packed rows (hidden, ids, weights) into the plan's
-dp_gather.rows; this layer has read them before the next block gathers into it.
+dp_gather.rows; this layer has read them before the next block gathers into it. On the GPUs
+of one node both run one-shot on the world's window up to --symm-comm-max-bytes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch
 from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, Dispatcher, pack_tokens,
                                         unpack_tokens)
 from moeserve.layers.communicator import (gather_world_rows, gathers_world_rows,
-                                          layer_scatters, reduce_world_rows, world_buffer)
+                                          layer_scatters, reduce_world_rows, world_buffer,
+                                          world_collectives)
 from moeserve.batch.buffers import ModelBuffers
 from moeserve.batch.step import StepContext
+from moeserve.parallel.symm_comm import SymmetricCollectives
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +44,12 @@ class GatherDispatcher(Dispatcher):
         self.scattered = layer_scatters(self.state.layout, moe=True)
         self.exchanges_rows = gathers_world_rows(self.state, self.scattered)
         self.gather_buffer: Optional[torch.Tensor] = None  # None: each gather allocates
+        self.symm: Optional[SymmetricCollectives] = None  # None: NCCL (gloo) alone
 
     def bind(self, buffers: ModelBuffers) -> None:
         self.gather_buffer = world_buffer(buffers.gather, self.state, self.scattered,
                                           "the gather dispatcher")
+        self.symm = world_collectives(buffers.comm, self.state)
 
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -54,10 +59,10 @@ class GatherDispatcher(Dispatcher):
             return DispatchedTokens(x_NH=x_MH, topk_ids_NK=topk_ids_MK,
                                     topk_weights_NK=topk_weights_MK), handle
         rows = gather_world_rows(pack_tokens(x_MH, topk_ids_MK, topk_weights_MK), step,
-                                 self.state, self.scattered, self.gather_buffer)
+                                 self.state, self.scattered, self.gather_buffer, self.symm)
         return unpack_tokens(rows, x_MH.shape[1], topk_ids_MK.shape[1], x_MH.dtype), handle
 
     def combine(self, y_NH: torch.Tensor, handle: GatherHandle) -> torch.Tensor:
-        y_MH = reduce_world_rows(y_NH, handle.step, self.state, self.scattered)
+        y_MH = reduce_world_rows(y_NH, handle.step, self.state, self.scattered, self.symm)
         assert y_MH.shape[0] == handle.num_tokens
         return y_MH
