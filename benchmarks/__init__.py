@@ -12,6 +12,10 @@
     mla        DeepSeek's latent attention, one layer and end to end (mla.py)
     a2a        the MoE all-to-all against NCCL all_to_all_single, several GPUs, one table
                per model (a2a.py; its plans and buffers in a2a_plans.py)
+    collectives
+               a step's all-reduce, all-gather and reduce-scatter, one-shot on symmetric
+               memory against NCCL at decode and prefill sizes, and where NCCL starts to win
+               (collectives.py)
     scaleout   `moeserve bench` by parallel layout against one GPU, several GPUs (scaleout.py)
     structured structured output (JSON schemas) against the same requests unconstrained
                (structured.py; its schemas in schemas.py, its vocabulary from vocab.py)

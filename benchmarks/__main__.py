@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 # subcommand -> module of this package; each module has HELP, add_arguments(p) and
 # run(args, argv) -> exit status
 SUBCOMMANDS = {"e2e": "e2e", "moe": "moe", "attention": "attention", "mla": "mla",
-               "a2a": "a2a", "scaleout": "scaleout", "tune-moe": "tune_moe",
-               "record": "record", "structured": "structured", "coldstart": "coldstart",
-               "outputs": "outputs", "masks": "masks"}
+               "a2a": "a2a", "collectives": "collectives", "scaleout": "scaleout",
+               "tune-moe": "tune_moe", "record": "record", "structured": "structured",
+               "coldstart": "coldstart", "outputs": "outputs", "masks": "masks"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
