@@ -106,7 +106,7 @@ def cells(r: dict) -> list[str]:
 
 def run(args: Any, argv: list[str]) -> int:
     harness.require_gpu()
-    info = RunInfo.collect("moe-fp8", argv)
+    info = RunInfo.collect("moe", argv)
     torch.manual_seed(0)
     ceil = harness.measure_ceilings(fp8=True)
     print(ceil.line(), flush=True)
