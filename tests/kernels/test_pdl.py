@@ -75,6 +75,61 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(rows):
             assert torch.equal(got, want)
 
 
+def _fp8_chain(x, w_qkv, w_o, w13, w2, ids, weights):
+    """The fp8 kernels of a decode step back to back: quantize -> block GEMM -> quantize ->
+    block GEMM -> quantize -> split gate_up GEMV -> quantize -> down GEMV."""
+    from moeserve.kernels.fp8.gemm import fp8_linear
+    from moeserve.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+
+    q = fp8_linear(x, *w_qkv, (128, 128))
+    o = fp8_linear(q[:, : x.shape[1]].contiguous(), *w_o, (128, 128))
+    cfg = {"decode": {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
+                      "down": {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}}}
+    y = fused_experts_fp8(o, None, *w13, *w2, ids, weights, 0, "silu", (128, 128), cfg,
+                          torch.bfloat16)
+    return q, o, y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_graph_of_pdl_fp8_launches_equals_plain_launches(rows):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    from moeserve.kernels.fp8 import reference as R
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter, experts, top_k = 512, 256, 16, 4
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device="cuda") * scale
+
+    x = rand(rows, hidden).to(torch.bfloat16)
+    block = (128, 128)
+    ws = (R.quantize_blocks(rand(1024, hidden, scale=hidden ** -0.5), block),
+          R.quantize_blocks(rand(hidden, hidden, scale=hidden ** -0.5), block),
+          R.quantize_blocks(rand(experts, 2 * inter, hidden, scale=hidden ** -0.5), block),
+          R.quantize_blocks(rand(experts, hidden, inter, scale=inter ** -0.5), block))
+    ids = torch.rand(rows, experts, generator=g, device="cuda").topk(top_k, 1).indices
+    weights = torch.rand(rows, top_k, generator=g, device="cuda")
+    args = (*ws, ids.to(torch.int32), weights)
+    with use_kernels(select_kernels(x.device, pdl=False)):
+        plain = _fp8_chain(x, *args)
+    assert pdl_args(x.device)["PDL"]
+    static_x = x.clone()
+    _fp8_chain(static_x, *args)  # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _fp8_chain(static_x, *args)
+    for _ in range(3):
+        static_x.zero_()  # a replay that read a stale input would not match
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(out, plain):
+            assert torch.equal(got, want)
+
+
 def test_cuda_versions_read_as_the_driver_numbers_them():
     from moeserve.kernels.launch.choice import _as_int
 

@@ -7,7 +7,8 @@ the dense projections (kernels/fp8/reference.py is the same arithmetic in torch)
 The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
 float32. Decode-sized steps take 16-row tiles, prefills 64/128-row ones; the column tile is
-narrowed (down to 16) until the weight streams through about two programs an SM.
+narrowed (down to 16) until the weight streams through about two programs an SM. Both kernels
+launch with PDL (kernels/launch/pdl.py), gated before their first load.
 
 Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
 cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
@@ -22,6 +23,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
@@ -51,7 +54,8 @@ def group_scale(amax):
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)  # x is the kernel before's output
     row, g = tl.program_id(0), tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
@@ -79,7 +83,8 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
     if t:
         _quantize_groups_kernel[(t, groups)](x_TK, q, s, k, x_TK.stride(0), q.stride(0),
                                              s.stride(0), GROUP=group,
-                                             BLOCK=triton.next_power_of_2(group))
+                                             BLOCK=triton.next_power_of_2(group),
+                                             **pdl_args(x_TK.device))
     return q, s
 
 
@@ -87,7 +92,9 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
 def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, M, N, K,
                        stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_rm,
                        GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_gate(PDL)  # the rows are the kernel before's output
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,7 +163,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                              xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
                              w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=bk, HAS_BIAS=bias is not None,
-                             HAS_RES=residual is not None)
+                             HAS_RES=residual is not None, **pdl_args(xq_MK.device))
     return out
 
 
