@@ -105,7 +105,7 @@ def _bound(state, plan, block, comm=None):
     bufs = bind_model_buffers(plan, state.device)
     block.bind_buffers(bufs)
     if comm is not None:
-        comm.bind(bufs.gather)
+        comm.bind(bufs.gather, bufs.comm)
     return bufs
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from collective_ranks import run_choice
 from moe_cases import engine_config, tiny_spec
 from moeserve.batch.buffers import CommWindows
+from moeserve.config import EngineConfig
 from moeserve.config.engine import SYMM_COMM_MAX_BYTES
 from moeserve.parallel.groups import Axis
 from moeserve.parallel.symm_comm import one_shot_fits
@@ -75,10 +76,8 @@ def test_the_plan_has_a_window_per_axis_on_the_gpus_of_one_node():
     none = _plan(symm_comm_max_bytes=0)
     assert small.memory.static_buffer_bytes_per_rank - \
         none.memory.static_buffer_bytes_per_rank == 2 * 4096
-    console = Console(record=True, width=200)
-    print_plan(small, console)
     assert "one-shot on symmetric memory up to 4 KiB (all ranks' rows) over attn_tp, world" \
-        in console.export_text()
+        in _report(small)
 
 
 @pytest.mark.parametrize("device, changes, why", [
@@ -90,15 +89,26 @@ def test_no_window_where_every_collective_runs_on_nccl(device, changes, why):
     assert plan.ok, plan.errors
     assert not any(r.name.startswith("comm.") for r in plan.buffers)
     assert plan.backends.symm_comm_max_bytes == 0
+    assert f"NCCL (gloo on a CPU) at every size ({why})" in _report(plan)
+
+
+def _report(plan) -> str:
     console = Console(record=True, width=200)
     print_plan(plan, console)
-    assert f"NCCL (gloo on a CPU) at every size ({why})" in console.export_text()
+    return console.export_text()
 
 
 def test_one_rank_has_no_window_and_a_bad_size_is_a_problem_with_its_fix():
     one = build_plan(engine_config().replace(device="cuda", gpu_memory_gb=1.0,
                                              max_total_tokens=2048), tiny_spec("qwen3"))
     assert one.ok and not any(r.name.startswith("comm.") for r in one.buffers)
+    assert "step collectives: none (one rank)" in _report(one)
+    # DP attention over every rank and the all-to-all: nothing crosses attn_tp or the world
+    cfg = EngineConfig(model="preset:qwen3-30b-a3b", tp_size=2, ep_size=2, dp_size=2,
+                       enable_dp_attention=True, moe_a2a_backend="nvlink", device="cuda")
+    a2a = build_plan(cfg)
+    assert a2a.ok and not any(r.name.startswith("comm.") for r in a2a.buffers)
+    assert "none over attn_tp or the world (the all-to-all moves the tokens)" in _report(a2a)
     bad = _plan(symm_comm_max_bytes=-1)
     assert [e.fix for e in bad.errors] == [
         f"set --symm-comm-max-bytes {SYMM_COMM_MAX_BYTES}, or 0 for NCCL alone"]

@@ -24,13 +24,18 @@ def _comm_line(plan: CapacityPlan) -> str:
     """Where the all-reduces, all-gathers and reduce-scatters of a step run."""
     windows = [r.name.removeprefix("comm.symm.") for r in plan.buffers
                if r.name.startswith("comm.symm.")]
-    if not windows:
-        why = ("--symm-comm-max-bytes 0" if plan.backends and plan.backends.device == "cuda"
-               and plan.config.nnodes == 1 else "not on the GPUs of one node")
-        return f"NCCL (gloo on a CPU) at every size ({why})"
-    most = plan.backends.symm_comm_max_bytes
-    return (f"one-shot on symmetric memory up to {most / 1024:g} KiB (all ranks' rows) over "
-            f"{', '.join(windows)}, NCCL above (--symm-comm-max-bytes)")
+    most = plan.backends.symm_comm_max_bytes if plan.backends is not None else 0
+    if windows:
+        return (f"one-shot on symmetric memory up to {most / 1024:g} KiB (all ranks' rows) "
+                f"over {', '.join(windows)}, NCCL above (--symm-comm-max-bytes)")
+    if plan.layout is not None and plan.layout.tp == 1:
+        return "none (one rank)"
+    if most:
+        return "none over attn_tp or the world (the all-to-all moves the tokens)"
+    why = ("--symm-comm-max-bytes 0" if plan.backends is not None
+           and plan.backends.device == "cuda" and plan.config.nnodes == 1
+           else "not on the GPUs of one node")
+    return f"NCCL (gloo on a CPU) at every size ({why})"
 
 
 def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
