@@ -37,6 +37,8 @@ def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeyp
         for name in ("schedule", "exchange", "launch.forward", "launch.sampling",
                      "collect.wait", "collect.process", "publish", "iteration"):
             assert name in phases, (r, name, sorted(phases))
+        for v in phases.values():  # the tail beside the median
+            assert v["p50_us"] <= v["p90_us"] <= v["p99_us"] <= v["max_us"]
         parts = sum(v["mean_us"] for k, v in phases.items() if k != "iteration")
         assert 0 < parts <= phases["iteration"]["mean_us"] * 1.01
         kernels = (tmp_path / f"rank{r}_kernels.txt").read_text().splitlines()

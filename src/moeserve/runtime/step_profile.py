@@ -4,7 +4,8 @@ window of forwards (torch.profiler), written per rank when the loop ends.
 Off unless the environment names a folder (the worker processes inherit it):
 
     MOESERVE_PROFILE_DIR=/tmp/prof       # rank{r}_steps.json: each phase's count and times
-                                         # per kind of iteration (decode, prefill, idle)
+                                         # (mean, p50, p90, p99, max) per kind of iteration
+                                         # (decode, prefill, idle)
     MOESERVE_PROFILE_KERNELS=200:50      # forwards 200..249 under torch.profiler:
                                          # rank{r}_kernels.txt, device time per kernel per
                                          # forward (host time per op on a CPU); these
@@ -127,7 +128,8 @@ class StepProfile:
             n = len(phases["iteration"])
             out[kind] = {"iterations": n, "phases": {
                 name: {"count": len(v), "mean_us": 1e6 * sum(v) / n,
-                       "p50_us": 1e6 * statistics.median(v)}
+                       "p50_us": 1e6 * statistics.median(v), "p90_us": 1e6 * _pct(v, 90),
+                       "p99_us": 1e6 * _pct(v, 99), "max_us": 1e6 * max(v)}
                 for name, v in sorted(phases.items())}}
         return out
 
@@ -136,6 +138,13 @@ class StepProfile:
             self._write_kernels()
         path = self.folder / f"rank{self.rank}_steps.json"
         path.write_text(json.dumps(self.summary(), indent=1))
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank): a step that is slow one time in ten shows at p90,
+    where the median and the mean hide it."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 NO_PHASE = contextlib.nullcontext()
