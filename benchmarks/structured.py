@@ -8,7 +8,9 @@ byte-level vocabulary of the model's full size (benchmarks/vocab.py; --vocab pre
 preset's 257-token stand-in). Each request of the constrained run carries one of the JSON
 schemas of benchmarks/schemas.py, in turn. Before timing, every schema's request runs once
 (its grammar compiled and its output checked: a JSON object's text, and the complete ones
-parse and validate), then a round of each mode, untimed.
+parse and validate), then a round of each mode, untimed. A third run, unconstrained with each
+request capped at the tokens its constrained run produced, is the control: the same requests
+ending early and their successors prefilled between decode steps, without the grammars.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ TITLE = "Structured output"
 MODEL = "preset:qwen3-30b-a3b"
 CHECK_TOKENS = 256  # the output check's cap: a bounded document ends well within it
 CHECK_WAIT_S = 300  # the longest wait for a check request's next output
+CONTROL = "unconstrained, json_schema's lengths"
 METHOD = """\
 One engine, dummy bf16 weights, greedy, ignore_eos, the prefix cache off (both modes send the
 same prompts). At each concurrency the same random prompts run twice through `moeserve bench`'s
@@ -43,7 +46,12 @@ request and finish reasons are shown beside it). The vocabulary is a synthetic b
 of the model's full size (151,936 tokens for Qwen3-30B-A3B), since xgrammar's mask work per
 step grows with it; the masks are filled on the host while the device runs the step before,
 and applied in the sampler. The baseline is the unconstrained run; the ratio is constrained
-÷ unconstrained output tok/s (issue 38 asks >= 0.90 at concurrency 64)."""
+÷ unconstrained output tok/s (issue 38 asks >= 0.90 at concurrency 64). A grammar that ends a
+request early also changes the schedule: its successor is admitted alone and prefilled in a
+step of its own, between the decode steps of the others, where the unconstrained requests all
+end together and their successors prefill together. The control row, unconstrained with each
+request capped at the tokens its constrained run produced, has that schedule without the
+grammars; the constrained run ÷ the control is the grammars' own cost."""
 
 
 def add_arguments(p: Any) -> None:
@@ -172,10 +180,13 @@ def measure(args: Any) -> dict[str, Any]:
                 prompts = random_prompts(c * args.prompts_per_concurrency, args.input_len,
                                          engine.spec.vocab_size, seed=c)
                 grammars = [specs[i % len(specs)] for i in range(len(prompts))]
-                for mode, g in (("unconstrained", None), ("json_schema", grammars)):
-                    s = run_bench(engine, prompts, args.output_len, c, progress=False,
-                                  grammars=g)
+                lens: Any = args.output_len
+                for mode, g in (("unconstrained", None), ("json_schema", grammars),
+                                (CONTROL, None)):
+                    s = run_bench(engine, prompts, lens, c, progress=False, grammars=g)
                     res["rows"].append({"concurrency": c, "mode": mode, **s})
+                    if mode == "json_schema":  # the control's caps
+                        lens = [max(1, n) for n in s["request_output_tokens"]]
                     if s["completed"] != len(prompts):
                         res["problems"].append(
                             f"{mode} at concurrency {c}: {s['completed']} of {len(prompts)} "
@@ -204,7 +215,7 @@ def render(args: Any, info: RunInfo, ceil: Optional[Ceilings], res: dict[str, An
     for r in res["rows"]:
         base = free[r["concurrency"]]["output_tokens_per_s"]
         ratio = r["output_tokens_per_s"] / base if base else None
-        if r["mode"] != "unconstrained":
+        if r["mode"] == "json_schema":
             ratios[r["concurrency"]] = ratio
         finishes = ", ".join(f"{k} {v}" for k, v in sorted(r["finish_reasons"].items(),
                                                            key=lambda kv: str(kv[0])))
@@ -213,12 +224,20 @@ def render(args: Any, info: RunInfo, ceil: Optional[Ceilings], res: dict[str, An
                      f"{r['output_tokens_per_s']:.0f}",
                      f"{ratio:.3f}" if ratio is not None else "-",
                      f"{r['ttft_ms_p50'] or 0:.1f}", f"{r['itl_ms_p50'] or 0:.2f}",
-                     f"{r['itl_ms_p90'] or 0:.2f}"])
+                     f"{r['itl_ms_p90'] or 0:.2f}", f"{r['itl_ms_p99'] or 0:.2f}"])
     body += table(["concurrency", "mode", "requests", "output tokens / request", "finish",
                    "output tok/s", "x unconstrained", "TTFT p50 ms", "ITL p50 ms",
-                   "ITL p90 ms"], rows)
+                   "ITL p90 ms", "ITL p99 ms"], rows)
     body += ["", "Constrained ÷ unconstrained output tok/s: " + ", ".join(
         f"{v:.3f} at concurrency {c}" for c, v in ratios.items() if v is not None) + "."]
+    own = {r["concurrency"]: r["output_tokens_per_s"] for r in res["rows"]
+           if r["mode"] == "json_schema"}
+    controls = [(r["concurrency"], own[r["concurrency"]] / r["output_tokens_per_s"])
+                for r in res["rows"] if r["mode"] == CONTROL and r["output_tokens_per_s"]]
+    if controls:
+        body += ["", "Constrained ÷ the control (the same lengths unconstrained), the grammars' "
+                 "own cost: " + ", ".join(f"{v:.3f} at concurrency {c}"
+                                         for c, v in controls) + "."]
     body += [f"**Invalid run: {p}.**" for p in res["problems"]]
     return harness.section(TITLE, METHOD, info, ceil, body)
 

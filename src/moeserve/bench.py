@@ -68,12 +68,13 @@ class _Recorder:
         self.ended.put(self.index)
 
 
-def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
+def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int | Sequence[int],
               max_concurrency: int, progress: bool = True,
               grammars: Optional[Sequence[Optional[GrammarSpec]]] = None,
               **penalties: float) -> dict[str, Any]:
-    """Greedy, ignore_eos; `grammars`: one output constraint (or None) per prompt, whose end
-    ends its request; `penalties`: repetition/frequency/presence_penalty for every request
+    """Greedy, ignore_eos; `output_len`: the most output tokens of every request, or of each
+    (one per prompt); `grammars`: one output constraint (or None) per prompt, whose end ends
+    its request; `penalties`: repetition/frequency/presence_penalty for every request
     (SamplingParams' names).
 
     Each request's outputs are timed by a callback on the engine's output thread as it hands
@@ -83,8 +84,13 @@ def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
     if grammars is not None and len(grammars) != len(prompts):
         raise ValueError(f"{len(grammars)} grammars for {len(prompts)} prompts: give one "
                          "(or None) per prompt")
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
-                            **penalties)
+    lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
+    if len(lens) != len(prompts):
+        raise ValueError(f"{len(lens)} output lengths for {len(prompts)} prompts: give one "
+                         "for all or one per prompt")
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **penalties)
+              for n in sorted(set(lens))]
+    by_len = {p.max_new_tokens: p for p in params}
     recorders: list[_Recorder] = []
     ended: "queue.SimpleQueue[int]" = queue.SimpleQueue()
     bar = tqdm(total=len(prompts), desc="bench", unit="req", disable=not progress)
@@ -96,7 +102,7 @@ def run_bench(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
         rec = _Recorder(i, len(prompts[i]), ended)
         recorders.append(rec)
         try:
-            engine.submit(list(prompts[i]), params, stream=True,
+            engine.submit(list(prompts[i]), by_len[lens[i]], stream=True,
                           grammar=None if grammars is None else grammars[i], on_output=rec)
         except Exception as exc:  # the engine stopped, or refused the prompt
             rec.failed(exc)
@@ -134,6 +140,8 @@ def summarize(timings: list[RequestTiming], duration: float, concurrency: int) -
         "max_concurrency": concurrency, "duration_s": duration,
         "finish_reasons": dict(collections.Counter(t.finish_reason for t in ok)),
         "input_tokens": n_in, "output_tokens": n_out,
+        # in the order of the prompts (0 for a failed request)
+        "request_output_tokens": [t.output_tokens if t.error is None else 0 for t in timings],
         "input_tokens_per_s": n_in / duration if duration else 0.0,
         "output_tokens_per_s": n_out / duration if duration else 0.0,
         "request_throughput": len(ok) / duration if duration else 0.0,

@@ -34,21 +34,28 @@ def test_structured_runs_both_modes_and_writes_its_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "structured.json").read_text())
     assert res["tokenizer_tokens"] == res["vocab_size"] == 512  # the full-size vocabulary
+    control = "unconstrained, json_schema's lengths"
     assert [(r["concurrency"], r["mode"]) for r in res["rows"]] == [
-        (2, "unconstrained"), (2, "json_schema"), (4, "unconstrained"), (4, "json_schema")]
+        (c, m) for c in (2, 4) for m in ("unconstrained", "json_schema", control)]
     for r in res["rows"]:
         assert r["completed"] == r["num_prompts"] == 2 * r["concurrency"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms_p50"] is not None
         assert 0 < r["output_tokens"] <= 20 * r["completed"]
-        if r["mode"] == "unconstrained":  # ignore_eos: every request runs to the cap
-            assert r["output_tokens"] == 20 * r["completed"]
+        if r["mode"] != "json_schema":  # ignore_eos: every request runs to its cap
             assert r["finish_reasons"] == {"length": r["completed"]}
+        if r["mode"] == "unconstrained":
+            assert r["request_output_tokens"] == [20] * r["completed"]
+    for constrained, same in zip(res["rows"][1::3], res["rows"][2::3]):
+        # the control: each request capped at what its constrained run produced
+        assert same["request_output_tokens"] == constrained["request_output_tokens"]
     chk = res["check"]
     assert chk["requests"] == chk["json_start"] == 8
     assert chk["valid"] == chk["ended"] and not chk["invalid"]
     md = (tmp_path / "structured.md").read_text()
     assert md.startswith("## Structured output") and "Command: `" in md
     assert "Constrained ÷ unconstrained output tok/s: " in md and "at concurrency 4" in md
+    assert "Constrained ÷ the control (the same lengths unconstrained)" in md
+    assert f"| 4 | {control} | 8 |" in md
 
 
 def test_synthetic_vocabulary_fills_the_model_vocab(tmp_path):
@@ -111,7 +118,8 @@ def test_failed_requests_make_an_invalid_run_kept_out_of_results(tmp_path):
                   "--results", str(results))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "structured.json").read_text())
-    assert res["check"]["errors"] and len(res["problems"]) == 3  # the check, then both modes
+    # the check, then the three runs
+    assert res["check"]["errors"] and len(res["problems"]) == 4
     assert all(r["completed"] == 0 for r in res["rows"])
     assert "**Invalid run: " in (tmp_path / "structured.md").read_text()
     assert not results.exists()

@@ -1,5 +1,6 @@
 """`run_bench` with a grammar per prompt (the structured-output benchmark's driver): each
-request follows its own grammar, whose end ends it, and the summary counts finish reasons."""
+request follows its own grammar, whose end ends it, and the summary counts finish reasons; and
+with an output cap per prompt (the benchmark's control run)."""
 
 import pytest
 
@@ -40,3 +41,16 @@ def test_grammars_are_handed_to_the_engine_only_where_given():
     assert s["finish_reasons"] == {"length": 3}
     with pytest.raises(ValueError, match="2 grammars for 3 prompts"):
         run_bench(Engine(), [[0], [1], [2]], 1, 1, progress=False, grammars=[None, spec])
+
+
+def test_each_prompt_may_have_its_own_output_cap():
+    """The structured benchmark's control: requests capped at the lengths another run reached;
+    the summary gives each request's tokens in the order of the prompts."""
+    with Engine("preset:tiny", load_format="dummy", device="cpu", max_total_tokens=2048,
+                context_length=128) as e:
+        s = run_bench(e, [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], [3, 9, 1, 5], 2,
+                      progress=False)
+    assert s["completed"] == 4 and s["finish_reasons"] == {"length": 4}
+    assert s["request_output_tokens"] == [3, 9, 1, 5] and s["output_tokens"] == 18
+    with pytest.raises(ValueError, match="3 output lengths for 4 prompts"):
+        run_bench(e, [[1]] * 4, [1, 2, 3], 2, progress=False)
