@@ -26,9 +26,10 @@ DEVICES = ("auto", "cuda", "cpu")
 MOE_RUNNERS = ("auto", "triton", "grouped_mm", "reference")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # up to this many bytes (a collective's full tensor) a step's all-reduce, all-gather and
-# reduce-scatter run one-shot on symmetric memory, above it on NCCL: where NCCL starts to win
-# (`python -m benchmarks collectives` measures it; provisional until measured)
-SYMM_COMM_MAX_BYTES = 256 << 10
+# reduce-scatter run one-shot on symmetric memory, above it on NCCL: the largest size up to
+# which the one-shot path beat NCCL for all three ops at every size (`python -m benchmarks
+# collectives --gpus 2`, 2x H200, benchmarks/RESULTS.md "Step collectives, 2 ranks")
+SYMM_COMM_MAX_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)
