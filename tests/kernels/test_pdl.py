@@ -57,15 +57,21 @@ def test_a_graph_of_pdl_launches_equals_plain_launches(rows):
                rand(experts, 2 * inter, hidden, scale=hidden ** -0.5),
                rand(experts, hidden, inter, scale=inter ** -0.5))
 
+    _graph_equals_plain(lambda xx: _chain(xx, r, *weights, top_k), x)
+
+
+def _graph_equals_plain(chain, x):
+    """chain(x) launched plainly, against the same chain with PDL captured in a CUDA graph
+    and replayed (its input refilled each time): the same bits."""
     with use_kernels(select_kernels(x.device, pdl=False)):
-        plain = _chain(x, r, *weights, top_k)
+        plain = chain(x)
     assert pdl_args(x.device)["PDL"]
     static_x = x.clone()
-    _chain(static_x, r, *weights, top_k)  # compile the PDL variants outside the capture
+    chain(static_x)  # compile the PDL variants outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(static_x, r, *weights, top_k)
+        out = chain(static_x)
     for _ in range(3):
         static_x.zero_()  # a replay that read a stale input would not match
         static_x.copy_(x)
@@ -111,23 +117,7 @@ def test_a_graph_of_pdl_fp8_launches_equals_plain_launches(rows):
           R.quantize_blocks(rand(experts, hidden, inter, scale=inter ** -0.5), block))
     ids = torch.rand(rows, experts, generator=g, device="cuda").topk(top_k, 1).indices
     weights = torch.rand(rows, top_k, generator=g, device="cuda")
-    args = (*ws, ids.to(torch.int32), weights)
-    with use_kernels(select_kernels(x.device, pdl=False)):
-        plain = _fp8_chain(x, *args)
-    assert pdl_args(x.device)["PDL"]
-    static_x = x.clone()
-    _fp8_chain(static_x, *args)  # compile the PDL variants outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _fp8_chain(static_x, *args)
-    for _ in range(3):
-        static_x.zero_()  # a replay that read a stale input would not match
-        static_x.copy_(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(out, plain):
-            assert torch.equal(got, want)
+    _graph_equals_plain(lambda xx: _fp8_chain(xx, *ws, ids.to(torch.int32), weights), x)
 
 
 def test_cuda_versions_read_as_the_driver_numbers_them():
