@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +232,6 @@ def render_workspace(ranks: dict[int, dict], model: str) -> list[str]:
 
 
 def run(args: Any, argv: list[str]) -> int:
-    import torch.multiprocessing as mp
-
-    from moeserve.parallel.net import free_port
-
     harness.require_gpu(args.gpus)
     gpu = torch.cuda.get_device_properties(0).total_memory
     errors = [e for m in args.models
@@ -248,17 +243,8 @@ def run(args: Any, argv: list[str]) -> int:
     print(ceil.line(), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ranks_ctx = mp.start_processes(
-        rank_main, nprocs=args.gpus, start_method="spawn",
-        args=(args.gpus, free_port(), args.models, args.tokens, str(out)), join=False)
-    limit = RANKS_TIMEOUT_S * len(args.models)
-    deadline = time.monotonic() + limit
-    while not ranks_ctx.join(timeout=5):  # raises when a rank failed
-        if time.monotonic() > deadline:
-            for proc in ranks_ctx.processes:
-                proc.kill()
-            raise SystemExit(f"the ranks did not finish in {limit} s")
-    ranks = {r: json.loads((out / f"a2a_rank{r}.json").read_text()) for r in range(args.gpus)}
+    ranks = harness.run_ranks(rank_main, args.gpus, (args.models, args.tokens, str(out)),
+                              RANKS_TIMEOUT_S * len(args.models), out, "a2a")
     store = ", ".join(f"rank {r} {ranks[r]['peer_store_GBps']:.0f}" for r in ranks)
     body = [line for m in args.models for line in render(ranks, m)]
     text = harness.section(f"All-to-all, ep {args.gpus}", METHOD + f"\nPeer-store GB/s: {store}.",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -192,10 +191,6 @@ def render(ranks: dict[int, dict], hidden: int, dtype: str) -> list[str]:
 
 
 def run(args: Any, argv: list[str]) -> int:
-    import torch.multiprocessing as mp
-
-    from moeserve.parallel.net import free_port
-
     harness.require_gpu(args.gpus)
     if args.gpus < 2:
         raise SystemExit("collectives need --gpus 2 or more")
@@ -205,17 +200,8 @@ def run(args: Any, argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(set(args.rows))
-    ranks_ctx = mp.start_processes(
-        rank_main, nprocs=args.gpus, start_method="spawn",
-        args=(args.gpus, free_port(), rows, args.hidden, args.dtype, str(out)), join=False)
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    while not ranks_ctx.join(timeout=5):  # raises when a rank failed
-        if time.monotonic() > deadline:
-            for proc in ranks_ctx.processes:
-                proc.kill()
-            raise SystemExit(f"the ranks did not finish in {RANKS_TIMEOUT_S} s")
-    ranks = {r: json.loads((out / f"collectives_rank{r}.json").read_text())
-             for r in range(args.gpus)}
+    ranks = harness.run_ranks(rank_main, args.gpus, (rows, args.hidden, args.dtype, str(out)),
+                              RANKS_TIMEOUT_S, out, "collectives")
     body = render(ranks, args.hidden, args.dtype)
     text = harness.section(f"Step collectives, {args.gpus} ranks", METHOD, info, ceil, body)
     harness.save(out, "collectives", {"info": info, "ceilings": ceil, "ranks": ranks}, text,

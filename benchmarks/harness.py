@@ -324,3 +324,25 @@ def require_gpu(gpus: int = 1) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         sys.exit(f"this benchmark needs {gpus} CUDA GPU(s); found "
                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+
+
+def run_ranks(rank_main: Callable, nprocs: int, args: tuple, limit_s: float,
+              out: Path, name: str) -> dict[int, Any]:
+    """rank_main(rank, nprocs, port, *args) in nprocs spawned processes, each writing
+    out/{name}_rank{r}.json; their JSON by rank. A rank that fails raises here; ranks that
+    have not finished after limit_s seconds are killed."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from moeserve.parallel.net import free_port
+
+    ctx = mp.start_processes(rank_main, nprocs=nprocs, start_method="spawn",
+                             args=(nprocs, free_port(), *args), join=False)
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=5):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            raise SystemExit(f"the ranks did not finish in {limit_s:.0f} s")
+    return {r: json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(nprocs)}
