@@ -93,7 +93,8 @@ class DecodeBatch:
         ids = torch.randint(0, r.spec.vocab_size, (b,), generator=gen).tolist()
         loc = torch.stack([s[-1] for s in self.slots])
         self.sched = ScheduledBatch(ForwardMode.DECODE, [SimpleNamespace(row=x) for x in self.rows],
-                                    [[i] for i in ids], [self.ctx] * b, loc, [True] * b)
+                                    [[i] for i in ids], [self.ctx] * b, loc, [True] * b,
+                                    list(self.rows))
         lay = r.plan.layout
         self.step = step_from_counts([b] * lay.tp, lay, 0, r.plan)
         return self

@@ -69,6 +69,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--max-total-tokens", type=int, default=None, help="the engine's KV cap")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="the engine's --enable-mixed-chunk: a request admitted while others "
+                        "decode is prefilled in a step that also carries their decodes")
 
 
 def grammar_specs() -> list[Any]:
@@ -87,6 +90,8 @@ def engine_flags(args: Any) -> dict[str, Any]:
         flags["device"] = "cpu"
     if args.max_total_tokens:
         flags["max_total_tokens"] = args.max_total_tokens
+    if args.enable_mixed_chunk:
+        flags["enable_mixed_chunk"] = True
     return flags
 
 
@@ -203,8 +208,11 @@ def render(args: Any, info: RunInfo, ceil: Optional[Ceilings], res: dict[str, An
              else f"the tokenizer of {args.model} ({res['tokenizer_tokens']} tokens)")
     body = [f"Model {args.model} (dummy {args.dtype}), {vocab}; prompts of {args.input_len} "
             f"random tokens, at most {args.output_len} output tokens, "
-            f"{args.prompts_per_concurrency} x concurrency requests per run; engine startup "
-            f"{res['startup_s']:.0f} s.", "",
+            f"{args.prompts_per_concurrency} x concurrency requests per run; "
+            + ("--enable-mixed-chunk (a prefill step carries the running requests' decodes)"
+               if args.enable_mixed_chunk
+               else "mixed chunks off (a prefill step runs alone)")
+            + f"; engine startup {res['startup_s']:.0f} s.", "",
             f"Output check (untimed: one request per schema with its open fields bounded, up "
             f"to {CHECK_TOKENS} tokens): {chk['json_start']} of {chk['requests']} read as a "
             f"JSON object; {chk['ended']} ended by their grammar, "

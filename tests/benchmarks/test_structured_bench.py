@@ -56,6 +56,21 @@ def test_structured_runs_both_modes_and_writes_its_section(tmp_path):
     assert "Constrained ÷ unconstrained output tok/s: " in md and "at concurrency 4" in md
     assert "Constrained ÷ the control (the same lengths unconstrained)" in md
     assert f"| 4 | {control} | 8 |" in md
+    assert "mixed chunks off" in md
+
+
+@pytest.mark.timeout(150)
+def test_structured_runs_an_engine_with_mixed_chunks(tmp_path):
+    proc = _bench(tmp_path, "structured", "--model", "preset:tiny", "--device", "cpu",
+                  "--concurrency", "3", "--prompts-per-concurrency", "2", "--input-len", "16",
+                  "--output-len", "12", "--context-length", "512", "--max-total-tokens", "4096",
+                  "--enable-mixed-chunk")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "structured.json").read_text())
+    assert res["args"]["enable_mixed_chunk"] is True
+    assert all(r["completed"] == 6 for r in res["rows"]) and not res["problems"]
+    assert "--enable-mixed-chunk (a prefill step carries" in (
+        tmp_path / "structured.md").read_text()
 
 
 def test_synthetic_vocabulary_fills_the_model_vocab(tmp_path):

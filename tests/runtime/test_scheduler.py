@@ -34,7 +34,8 @@ def make(kv_tokens, page_size=1, prefix_cache=True, **cfg):
     pool = KVCachePool(1, kv_tokens, 1, 2, dtype=__import__("torch").float32,
                        page_size=page_size)
     rows = ReqToTokenPool(budget.max_running_requests + 1, budget.context_length)
-    return Scheduler(budget, KVManager(pool, rows, prefix_cache)), budget
+    return Scheduler(budget, KVManager(pool, rows, prefix_cache),
+                     mixed_chunk=cfg.enable_mixed_chunk), budget
 
 
 def run(sched, budget, arrivals, max_steps=5000, overlap=False):
@@ -115,13 +116,14 @@ def reqs_from(rng, n, max_len, max_new):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10 ** 6), chunk=st.sampled_from([None, -1, 3, 8, 64]),
        running=st.integers(1, 12), kv=st.integers(40, 400), page=st.sampled_from([1, 4]),
-       cache=st.booleans(), overlap=st.booleans())
+       cache=st.booleans(), overlap=st.booleans(), mixed=st.booleans())
 def test_random_arrivals_respect_budget_never_leak_and_match_oracle(seed, chunk, running, kv,
-                                                                     page, cache, overlap):
+                                                                     page, cache, overlap,
+                                                                     mixed):
     rng = random.Random(seed)
     sched, budget = make(kv, page_size=page, prefix_cache=cache, chunked_prefill_size=chunk,
                          max_running_requests=running, max_prefill_tokens=32,
-                         context_length=64)
+                         context_length=64, enable_mixed_chunk=mixed)
     # shared prefixes so the prefix cache is exercised
     arrivals = reqs_from(rng, rng.randint(1, 20), 30, 20)
     base = tuple(rng.randrange(VOCAB) for _ in range(12))
@@ -154,18 +156,23 @@ def test_tokens_equal_the_oracle_with_chunking_prefix_cache_and_preemption():
     rng = random.Random(3)
     arrivals = reqs_from(rng, 24, 40, 30)
     results = {}
-    for chunk, kv, cache, overlap in [(-1, 4000, False, False), (5, 4000, True, True),
-                                      (16, 120, True, False), (16, 120, True, True),
-                                      (7, 90, False, True)]:
+    for chunk, kv, cache, overlap, mixed in [
+            (-1, 4000, False, False, False), (5, 4000, True, True, False),
+            (16, 120, True, False, False), (16, 120, True, True, False),
+            (7, 90, False, True, False), (-1, 4000, False, True, True),
+            (5, 4000, True, True, True), (16, 120, True, False, True),
+            (16, 120, True, True, True), (7, 90, False, True, True)]:
         sched, budget = make(kv, chunked_prefill_size=chunk, max_running_requests=16,
-                             max_prefill_tokens=48, context_length=128)
+                             max_prefill_tokens=48, context_length=128,
+                             enable_mixed_chunk=mixed)
         done, _ = run(sched, budget, arrivals, overlap=overlap)
         got = {rid: _tokens_of(sched, rid, done) for rid in done}
-        results[(chunk, kv, cache, overlap)] = (got, sched.num_retracted)
+        results[(chunk, kv, cache, overlap, mixed)] = (got, sched.num_retracted)
     first = next(iter(results.values()))[0]
     for key, (got, retracted) in results.items():
         assert got == first, key
-    assert results[(16, 120, True, True)][1] > 0, "the overlap schedule preempted nothing"
+    for mixed in (False, True):
+        assert results[(16, 120, True, True, mixed)][1] > 0, "the overlap schedule preempted nothing"
     for inp in [r for rs in arrivals.values() for r in rs]:
         assert first[inp.rid] == expected(inp.input_ids, inp.params.max_new_tokens)
 
@@ -194,3 +201,43 @@ def test_a_request_ends_by_length_at_max_new_tokens_or_the_context(overlap):
     assert done["ctx"].finish.reason == done["new"].finish.reason == "length"
     assert done["ctx"].token_ids == expected(long, 24 - 16)
     assert done["new"].token_ids == expected(short, 5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_chunk_step_carries_every_running_decode_within_the_extend_budget(overlap):
+    """With --enable-mixed-chunk a request admitted while others run is prefilled in a step
+    that also decodes each running request (last in the batch, one token on its prefix), the
+    prefill chunk taking what the decodes leave of the budget; without it, they wait."""
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    for mixed in (False, True):
+        sched, budget = make(4000, chunked_prefill_size=16, max_running_requests=8,
+                             context_length=128, enable_mixed_chunk=mixed)
+        for i in range(5):
+            sched.add(RequestInput(f"r{i}", tuple(range(1 + i, 4 + i)), params))
+        first = sched.schedule()  # all five prefill together
+        assert first.mode is ForwardMode.EXTEND and len(first.reqs) == 5
+        sched.process(first, [7] * 5)
+        if overlap:  # a decode in flight: the next step is scheduled before its tokens
+            sched.schedule()
+        sched.add(RequestInput("late", tuple(range(40)), params))
+        step = sched.schedule()
+        assert step.mode is ForwardMode.EXTEND
+        if not mixed:
+            assert [r.rid for r in step.reqs] == ["late"]
+            continue
+        running = [f"r{i}" for i in range(5)]
+        assert [r.rid for r in step.reqs] == ["late"] + running
+        assert step.num_tokens == budget.extend == 16  # 11 prompt tokens + 5 decodes
+        assert [len(t) for t in step.new_tokens] == [11] + [1] * 5
+        assert step.samples == [False] + [True] * 5
+        for j, (req, new, prefix) in enumerate(zip(step.reqs[1:], step.new_tokens[1:],
+                                                   step.prefix_lens[1:])):
+            assert prefix == req.kv_len - 1
+            assert new == ([-1 - j] if overlap else [req.all_ids[prefix]])  # placeholder
+        assert step.has_futures == overlap
+        assert [r.future_row for r in step.reqs[1:]] == list(range(5))
+        assert step.rows == [r.row for r in step.reqs]
+        table = sched.kv.req_pool.table
+        assert step.out_cache_loc.tolist() == [
+            s for r, p, t in zip(step.reqs, step.prefix_lens, step.new_tokens)
+            for s in table[r.row, p:p + len(t)].tolist()]

@@ -83,8 +83,10 @@ class EngineConfig:
     chunked_prefill_size: Optional[int] = knob(
         None, "Prompt chunk size (default 8192; -1 disables chunking). Divided by --dp-size "
         "under DP attention.", "--chunked-prefill-size")
-    enable_mixed_chunk: bool = knob(False, "Run decode tokens inside prefill chunks.",
-                                    "--enable-mixed-chunk")
+    enable_mixed_chunk: bool = knob(
+        False, "Run the running requests' decode tokens inside each prefill step (out of its "
+        "token budget), instead of making them wait for the next decode step.",
+        "--enable-mixed-chunk")
     max_total_tokens: Optional[int] = knob(None, "Cap on the KV cache size in tokens.",
                                            "--max-total-tokens")
     mem_fraction_static: float = knob(0.88, "Fraction of GPU memory for weights, static "

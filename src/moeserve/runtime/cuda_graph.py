@@ -237,7 +237,7 @@ class DecodeGraphRunner:
             assert batch is not None and batch.mode is ForwardMode.DECODE
             b.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
             b.stage([t[0] for t in batch.new_tokens], batch.prefix_lens,
-                    [r.row for r in batch.reqs], bs)
+                    batch.rows, bs)
         else:
             b.stage([], [], [], bs)
         if n < bs:

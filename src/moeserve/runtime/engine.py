@@ -68,9 +68,6 @@ def refusals(cfg: EngineConfig) -> list[str]:
     if cfg.speculative_num_draft_tokens is not None:
         out.append("--speculative-num-draft-tokens: the runtime has no speculative decoding; "
                    "the flag only shapes `moeserve plan`. Drop it to start an engine.")
-    if cfg.enable_mixed_chunk:
-        out.append("--enable-mixed-chunk: the scheduler does not mix decode into prefill "
-                   "chunks; drop the flag.")
     return out
 
 

@@ -136,7 +136,7 @@ class ModelRunner:
             return ForwardBatch.idle(self.req_pool.table, self.kv_pool)
         scored = batch.prompt_logprobs
         return ForwardBatch.from_requests(
-            batch.mode, batch.new_tokens, batch.prefix_lens, [r.row for r in batch.reqs],
+            batch.mode, batch.new_tokens, batch.prefix_lens, batch.rows,
             batch.out_cache_loc, self.req_pool.table, self.kv_pool,
             extra_logit_rows=scored.rows if scored is not None else ())
 

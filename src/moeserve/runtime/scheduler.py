@@ -12,6 +12,14 @@ step; one that it ends by a stop token runs one row more, whose token `process` 
 retraction needs the tokens themselves and waits for them (`needs_tokens`); penalties count
 the token in flight on the device (SamplingBatch.build's `pending`).
 
+Mixed chunks (--enable-mixed-chunk): a prefill step also carries the decode token of each
+running request that a decode step would take, so that admitting a request does not stall the
+running ones for a step. The decodes come last in the batch (an extend of one token each, on
+its prefix of kv_len - 1) and take their tokens out of the step's extend budget. A step mixes
+only when the KV cache holds every decode token without a retraction (under KV pressure the
+running requests decode alone, retracting as a decode step does), and only when a token of
+the budget is left for the prefill.
+
 Prompt logprobs: a request that asks for them takes no cached prefix, and each step's chunk
 of its prompt gets logits at every position (`PromptLogprobRows`), not only at the last; those
 rows are at most max_running_requests a step, so that the step's logits stay within twice a
@@ -57,6 +65,8 @@ class ScheduledBatch:
     prefix_lens: list[int]  # kv_len of each request before this forward
     out_cache_loc: torch.Tensor  # [T] slots of the new tokens
     samples: list[bool]  # whether each request samples a token after this forward
+    rows: list[int]  # each request's row of the request table (a request ended by the step
+    # before this one's launch has given its row back, but the forward still reads it)
     has_futures: bool = False  # some new token is a placeholder (see the module's doc)
     prompt_logprobs: Optional[PromptLogprobRows] = None
 
@@ -68,10 +78,12 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, budget: TokenBudget, kv: KVManager,
                  eos_token_ids: Sequence[int] = (),
-                 grammars: Optional[Callable[[], GrammarBackend]] = None) -> None:
+                 grammars: Optional[Callable[[], GrammarBackend]] = None,
+                 mixed_chunk: bool = False) -> None:
         """`grammars` gives the rank's GrammarBackend (built on first use) for requests with
-        a grammar."""
+        a grammar; `mixed_chunk`: prefill steps carry the running requests' decodes."""
         self.grammars = grammars
+        self.mixed_chunk = mixed_chunk
         self.budget = budget
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
@@ -131,7 +143,8 @@ class Scheduler:
     def schedule(self) -> Optional[ScheduledBatch]:
         """The next forward: a prefill when requests wait and fit, else a decode of the
         running batch; None when there is nothing to run."""
-        batch = self._schedule_prefill()
+        decoding = self._mixable()
+        batch = self._schedule_prefill(decoding)
         if batch is None and self.running:
             batch = self._schedule_decode()
         if batch is None:
@@ -148,9 +161,26 @@ class Scheduler:
                     self.running.append(req)
         return batch
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+    def _mixable(self) -> list[Req]:
+        """The running requests whose decodes a prefill step carries: none without
+        --enable-mixed-chunk, when the KV cache is short of their tokens (a decode step
+        retracts then), or when they would leave the prefill no token of the budget."""
+        if not self.mixed_chunk or not (self.waiting or self.chunked):
+            return []
+        if self.kv.available_slots < len(self.running) + self._page_slack():
+            return []
+        want = self._decoding()
+        return want if len(want) < self.budget.extend else []
+
+    def _decoding(self) -> list[Req]:
+        # a request whose token in flight ends it by length sits this step out
+        return [r for r in self.running if not r.unresolved or r.num_output < r.stop.max_output]
+
+    def _schedule_prefill(self, decoding: Sequence[Req] = ()) -> Optional[ScheduledBatch]:
+        """A prefill step, and with it the decodes of `decoding` (running requests) when they
+        fit beside it."""
         b = self.budget
-        left = b.extend
+        left = b.extend - len(decoding)
         room = b.max_running_requests - len(self.running)
         reqs: list[Req] = []
         takes: list[int] = []
@@ -171,7 +201,9 @@ class Scheduler:
             if scores:
                 take = min(take, lp_left)
             # leave room for the next decode step of everything already running
-            reserve = len(self.running) + len(reqs) + 1 + self._page_slack()
+            # (and for this step's decodes)
+            reserve = (len(self.running) + len(decoding) + len(reqs) + 1
+                       + self._page_slack())
             if self.kv.available_slots < take + reserve or self.kv.reserve(req, take) is None:
                 if reqs or self.running:
                     if req is not chunked:
@@ -194,6 +226,10 @@ class Scheduler:
             self.chunked = chunked  # its next chunk did not fit this step
         if not reqs:
             return None
+        if decoding and sum(takes) + len(decoding) <= b.extend:  # (a whole prompt may not)
+            got, _ = self.kv.reserve_one_each(list(decoding))
+            reqs += got  # (one the cache could not hold a slot for sits this step out)
+            takes += [1] * len(got)
         return self._batch(ForwardMode.EXTEND, reqs, takes)
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
@@ -208,9 +244,7 @@ class Scheduler:
             else:
                 break  # one request left: reserve() below decides
             self._retract(req)
-        # a request whose token in flight ends it by length sits this step out
-        want = [r for r in self.running
-                if not r.unresolved or r.num_output < r.stop.max_output]
+        want = self._decoding()
         reqs, loc = self.kv.reserve_one_each(want)
         got = set(reqs)
         for req in [r for r in want if r not in got]:
@@ -239,7 +273,7 @@ class Scheduler:
             loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
         samples = [r.kv_len == r.seq_len + r.unresolved for r in reqs]
         return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples,
-                              any(r.unresolved for r in reqs),
+                              [r.row for r in reqs], any(r.unresolved for r in reqs),
                               _prompt_logprob_rows(reqs, prefix, takes))
 
     def _retract(self, req: Req) -> None:

@@ -80,7 +80,8 @@ class RankWorker:
                        prefix_cache=not cfg.disable_radix_cache)
         assert plan.budget is not None
         self.scheduler = Scheduler(plan.budget, kv, eos_token_ids, functools.cache(
-            lambda: GrammarBackend.for_model(cfg.model, spec, eos_token_ids)))
+            lambda: GrammarBackend.for_model(cfg.model, spec, eos_token_ids)),
+            mixed_chunk=cfg.enable_mixed_chunk)
         self.is_dp_leader = state.attn_tp.rank == 0
         self.overlap = not cfg.disable_overlap_schedule
         self.in_flight: Optional[LaunchedStep] = None  # launched, its tokens not processed
