@@ -89,9 +89,9 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
         ref = R.fp8_linear(xx, wq, ws, block)
         got = gemm.fp8_linear(xx, wq, ws, block)
         err = float((got - ref).norm() / ref.norm())
-        # a GPU's fp8 MMA accumulates a K step in fewer bits than float32, in an order its
-        # tile shape sets (the column tile narrows with the device's SM count)
-        assert err < (1e-5 if dev == "cpu" else 1e-4), (n, k, m, err)
+        # a GPU's fp8 MMA accumulates in fewer bits than float32 (H200, narrowed column
+        # tiles: 4.4e-5 at K 80, 1.2e-4 at K 300), far below W8A8's own error (~3e-2)
+        assert err < (1e-5 if dev == "cpu" else 1e-3), (n, k, m, err)
         if dev == "cuda":  # bf16 activations, as the engine runs them
             got = gemm.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             ref = R.fp8_linear(xx.bfloat16(), wq, ws, block).float()
