@@ -2,10 +2,11 @@ r"""`python -m benchmarks tune-moe --fp8`: the tiles of the fp8 MoE kernels (fus
 decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
-group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256), no PAIRED or WS; per token
-count each BLOCK_M's gate_up and down candidates timed alone (L2 flushed), HALF_TAIL kept where
-1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up to DECODE_MAX_TOKENS the GEMV path
-against the aligned one as CUDA-graph replays. The table's "note" says it was tuned.
+group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
+PAIRED or WS; per token count each BLOCK_M's gate_up and down candidates timed alone (L2
+flushed), HALF_TAIL kept where 1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up to DECODE_MAX_TOKENS the GEMV path
+against the aligned one as CUDA-graph replays. The table's "note" names the sizes it tuned
+(tuned_note), those of earlier runs included.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,23 @@ def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
     return decode if whole["gemv"] < whole["aligned"] else cfg
 
 
+_TUNED_AT = re.compile(r"tune-moe --fp8 on .+? at ([0-9, and]+) tokens")
+
+
+def tuned_note(device: str, sizes: set[int]) -> str:
+    """A table's note: the token counts the tuner measured (tuned_sizes reads them back)."""
+    listed = [str(n) for n in sorted(sizes)]
+    said = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
+    return (f"Tuned by python -m benchmarks tune-moe --fp8 on {device} at {said} tokens; "
+            "the other entries are the fp8 defaults (configs.fp8_default_config).")
+
+
+def tuned_sizes(note: str) -> set[int]:
+    """The token counts a tuned_note names (none for another note)."""
+    m = _TUNED_AT.search(note)
+    return {int(v) for v in re.findall(r"\d+", m.group(1))} if m else set()
+
+
 def run(args: Any, shapes: list[tuple[int, int, int, int]]) -> int:
     from moeserve.kernels.moe.configs import (CONFIG_DIR, config_file_name, table_dtype,
                                               validate)
@@ -166,7 +185,6 @@ def run(args: Any, shapes: list[tuple[int, int, int, int]]) -> int:
             table[str(n)] = validate(tune_size(n, k, weights[(e, h, i)]), "the tuner", GROUP)
             entries = sorted(((key, v) for key, v in table.items() if key != "note"),
                              key=lambda t: int(t[0]))
-            note = (f"Tuned by python -m benchmarks tune-moe --fp8 on {device} at the sizes "
-                    "it was given; an entry it was not given keeps what the table held.")
+            note = tuned_note(device, tuned_sizes(table.get("note", "")) | {n})
             path.write_text(json.dumps({"note": note, **dict(entries)}, indent=1) + "\n")
     return 0
