@@ -5,8 +5,8 @@ The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividi
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
 PAIRED or WS; per token count each BLOCK_M's gate_up and down candidates timed alone (L2
 flushed), HALF_TAIL kept where 1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up
-to DECODE_MAX_TOKENS the GEMV path against the aligned one as CUDA-graph replays. The table's "note" names the sizes it tuned
-(tuned_note), those of earlier runs included.
+to DECODE_MAX_TOKENS the GEMV path against the aligned one as CUDA-graph replays. The table's
+"note" names the sizes it tuned (tuned_note), those of earlier runs included.
 """
 
 from __future__ import annotations
