@@ -184,7 +184,8 @@ assert torch.allclose(hs[rows], want_s, rtol=1e-5, atol=0)
 spec = make_spec(e=8, k=2, h=48, i=64)
 tri = make_fp8_experts("triton", spec, 2, 1, block, seed=7)
 grouped = {"BLOCK_M": 16, "gate_up": gemm_cfg(16, 16), "down": gemm_cfg(16, 16)}
-for n, cfg in [(30, grouped), (3, {"decode": gemv})]:
+split = {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8}}  # its product in act_f32
+for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, {"decode": split})]:
     p = n * 2
     def workspace(short=0):
         b = max(max_blocks(p, m, 4) for m in BLOCK_MS)
@@ -194,7 +195,7 @@ for n, cfg in [(30, grouped), (3, {"decode": gemv})]:
                          torch.empty(r, 64, dtype=R.FP8), torch.empty(p, 48),
                          torch.empty(align_scratch_len(p, 4), dtype=torch.int32),
                          act_scale=torch.empty(r, 4), input=torch.empty(n, 48, dtype=R.FP8),
-                         input_scale=torch.empty(n, 3))
+                         input_scale=torch.empty(n, 3), act_f32=torch.empty(p, 64))
     x = torch.randn(n, 48)
     ids, w = routing(n, 2, 8, "skewed", seed=n)
     assert torch.equal(run(tri, x, ids, w, cfg, ws=workspace()), run(tri, x, ids, w, cfg))
@@ -247,6 +248,14 @@ def test_plan_records_the_fp8_workspace_and_the_binder_makes_it():
     assert not any(r.name in ("moe.runner.act_scale", "moe.runner.input") for r in bf16.buffers)
     ws = bind_model_buffers(plan, "cpu").experts
     assert ws.act.dtype == R.FP8 and ws.input.dtype == R.FP8 and ws.act_scale is not None
+    # the GEMV gate_up's split product: the most rows the defaults give the GEMV path (no
+    # table for an unknown device), K pairs each
+    e, k = plan.spec.num_experts, plan.spec.top_k
+    gemv = configs.gemv_rows(rows, k, e, h, i, "float32", None, quant_block=(128, 128))
+    assert gemv == min(rows, max(1, e // (8 * k)))
+    assert plan.buffer("moe.runner.act_f32").shape == (gemv * k, i)
+    assert ws.act_f32.dtype == torch.float32 and ws.act_f32.shape == (gemv * k, i)
+    assert "moe.runner.act_f32" not in {r.name for r in bf16.buffers}
     a2a = build_plan(EngineConfig(**flags, quantization="fp8", tp_size=2, ep_size=2,
                                   moe_a2a_backend="all_to_all"))
     names = {r.name for r in a2a.buffers}

@@ -233,6 +233,28 @@ def test_rows_writing_pairs_end_where_the_table_sums_the_top_k_in_down(tmp_path)
     configs.load_tuned.cache_clear()
 
 
+def test_gemv_rows_end_where_the_table_leaves_the_gemv_path(tmp_path):
+    """The most rows of a step whose nearest tuned entry takes the GEMV path: what the plan
+    sizes an fp8 runner's moe.runner.act_f32 for; the defaults' bound without a table."""
+    plain = configs.default_config(64, 8, 128)
+    gemv = configs.default_config(1, 8, 128)
+    assert "decode" in gemv and "decode" not in plain
+    name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "GPU X")
+    rows = lambda n: configs.gemv_rows(n, 8, 128, 2048, 768, "bfloat16", "GPU X", tmp_path)
+    assert rows(5000) == 2  # no table: 128 // (8 x 8), as decode_suits
+    assert configs.gemv_rows(1, 8, 512, 2048, 768, "bfloat16", None, tmp_path) == 1
+    (tmp_path / name).write_text(json.dumps({"1": gemv, "2": gemv, "4": plain}))
+    configs.load_tuned.cache_clear()
+    get = lambda n: configs.get_config(n, 8, 128, 2048, 768, torch.bfloat16, "GPU X",
+                                       config_dir=tmp_path)
+    assert rows(5000) == 2 and rows(1) == 1
+    assert "decode" in get(2) and "decode" not in get(3)
+    (tmp_path / name).write_text(json.dumps({"4": plain}))
+    configs.load_tuned.cache_clear()
+    assert rows(5000) == 0
+    configs.load_tuned.cache_clear()
+
+
 def test_deterministic_runner_writes_every_pair_where_the_table_sums_atomically(
         tmp_path, monkeypatch):
     """--enable-deterministic-inference: the fused runner takes the tuned entry without its

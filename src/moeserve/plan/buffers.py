@@ -17,7 +17,8 @@ from moeserve.kernels.attention import tiles as AT
 from moeserve.config.quant import FP8_DTYPE
 from moeserve.config.spec import ModelSpec
 from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
-                                          padded_rows, rows_writing_pairs)
+                                          padded_rows, rows_writing_pairs,
+                                          gemv_rows)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, layer_scatters, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
@@ -180,6 +181,14 @@ def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: in
         fp8_knobs = ("--quantization", *knobs)
         records.append(BufferRecord("moe.runner.act_scale", (grouped, -(-i_local // bk)),
                                     "float32", f"({gf}) x ceil(I/moe_tp/{bk})", fp8_knobs))
+        # the GEMV gate_up's float32 product where its tile splits a scale group
+        gemv = gemv_rows(rows, k, e_local, h, i_local, dtype, device_name,
+                         quant_block=quant_block)
+        if gemv:
+            records.append(BufferRecord(
+                "moe.runner.act_f32", (gemv * k, i_local), "float32",
+                f"{gemv} x K x I/moe_tp (the most rows {device_name or 'the defaults'} "
+                "gives the GEMV path)", fp8_knobs))
         if not layout.a2a:
             records += [
                 BufferRecord("moe.runner.input", (rows, h), FP8_DTYPE, f"{rows_formula} x H",

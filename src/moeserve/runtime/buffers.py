@@ -132,7 +132,7 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")))
     experts = a.group("moe.runner.", BASE_FIELDS)
     if experts is not None:  # fp8 weights: act's scales, and the quantized input rows
-        for fields in (("act_scale",), ("input", "input_scale")):
+        for fields in (("act_scale",), ("input", "input_scale"), ("act_f32",)):
             experts.update(a.group("moe.runner.", fields) or {})
     partials = a.group("attn.decode.", ("part_o", "part_lse"))
     comm = CommWindows(**{axis: a.take(f"comm.symm.{axis}") for axis in ("attn_tp", "world")

@@ -282,6 +282,22 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
     return default_config(num_tokens, top_k, num_local, hopper=hopper)
 
 
+def _last_rows(table: dict[int, dict[str, Any]], max_rows: int, takes: Any) -> int:
+    """The most rows (at most max_rows) whose nearest entry `takes` holds for, 0 for none
+    (nearest is monotone in rows)."""
+    if takes(nearest(table, max_rows)):
+        return max_rows
+    below = [k for k in sorted(table) if k < max_rows and takes(table[k])]
+    if not below:
+        return 0
+    # the last row count whose nearest entry is that key
+    lo, hi = below[-1], max_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if nearest(table, mid) is table[below[-1]] else (lo, mid)
+    return lo
+
+
 def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, dtype: Any,
                        device_name: Optional[str], config_dir: Path = CONFIG_DIR,
                        quant_block: Optional[tuple[int, int]] = None) -> int:
@@ -290,18 +306,21 @@ def rows_writing_pairs(max_rows: int, num_local: int, hidden: int, inter: int, d
     top-k (ATOMIC_SUM) writes none. max_rows where the device (None: unknown) has no table."""
     table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block),
                        device_name or "", config_dir)
-    if not table or not nearest(table, max_rows)["down"].get("ATOMIC_SUM"):
+    if not table:
         return max_rows
-    keys = sorted(table)
-    below = [k for k in keys if k < max_rows and not table[k]["down"].get("ATOMIC_SUM")]
-    if not below:
-        return 0
-    # the last row count whose nearest entry is that key (nearest is monotone in rows)
-    lo, hi = below[-1], max_rows
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if nearest(table, mid) is table[below[-1]] else (lo, mid)
-    return lo
+    return _last_rows(table, max_rows, lambda c: not c["down"].get("ATOMIC_SUM"))
+
+
+def gemv_rows(max_rows: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: Any,
+              device_name: Optional[str], config_dir: Path = CONFIG_DIR,
+              quant_block: Optional[tuple[int, int]] = None) -> int:
+    """The most rows (at most max_rows) of a step that takes the GEMV path (an entry with
+    "decode"): by the device's table, else (None: unknown device) by the defaults."""
+    table = load_tuned(num_local, hidden, inter, table_dtype(dtype, quant_block),
+                       device_name or "", config_dir)
+    if table:
+        return _last_rows(table, max_rows, lambda c: "decode" in c)
+    return min(max_rows, max(1, num_local // (8 * top_k)))  # decode_suits' largest
 
 
 def warm_up_sizes(max_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,

@@ -155,9 +155,8 @@ def decode_gate_up_fp8(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor,
               dtype=torch.float32, device=xq.device)
     if pairs:
         quant = cfg["BLOCK_N"] % group == 0
-        # a split tile's float32 product: the few rows of a decode step, from the allocator
-        # as the step's output is (decode_down_fp8)
-        dst = h if quant else torch.empty(pairs, inter, dtype=torch.float32, device=xq.device)
+        dst = h if quant else take(ws and ws.act_f32, pairs, "act_f32", inter,
+                                   dtype=torch.float32, device=xq.device)
         grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
         _decode_gate_up_kernel[grid](xq, xs, w13, w13_s, dst, hs, ids_P, hidden, inter, top_k,
                                      first_expert, num_local, xs.stride(0), w13_s.stride(0),
