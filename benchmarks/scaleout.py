@@ -95,7 +95,8 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
             engine = Engine(args.model, load_format="dummy", dtype="bfloat16",
                             context_length=args.context_length,
                             mem_fraction_static=args.mem_fraction_static,
-                            max_running_requests=max(*args.concurrency, kw.get("dp_size", 1)),
+                            # (at least one decode graph bucket: a multiple of tp)
+                            max_running_requests=max(*args.concurrency, kw.get("tp_size", 1)),
                             in_process=False, **quant, **kw)
         except Exception as exc:  # a plan that does not fit, a layout the model cannot take
             why = " ".join(str(exc).split())[:300]

@@ -6,8 +6,11 @@ them).
         [--tokens 1 16 64 ...] [--ep N] [--out DIR] [--time-budget SECONDS] \
         [--half-tail-only | --atomic-sum-only | --retune {gate_up,down} | --fp8]
 
-For each token count: uniform random routing, then for each BLOCK_M that suits the mean rows
-per used expert, every gate_up candidate and every down candidate timed alone (harness.time_us
+For each token count: uniform random routing (with --ep N, as a rank's experts see it under
+expert parallelism: the token count is the rows the runner is given, each row's top-k drawn over
+all N x E_local experts and those of other ranks -1, as the dispatchers hand them over: the
+tables are keyed by the rows the runner looks its config up by), then for each BLOCK_M that
+suits the mean rows per used expert, every gate_up candidate and every down candidate timed alone (harness.time_us
 with L2 flushed before each call, so weights come from HBM as in a real step); the BLOCK_M
 whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again with
 "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1% faster
@@ -140,10 +143,12 @@ def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:
     return min(timed, key=lambda t: t[0])
 
 
-def routed(n: int, k: int, e: int, h: int) -> tuple[torch.Tensor, ...]:
-    """x, uniform random top-k ids and weights for n tokens."""
+def routed(n: int, k: int, e: int, h: int, ep: int = 1) -> tuple[torch.Tensor, ...]:
+    """x, uniform random top-k ids and weights for n rows; with ep > 1 the ids are drawn over
+    ep x e experts and those past this rank's e are -1 (an expert-parallel rank's rows)."""
     x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
-    ids = torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
+    ids = torch.rand(n, e * ep, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
+    ids = torch.where(ids < e, ids, -1)
     return x, ids, torch.rand(n * k, device=DEVICE)
 
 
@@ -188,10 +193,11 @@ def a_or_b(name: str, fn, a: dict, b: dict) -> tuple[float, dict]:
     return (t1, b) if t1 < 0.99 * t0 else (t0, a)
 
 
-def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -> dict:
+def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool,
+              ep: int = 1) -> dict:
     e, h = w13.shape[0], w13.shape[2]
-    x, ids, weights = routed(n, k, e, h)
-    pairs = n * k
+    x, ids, weights = routed(n, k, e, h, ep)
+    pairs = max(1, n * k // ep)  # this rank's, on the mean
     best = None
     for bm in block_ms(pairs / min(e, pairs)):
         up_fn = gemm_fns(x, ids, weights, w13, w2, k, bm)[0]
@@ -204,18 +210,19 @@ def tune_size(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, full: bool) -
               f"{t_down * 1e3:.1f} us {dn}", flush=True)
         if best is None or t_up + t_down < best[0]:
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
-    if n <= DECODE_MAX_TOKENS:
-        return with_decode(n, k, w13, w2, best[1])
+    if n <= DECODE_MAX_TOKENS * ep:
+        return with_decode(n, k, w13, w2, best[1], ep)
     return with_atomic_sum(n, k, w13, w2, best[1], (x, ids, weights))
 
 
-def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -> dict:
+def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict,
+                      ep: int = 1) -> dict:
     """A tuned entry with each GEMM's HALF_TAIL re-decided by timing (GEMV entries as they
     are)."""
     if "decode" in cfg or cfg["BLOCK_M"] < 32:
         return cfg
     e, h = w13.shape[0], w13.shape[2]
-    x, ids, weights = routed(n, k, e, h)
+    x, ids, weights = routed(n, k, e, h, ep)
     bm = cfg["BLOCK_M"]
     up_fn, down_fn, _ = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])
     _, up = with_half_tail("gate_up", up_fn, (0.0, cfg["gate_up"]), bm)
@@ -224,28 +231,28 @@ def recheck_half_tail(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: 
 
 
 def with_atomic_sum(n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict,
-                    routing: Optional[tuple] = None) -> dict:
+                    routing: Optional[tuple] = None, ep: int = 1) -> dict:
     """A tuned entry with down's ATOMIC_SUM re-decided: down and the top-k sum timed together
     (alternating, best of 3), the atomics kept when at least 1% faster (GEMV entries and
     sizes below ATOMIC_SUM_MIN_TOKENS as they are)."""
     if "decode" in cfg or n < ATOMIC_SUM_MIN_TOKENS:
         return cfg
-    x, ids, weights = routing or routed(n, k, w13.shape[0], w13.shape[2])
+    x, ids, weights = routing or routed(n, k, w13.shape[0], w13.shape[2], ep)
     fn = gemm_fns(x, ids, weights, w13, w2, k, cfg["BLOCK_M"], cfg["gate_up"])[2]
     base = {c: v for c, v in cfg["down"].items() if c != "ATOMIC_SUM"}
     _, dn = a_or_b(f"down + top-k sum N={n}", fn, base, {**base, "ATOMIC_SUM": 1})
     return {**cfg, "down": dn}
 
 
-def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict
-           ) -> dict:
+def retune(gemm: str, n: int, k: int, w13: torch.Tensor, w2: torch.Tensor, cfg: dict,
+           ep: int = 1) -> dict:
     """A tuned entry whose `gemm` is replaced by the best candidate (HALF_TAIL re-decided)
     when that times at least 1% faster than the shipped one, alternating (GEMV entries and
     BLOCK_M < 32 as they are)."""
     if "decode" in cfg or cfg["BLOCK_M"] < 32:
         return cfg
     e, h = w13.shape[0], w13.shape[2]
-    x, ids, weights = routed(n, k, e, h)
+    x, ids, weights = routed(n, k, e, h, ep)
     bm = cfg["BLOCK_M"]
     fn = gemm_fns(x, ids, weights, w13, w2, k, bm, cfg["gate_up"])[gemm == "down"]
     best = with_half_tail(gemm, fn, best_of(gemm, fn, candidates(bm, gemm, False)), bm)
@@ -270,16 +277,14 @@ def best_in_graph(name: str, make, cfgs: list[dict]) -> tuple[float, dict]:
     return min(timed, key=lambda t: t[0])
 
 
-def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
+def with_decode(n: int, k: int, w13, w2, cfg: dict, ep: int = 1) -> dict:
     """cfg plus the best GEMV tiles when the GEMV path beats cfg's whole path. Every time is a
     CUDA-graph replay of 4 calls with different routings (no weights left in L2)."""
     from moeserve.kernels.moe.decode_moe import decode_down, decode_gate_up
     from moeserve.kernels.moe.fused_moe import fused_experts
 
     e, h = w13.shape[0], w13.shape[2]
-    calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
-              torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
-              torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    calls = [(x, ids, w.view(n, k)) for x, ids, w in (routed(n, k, e, h, ep) for _ in range(4))]
     t_up, up = best_in_graph("decode gate_up", lambda c: [
         lambda x=x, i=i: decode_gate_up(x, w13, i.view(-1), k, 0, "silu", c)
         for x, i, _ in calls], gemv_candidates("gate_up", k))
@@ -301,7 +306,9 @@ def with_decode(n: int, k: int, w13, w2, cfg: dict) -> dict:
 def add_arguments(ap: Any) -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     ap.add_argument("--shape", nargs="*", default=[], help="E,H,I,K (E and I per rank)")
-    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size of --models")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel size: --models' experts split N ways, every shape's "
+                         "rows routed as one rank's under it (see above)")
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS))
     ap.add_argument("--full", action="store_true", help="sweep the whole space (slow)")
     ap.add_argument("--out", default=None,
@@ -359,13 +366,13 @@ def run(args: Any, argv: list[str]) -> int:
                     print(f"  no entry for N={n} to re-check", flush=True)
                     continue
                 if args.half_tail_only:
-                    table[str(n)] = recheck_half_tail(n, k, w13, w2, table[str(n)])
+                    table[str(n)] = recheck_half_tail(n, k, w13, w2, table[str(n)], args.ep)
                 elif args.atomic_sum_only:
-                    table[str(n)] = with_atomic_sum(n, k, w13, w2, table[str(n)])
+                    table[str(n)] = with_atomic_sum(n, k, w13, w2, table[str(n)], ep=args.ep)
                 else:
-                    table[str(n)] = retune(args.retune, n, k, w13, w2, table[str(n)])
+                    table[str(n)] = retune(args.retune, n, k, w13, w2, table[str(n)], args.ep)
             else:
-                table[str(n)] = tune_size(n, k, w13, w2, args.full)
+                table[str(n)] = tune_size(n, k, w13, w2, args.full, args.ep)
             path.write_text(json.dumps(dict(sorted(table.items(), key=lambda t: int(t[0]))),
                                        indent=1) + "\n")
     return 0
