@@ -94,13 +94,16 @@ class ForwardBatch:
         seq = [p + e for p, e in zip(prefix_lens, ext)]
         ids = [i for t in new_tokens for i in t]
         pos = [p + j for p, e in zip(prefix_lens, ext) for j in range(e)]
-        i64 = dict(dtype=torch.int64, device=dev)
-        return cls(mode, torch.tensor(ids, **i64), torch.tensor(pos, **i64),
-                   out_cache_loc.to(dev, torch.int64), torch.tensor(list(req_rows), **i64),
-                   torch.tensor(seq, **i64), torch.tensor(list(prefix_lens), **i64),
-                   torch.tensor(ext, **i64), req_to_token, kv_pool, tuple(seq),
-                   tuple(prefix_lens), tuple(ext), return_all_logits,
-                   torch.tensor(list(extra_logit_rows), **i64) if extra_logit_rows else None)
+        lists = (ids, pos, list(req_rows), seq, list(prefix_lens), ext, list(extra_logit_rows))
+        # one copy to the device, which does not wait for it (the step in flight may still
+        # run there: a blocking copy would wait for it), and each field a view of it
+        packed = torch.tensor([v for part in lists for v in part], dtype=torch.int64)
+        packed = packed.to(dev, non_blocking=True)
+        ids_t, pos_t, rows_t, seq_t, prefix_t, ext_t, extra_t = packed.split(
+            [len(part) for part in lists])
+        return cls(mode, ids_t, pos_t, out_cache_loc.to(dev, torch.int64), rows_t, seq_t,
+                   prefix_t, ext_t, req_to_token, kv_pool, tuple(seq), tuple(prefix_lens),
+                   tuple(ext), return_all_logits, extra_t if extra_logit_rows else None)
 
     @classmethod
     def idle(cls, req_to_token: torch.Tensor, kv_pool: KVCachePool) -> "ForwardBatch":

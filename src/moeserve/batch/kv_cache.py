@@ -231,4 +231,8 @@ class ReqToTokenPool:
         return packed[2]
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + len(slots)] = slots.to(self.table.dtype)
+        """Slots of positions start.. of `row` (from the host without waiting for the
+        device)."""
+        self.table[row, start:start + len(slots)] = slots.to(self.table.device,
+                                                             self.table.dtype,
+                                                             non_blocking=True)

@@ -65,7 +65,9 @@ class KVManager:
         slots = self._take(req, n)
         if slots is None:
             return None
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.kv_pool.device)
+        # (a copy that does not wait for the device, where the step in flight may still run)
+        slots_t = torch.tensor(slots, dtype=torch.int64).to(self.kv_pool.device,
+                                                            non_blocking=True)
         self.req_pool.write(req.row, req.kv_len - n, slots_t)
         return slots_t
 
