@@ -120,3 +120,87 @@ def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
                                       for t in (ws.recv, ws.combine)),
                         names=sorted(r.name for r in symmetric)))
     return out
+
+
+def run_fp8_world(rank: int, world: int, device_type: str) -> list[dict]:
+    try:
+        return _run_fp8(rank, world, device_type)
+    except Exception:
+        return [dict(case="exception", rank=rank, error=traceback.format_exc())]
+
+
+def _run_fp8(rank: int, world: int, device_type: str) -> list[dict]:
+    """fp8 rows (--quantization fp8): what the nvlink dispatcher hands the experts against
+    what the NCCL all_to_all dispatcher hands them (the same slots: the fp8 bytes, the
+    scales, the weights of every filled slot; the ids of every slot), and the two combines of
+    the same expert outputs. On a CPU the peers' stores are emulated over gloo."""
+    from moeserve.moe.dispatch import create_dispatcher
+    from moeserve.plan.budget import layer_scatters
+
+    dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    spec = tiny_spec("qwen3")
+    out: list[dict] = []
+    for name, kw in layouts(world).items():
+        dispatchers, state = {}, None
+        for a2a in ("nvlink", "all_to_all"):
+            cfg = engine_config(**kw, a2a=a2a, deterministic=True).replace(
+                device=device_type, dtype="bfloat16", attention_backend="torch",
+                moe_runner_backend="reference", quantization="fp8")
+            plan = build_plan(cfg, spec)
+            assert plan.ok, plan.errors
+            assert plan.a2a_scale_group and plan.backends.a2a == a2a
+            state = state or init_parallel_state(plan.layout, dev)
+            d = create_dispatcher(spec, state, plan, torch.bfloat16)
+            d.bind(bind_model_buffers(plan, dev))
+            dispatchers[a2a] = d
+        assert state is not None
+        plan_nv = dispatchers["nvlink"].plan
+        scattered = layer_scatters(state.layout, moe=True)
+        for c, case in enumerate(CASES[:4]):
+            g = torch.Generator().manual_seed(100 * c + rank)
+            tokens = {"zero_rows_here": 0 if rank == 1 else 9}.get(case, 13 + 4 * rank)
+            if state.layout.dp == 1:  # one token count for the attention-TP group
+                tokens = {"zero_rows_here": 1}.get(case, 13)
+            x_T = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+            ids_T = _routing(case, tokens, spec.top_k, g, world).to(torch.int32)
+            w_T = torch.rand(tokens, spec.top_k, generator=g) + 0.1
+            step = exchange_step(tokens, state, plan_nv)
+            lo, hi = step.row_range(scattered)
+            x, ids, w = (t[lo:hi].to(dev) for t in (x_T, ids_T, w_T))
+            got = {a2a: d.dispatch(x, ids, w, step) for a2a, d in dispatchers.items()}
+            (nv, nv_handle), (ref, ref_handle) = got["nvlink"], got["all_to_all"]
+            per = spec.num_experts // state.layout.ep
+            mine = state.ep.rank * per
+
+            def own(ids_NK: torch.Tensor) -> torch.Tensor:
+                return torch.where((ids_NK >= mine) & (ids_NK < mine + per), ids_NK, -1)
+            filled = (ref.topk_ids_NK >= 0).any(dim=1)
+            y = torch.randn(ref.x_NH.shape[0], H, generator=g).to(torch.bfloat16).to(dev)
+            y_nv = dispatchers["nvlink"].combine(y, nv_handle)
+            y_ref = dispatchers["all_to_all"].combine(y, ref_handle)
+            out.append(dict(
+                layout=name, case=case, rank=rank, filled=int(filled.sum()),
+                fp8=nv.x_NH.dtype == torch.float8_e4m3fn and nv.x_scale_NG is not None,
+                # (the NCCL path carries all K ids, the one-sided one only this rank's)
+                ids=bool(torch.equal(own(nv.topk_ids_NK), own(ref.topk_ids_NK))),
+                rows=bool(torch.equal(nv.x_NH[filled].view(torch.uint8),
+                                      ref.x_NH[filled].view(torch.uint8))),
+                scales=bool(torch.equal(nv.x_scale_NG[filled], ref.x_scale_NG[filled])),
+                weights=bool(torch.equal(nv.topk_weights_NK[filled],
+                                         ref.topk_weights_NK[filled])),
+                combine_err=rel_err(y_nv.float().cpu(), y_ref.float().cpu())))
+    return out
+
+
+def check_fp8_records(records: list[dict], world: int) -> None:
+    """run_fp8_world's records: fp8 rows handed over, the same slots as the NCCL path's,
+    combines within 1e-2."""
+    failures = [r for r in records if r["case"] == "exception"]
+    if failures:
+        raise AssertionError(failures[0]["error"])
+    assert len(records) == world * len(layouts(world)) * 4
+    assert sum(r["filled"] for r in records) > 0
+    for r in records:
+        where = (r["layout"], r["case"], r["rank"])
+        assert r["fp8"] and r["ids"] and r["rows"] and r["scales"] and r["weights"], where
+        assert r["combine_err"] <= 1e-2, (where, r["combine_err"])

@@ -33,7 +33,8 @@ def test_each_row_gets_one_slot_per_rank_that_owns_one_of_its_experts(p, m, k, p
 
     x = torch.randn(m, 5, generator=g)
     w = torch.rand(m, k, generator=g)
-    rows, rids, rw = T.rows_for(x, ids, w, sources, per_rank)
+    rows, rids, rw, none = T.rows_for(x, ids, w, sources, per_rank)
+    assert none is None  # no scales without fp8 rows
     for q in range(p):
         for s in range(r):
             i = int(sources[q, s])
@@ -82,7 +83,7 @@ assert torch.equal(slots_a, slots_b) and torch.equal(sources_a, sources_b)
 x, w, rank, n = torch.randn(M, H, dtype=torch.bfloat16), torch.rand(M, K), 1, P * R
 windows = [torch.full((n * (H * 2 + 8 * K),), 7, dtype=torch.uint8) for _ in range(P)]
 E.push_rows(x, ids, w, sources_a, torch.tensor([t.data_ptr() for t in windows]), rank, PER)
-rows, rids, rw = T.rows_for(x, ids, w, sources_b, PER)
+rows, rids, rw, _ = T.rows_for(x, ids, w, sources_b, PER)
 for q, flat in enumerate(windows):
     xq = flat[: n * H * 2].view(torch.bfloat16).view(P, R, H)[rank]
     iq = flat[n * H * 2: n * (H * 2 + 4 * K)].view(torch.int32).view(P, R, K)[rank]
@@ -100,6 +101,34 @@ E.dispatch_small(x, ids, w, slots_small, torch.tensor([t.data_ptr() for t in win
                  rank, R, PER)
 assert torch.equal(slots_small, slots_a)
 assert all(torch.equal(a, b) for a, b in zip(windows, windows_small))
+
+# fp8 rows: their bytes, then their float32 scales, then the ids and weights (both paths)
+G = 3
+xq = (torch.randn(M, H) * 8).to(torch.float8_e4m3fn)
+xs = torch.rand(M, G) + 0.5
+n8 = n * (H + 4 * G + 8 * K)
+scales_at, ids_at, weights_at = T.window_offsets(P, R, H, K, 1, G)
+qrows, qids, qw, qscales = T.rows_for(xq, ids, w, sources_b, PER, xs)
+assert qrows.dtype == torch.uint8 and qscales.shape == (P, R, G)
+for launch in ("push_rows", "dispatch_small"):
+    win8 = [torch.full((n8,), 7, dtype=torch.uint8) for _ in range(P)]
+    ptrs = torch.tensor([t.data_ptr() for t in win8])
+    if launch == "push_rows":
+        E.push_rows(xq, ids, w, sources_a, ptrs, rank, PER, xs)
+    else:
+        E.dispatch_small(xq, ids, w, torch.empty_like(slots_a), ptrs, rank, R, PER, xs)
+    for q, flat in enumerate(win8):
+        filled = sources_b[q] >= 0
+        got_x = flat[:scales_at].view(P, R, H)[rank]
+        got_s = flat[scales_at:ids_at].view(torch.float32).view(P, R, G)[rank]
+        got_i = flat[ids_at:weights_at].view(torch.int32).view(P, R, K)[rank]
+        got_w = flat[weights_at:].view(torch.float32).view(P, R, K)[rank]
+        assert torch.equal(got_i, qids[q])
+        assert torch.equal(got_x[filled], qrows[q][filled])
+        assert torch.equal(got_s[filled], qscales[q][filled])
+        assert torch.equal(got_w[filled], qw[q][filled])
+        assert torch.equal(got_x[filled].view(torch.float8_e4m3fn).float(),
+                           xq[sources_b[q][filled].long()].float())
 
 # combine from rank 1: filled slots go back to their sources, nothing else is written
 y = torch.randn(n, H, dtype=torch.bfloat16)

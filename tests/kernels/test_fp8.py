@@ -35,6 +35,16 @@ def test_quantizer_round_trip(shape, block):
     assert torch.allclose(scale2, scale, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_activation_groups_of_any_rows_are_row_major(rows):
+    """A rank with no rows (DP attention) quantizes to empty row-major tensors, which the
+    dispatchers pack as bytes."""
+    q, scale = R.quantize_groups(torch.randn(rows, 300), 128)
+    assert q.shape == (rows, 300) and scale.shape == (rows, 3)
+    assert q.stride() == (300, 1) and scale.stride() == (3, 1)
+    assert scale.view(torch.uint8).shape == (rows, 12)
+
+
 def test_activation_groups_are_per_token():
     x = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
     x[2] *= 1000  # one loud token does not change the others' scales

@@ -203,6 +203,10 @@ LAYOUTS = {
     "ep2-dense-replicated": {"ep_size": 2, "moe_dense_tp_size": 1},
     "dp2-attention": {"dp_size": 2, "enable_dp_attention": True},
     "all-to-all": {"ep_size": 2, "moe_a2a_backend": "all_to_all"},
+    # the one-sided exchange's layout (its peers' stores emulated over gloo on a CPU)
+    "nvlink": {"ep_size": 2, "moe_a2a_backend": "nvlink"},
+    "nvlink-dp2-attention": {"ep_size": 2, "moe_a2a_backend": "nvlink", "dp_size": 2,
+                             "enable_dp_attention": True},
 }
 
 

@@ -210,3 +210,12 @@ def test_guard_raises_everywhere_and_the_next_step_works(records):
                     else "--max-prefill-tokens")
             assert knob in messages.pop()
             _assert_close(rows, "err_after")
+
+
+def test_nvlink_fp8_rows_equal_the_all_to_all_on_gloo():
+    """fp8 rows through the one-sided exchange's layout (peers emulated over gloo): the
+    experts get the NCCL-path dispatcher's slots, bytes and scales."""
+    from nvlink_ranks import check_fp8_records, run_fp8_world
+
+    check_fp8_records([r for rank in run_ranks(run_fp8_world, 2, "cpu", timeout=300)
+                       for r in rank], 2)

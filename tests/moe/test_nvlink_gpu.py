@@ -107,3 +107,12 @@ def test_every_exchange_layout_plans(world, layout):
             plan = plan_for(layouts(world)[layout], a2a, dtype, tiny_spec("qwen3"))
             assert plan.ok, plan.errors
             assert plan.layout.ep == world and plan.backends.a2a == a2a
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", WORLDS)
+def test_nvlink_fp8_rows_equal_the_nccl_all_to_all(world):
+    from nvlink_ranks import check_fp8_records, run_fp8_world
+
+    check_fp8_records([r for rank in run_ranks(run_fp8_world, world, "cuda", backend="nccl",
+                                               timeout=400) for r in rank], world)

@@ -222,14 +222,10 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if not problems:
         backends, backend_problems = planned_backends(cfg)
         problems += backend_problems
-    if backends is not None and backends.a2a == "nvlink" and quant is not None:
-        if cfg.moe_a2a_backend == "auto":  # fp8 rows travel on the NCCL transport
-            backends = replace(backends, a2a="all_to_all")
-        else:
-            problems.append(Problem("--moe-a2a-backend nvlink moves rows in the model's dtype; "
-                                    "fp8 rows with their scales travel on all_to_all.",
-                                    "use --moe-a2a-backend all_to_all (or auto) with fp8 "
-                                    "weights"))
+    if (backends is not None and backends.a2a == "nvlink" and quant is not None
+            and cfg.moe_a2a_backend == "auto"):
+        # fp8 rows travel on the NCCL transport unless nvlink is named
+        backends = replace(backends, a2a="all_to_all")
     empty = CapacityPlan(cfg, spec, None, dtype, None, {}, None, (), None, tuple(problems))
     if problems:
         return empty

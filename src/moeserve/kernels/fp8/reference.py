@@ -73,10 +73,12 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     """x [T, K] -> (q [T, K] fp8, scale [T, ceil(K/group)] float32): one scale per token per
     `group` columns, group amax / 448."""
     t, k = x.shape
-    xp = _pad_to(x.float(), -1, group).view(t, -1, group)
+    xp = _pad_to(x.float(), -1, group).view(t, groups(k, group), group)  # (t may be 0)
     scale = xp.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) * INV_FP8_MAX
-    q = to_fp8(xp / scale[..., None]).view(t, -1)[:, :k]
-    return q.contiguous(), scale
+    q = to_fp8(xp / scale[..., None]).view(t, xp.shape[1] * group)[:, :k]
+    # (row-major strides even for zero rows, whose reductions come out with others)
+    return (q.clone(memory_format=torch.contiguous_format),
+            scale.clone(memory_format=torch.contiguous_format))
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int,

@@ -5,9 +5,12 @@ runs them; exchange_torch.py is the same layout in torch, for CPUs and as the te
 Legend: M this rank's rows, K top-k, P ranks of the EP axis, R slots per (source, destination)
 pair in this step (the same on every rank), H hidden, E_r experts per rank.
 
-Window layout of one step (every rank derives it from P, R, H, K alone):
-    recv window   x [P R, H] (dtype), then ids [P R, K] int32, then weights [P R, K] float32;
-                  rows [q R, q R + R) are source rank q's slots
+Window layout of one step (every rank derives it from P, R, H, K alone;
+exchange_torch.window_offsets):
+    recv window   x [P R, H] (dtype), then with fp8 rows their float32 scales [P R, G] (one per
+                  group of columns; the rows are quantized once, before the stores), then ids
+                  [P R, K] int32, then weights [P R, K] float32; rows [q R, q R + R) are source
+                  rank q's slots
     combine window  y [P R, H] (dtype); rows [p R, p R + R) are what rank p computed for this
                   rank's slots on p
 Ids a destination does not own arrive as -1, and so do the ids of slots nobody filled: the
@@ -29,9 +32,13 @@ interleave instead of following one another.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from moeserve.kernels.moe.exchange_torch import window_offsets
 
 ROUTE_BLOCK = 1024  # rows per iteration of route_slots' prefix sum
 SMALL_M = 128  # up to this many rows, dispatch_small routes and stores in one launch
@@ -79,10 +86,12 @@ def route_slots(ids_MK: torch.Tensor, slots_MP: torch.Tensor, sources_PR: torch.
 
 
 @triton.jit
-def _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids, stride_w,
-                ids_at, weights_at, experts_per_rank,
-                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-    """Slot s of destination p: row src (-1: an empty slot) stored into p's recv window."""
+def _store_slot(X, XS, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_xs,
+                stride_ids, stride_w, scales_at, ids_at, weights_at, experts_per_rank,
+                K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Slot s of destination p: row src (-1: an empty slot) stored into p's recv window, and
+    its G scales (fp8 rows; G = 0: none)."""
     window = tl.load(PEERS + p)  # peer p's recv window, a byte address
     slot = (rank * R + s).to(tl.int64)
     ks = tl.arange(0, KP)
@@ -100,25 +109,33 @@ def _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_
         for c in range(0, H, BLOCK):
             offs = c + tl.arange(0, BLOCK)
             tl.store(dst_x + offs, tl.load(row + offs, mask=offs < H), mask=offs < H)
+        if G > 0:
+            gs = tl.arange(0, GP)
+            dst_s = tl.cast(window + scales_at, tl.pointer_type(tl.float32)) + slot * G
+            scale = tl.load(XS + src.to(tl.int64) * stride_xs + gs, mask=gs < G)
+            tl.store(dst_s + gs, scale, mask=gs < G)
 
 
 @triton.jit
-def _push_rows_kernel(X, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, stride_ids,
-                      stride_w, ids_at, weights_at, experts_per_rank, P: tl.constexpr,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _push_rows_kernel(X, XS, IDS, WEIGHTS, SOURCES, PEERS, rank, R, H, stride_x, stride_xs,
+                      stride_ids, stride_w, scales_at, ids_at, weights_at, experts_per_rank,
+                      P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr,
+                      GP: tl.constexpr, BLOCK: tl.constexpr):
     # destinations vary fastest, so local and peer stores interleave over the grid
     pid = tl.program_id(0)
     p = pid % P
     s = pid // P
     src = tl.load(SOURCES + p * R + s)
-    _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids,
-                stride_w, ids_at, weights_at, experts_per_rank, K, KP, BLOCK)
+    _store_slot(X, XS, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_xs,
+                stride_ids, stride_w, scales_at, ids_at, weights_at, experts_per_rank, K, KP,
+                G, GP, BLOCK)
 
 
 @triton.jit
-def _dispatch_small_kernel(X, IDS, WEIGHTS, SLOTS, PEERS, M, rank, R, H, stride_x,
-                           stride_ids, stride_w, ids_at, weights_at, experts_per_rank,
-                           P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _dispatch_small_kernel(X, XS, IDS, WEIGHTS, SLOTS, PEERS, M, rank, R, H, stride_x,
+                           stride_xs, stride_ids, stride_w, scales_at, ids_at, weights_at,
+                           experts_per_rank, P: tl.constexpr, K: tl.constexpr,
+                           KP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                            MB: tl.constexpr, BLOCK: tl.constexpr):
     # route_slots and push_rows in one launch: each program redoes the prefix sum of its
     # destination over all M rows (at most SMALL_M) and finds the row of its slot
@@ -137,50 +154,66 @@ def _dispatch_small_kernel(X, IDS, WEIGHTS, SLOTS, PEERS, M, rank, R, H, stride_
     here = slot == s
     src = tl.where(tl.sum(here.to(tl.int32), axis=0) > 0,
                    tl.sum(tl.where(here, rows, 0), axis=0), -1)
-    _store_slot(X, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_ids,
-                stride_w, ids_at, weights_at, experts_per_rank, K, KP, BLOCK)
+    _store_slot(X, XS, IDS, WEIGHTS, PEERS, src, p, s, rank, R, H, stride_x, stride_xs,
+                stride_ids, stride_w, scales_at, ids_at, weights_at, experts_per_rank, K, KP,
+                G, GP, BLOCK)
 
 
-def _window_offsets(p: int, r: int, h: int, k: int, elem_bytes: int) -> tuple[int, int]:
-    """Where the ids and the weights start in a recv window laid out for P x R slots."""
-    ids_at = p * r * h * elem_bytes
-    return ids_at, ids_at + p * r * k * 4
+def _row_args(x_MH: torch.Tensor, x_scale_MG: Optional[torch.Tensor], p: int, r: int, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, int]]:
+    """(rows, scales, their row stride, the window's offsets and G): fp8 rows are stored as
+    their bytes, and their scales after the rows; without scales G is 0 (rows stand in for
+    the scales' pointer, never read)."""
+    h = x_MH.shape[1]
+    assert x_MH.stride(1) == 1
+    if x_MH.element_size() == 1:
+        assert x_scale_MG is not None, "fp8 rows travel with their scales"
+        x_MH = x_MH.view(torch.uint8)
+    g = 0
+    if x_scale_MG is not None:
+        assert x_scale_MG.dtype == torch.float32 and x_scale_MG.stride(1) == 1
+        g = x_scale_MG.shape[1]
+    scales_at, ids_at, weights_at = window_offsets(p, r, h, k, x_MH.element_size(), g)
+    xs = x_MH if x_scale_MG is None else x_scale_MG
+    return x_MH, xs, xs.stride(0), dict(scales_at=scales_at, ids_at=ids_at,
+                                        weights_at=weights_at, G=g, GP=_pow2(g))
 
 
 def dispatch_small(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
                    slots_MP: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, r: int,
-                   experts_per_rank: int) -> None:
+                   experts_per_rank: int, x_scale_MG: Optional[torch.Tensor] = None) -> None:
     """route_slots + push_rows in one launch, for at most SMALL_M rows (decode steps)."""
     m, h = x_MH.shape
     p, k = slots_MP.shape[1], ids_MK.shape[1]
     assert m <= SMALL_M and r >= m and slots_MP.is_contiguous()
-    assert x_MH.stride(1) == 1 and ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
+    assert ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
     if r == 0:
         return
-    ids_at, weights_at = _window_offsets(p, r, h, k, x_MH.element_size())
-    _dispatch_small_kernel[(p * r,)](x_MH, ids_MK, weights_MK, slots_MP, peer_ptrs, m, rank, r,
-                                     h, x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0),
-                                     ids_at, weights_at, experts_per_rank, P=p, K=k,
-                                     KP=_pow2(k), MB=_pow2(m), BLOCK=min(COPY_BLOCK, _pow2(h)))
+    x, xs, stride_xs, at = _row_args(x_MH, x_scale_MG, p, r, k)
+    _dispatch_small_kernel[(p * r,)](x, xs, ids_MK, weights_MK, slots_MP, peer_ptrs, m, rank,
+                                     r, h, x.stride(0), stride_xs, ids_MK.stride(0),
+                                     weights_MK.stride(0), experts_per_rank=experts_per_rank,
+                                     P=p, K=k, KP=_pow2(k), MB=_pow2(m),
+                                     BLOCK=min(COPY_BLOCK, _pow2(h)), **at)
 
 
 def push_rows(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor,
               sources_PR: torch.Tensor, peer_ptrs: torch.Tensor, rank: int,
-              experts_per_rank: int) -> None:
-    """Every filled slot's row into its destination's recv window, every empty slot's ids as
-    -1 (see the module's window layout)."""
+              experts_per_rank: int, x_scale_MG: Optional[torch.Tensor] = None) -> None:
+    """Every filled slot's row (and its scales, for fp8 rows) into its destination's recv
+    window, every empty slot's ids as -1 (see the module's window layout)."""
     p, r = sources_PR.shape
     m, h = x_MH.shape
     k = ids_MK.shape[1]
     if r == 0:
         return
-    assert x_MH.stride(1) == 1 and ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
+    assert ids_MK.stride(1) == 1 and weights_MK.stride(1) == 1
     assert weights_MK.dtype == torch.float32 and ids_MK.dtype == torch.int32
-    ids_at, weights_at = _window_offsets(p, r, h, k, x_MH.element_size())
-    _push_rows_kernel[(p * r,)](x_MH, ids_MK, weights_MK, sources_PR, peer_ptrs, rank, r, h,
-                                x_MH.stride(0), ids_MK.stride(0), weights_MK.stride(0), ids_at,
-                                weights_at, experts_per_rank, P=p, K=k, KP=_pow2(k),
-                                BLOCK=min(COPY_BLOCK, _pow2(h)))
+    x, xs, stride_xs, at = _row_args(x_MH, x_scale_MG, p, r, k)
+    _push_rows_kernel[(p * r,)](x, xs, ids_MK, weights_MK, sources_PR, peer_ptrs, rank, r, h,
+                                x.stride(0), stride_xs, ids_MK.stride(0), weights_MK.stride(0),
+                                experts_per_rank=experts_per_rank, P=p, K=k, KP=_pow2(k),
+                                BLOCK=min(COPY_BLOCK, _pow2(h)), **at)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ import torch
 from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
 from moeserve.batch.step import StepContext
 from moeserve.kernels.moe import exchange_torch
+from moeserve.layers.linear import quantize_rows
 from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, ExchangeDispatcher,
                                         payload_bytes)
 from moeserve.parallel.collectives import all_to_all_fixed, region
@@ -57,7 +58,8 @@ class NVLinkDispatcher(ExchangeDispatcher):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype)
+        self.scale_group = self.plan.a2a_scale_group  # fp8 rows: quantized once, here
+        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
         self.buffers: Optional[PeerExchangeBuffers] = None
         self.recv_window: Optional[PeerWindow] = None  # on a GPU: the peers' stores
         self.combine_window: Optional[PeerWindow] = None
@@ -92,15 +94,24 @@ class NVLinkDispatcher(ExchangeDispatcher):
         self.recv_window = PeerWindow.open(ws.recv, self.axis)
         self.combine_window = PeerWindow.open(ws.combine, self.axis)
 
-    def _windows(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's views of the recv window: x [P R, H], ids [P R, K], weights [P R, K]."""
+    def _windows(self, r: int) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                        torch.Tensor]:
+        """The step's views of the recv window: x [P R, H] (fp8 rows: float8_e4m3fn), their
+        scales [P R, G] (None unless fp8), ids [P R, K], weights [P R, K]."""
         assert self.buffers is not None
-        n, h, k = self.axis.size * r, self.hidden, self.top_k
+        p, h, k = self.axis.size, self.hidden, self.top_k
+        n = p * r
+        dtype, g = self.dtype, 0
+        if self.scale_group:
+            dtype, g = torch.float8_e4m3fn, -(-h // self.scale_group)
+        scales_at, ids_at, weights_at = exchange_torch.window_offsets(p, r, h, k,
+                                                                      dtype.itemsize, g)
         flat = self.buffers.recv.view(-1)
-        xb, ib = n * h * self.dtype.itemsize, n * k * 4
-        return (flat[:xb].view(self.dtype).view(n, h),
-                flat[xb: xb + ib].view(torch.int32).view(n, k),
-                flat[xb + ib: xb + 2 * ib].view(torch.float32).view(n, k))
+        scales = (flat[scales_at: ids_at].view(torch.float32).view(n, g)
+                  if self.scale_group else None)
+        return (flat[:scales_at].view(dtype).view(n, h), scales,
+                flat[ids_at: weights_at].view(torch.int32).view(n, k),
+                flat[weights_at: weights_at + n * k * 4].view(torch.float32).view(n, k))
 
     def dispatch(self, x_MH: torch.Tensor, topk_ids_MK: torch.Tensor,
                  topk_weights_MK: torch.Tensor, step: StepContext
@@ -113,27 +124,35 @@ class NVLinkDispatcher(ExchangeDispatcher):
         weights_MK = topk_weights_MK.to(torch.float32).contiguous()
         slots_MP = region(self.buffers.slots, (m, p), torch.int32)
         sources_PR = region(self.buffers.sources, (p, r), torch.int32)
-        x_NH, recv_ids_NK, recv_weights_NK = self._windows(r)
+        x_NH, x_scale_NG, recv_ids_NK, recv_weights_NK = self._windows(r)
+        x_MH, x_scale_MG = x_MH.contiguous(), None
+        if self.scale_group and r:  # quantized once here, for every peer the row goes to
+            x_MH, x_scale_MG = quantize_rows(x_MH, self.scale_group)
         if r and self.recv_window is not None:
             from moeserve.kernels.moe import exchange
 
             peers, rank, per = self.recv_window.peer_ptrs, self.axis.rank, self.experts_per_rank
             if m <= exchange.SMALL_M:  # one launch; sources_PR is not needed
-                exchange.dispatch_small(x_MH.contiguous(), ids_MK, weights_MK, slots_MP, peers,
-                                        rank, r, per)
+                exchange.dispatch_small(x_MH, ids_MK, weights_MK, slots_MP, peers, rank, r,
+                                        per, x_scale_MG)
             else:
                 exchange.route_slots(ids_MK, slots_MP, sources_PR, per)
-                exchange.push_rows(x_MH.contiguous(), ids_MK, weights_MK, sources_PR, peers,
-                                   rank, per)
+                exchange.push_rows(x_MH, ids_MK, weights_MK, sources_PR, peers, rank, per,
+                                   x_scale_MG)
             self.recv_window.barrier()
         elif r:
             exchange_torch.route_slots(ids_MK, slots_MP, sources_PR, self.experts_per_rank)
-            sent = exchange_torch.rows_for(x_MH, ids_MK, weights_MK, sources_PR,
-                                           self.experts_per_rank)
-            for into, rows in zip((x_NH, recv_ids_NK, recv_weights_NK), sent):
+            *sent, scales = exchange_torch.rows_for(x_MH, ids_MK, weights_MK, sources_PR,
+                                                    self.experts_per_rank, x_scale_MG)
+            # (fp8 rows travel as their bytes: gloo has no float8)
+            into_x = x_NH.view(torch.uint8) if self.scale_group else x_NH
+            parts = [(into_x, sent[0]), (recv_ids_NK, sent[1]), (recv_weights_NK, sent[2])]
+            if x_scale_NG is not None:
+                parts.append((x_scale_NG, scales))
+            for into, rows in parts:
                 all_to_all_fixed(into.view(p, r, -1), rows.contiguous(), self.axis)
         tokens = DispatchedTokens(x_NH=x_NH, topk_ids_NK=recv_ids_NK,
-                                  topk_weights_NK=recv_weights_NK)
+                                  topk_weights_NK=recv_weights_NK, x_scale_NG=x_scale_NG)
         return tokens, PeerHandle(num_tokens=m, capacity=r, slots_MP=slots_MP,
                                   ids_NK=recv_ids_NK)
 
