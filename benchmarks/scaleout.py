@@ -11,9 +11,10 @@ first serves 16 untimed requests, then --prompts-per-concurrency x C prompts of 
 random tokens, --output-len greedy tokens each, at each concurrency C.
 
 --profile: each layout's ranks write where their loop's time goes (runtime/step_profile.py),
-and the section gets, per layout, rank 0's host phases of a decode iteration and the device
-kernels of ten decode forwards (run one concurrency per invocation: the figures are over all
-the layout's iterations).
+and the section gets, per layout, rank 0's host phases of a decode iteration (over all the
+layout's iterations: run one concurrency per invocation) and the device kernels of ten decode
+forwards, taken in an untimed pass at the last concurrency after the timed ones (the profiler
+slows what it watches).
 """
 
 from __future__ import annotations
@@ -68,13 +69,13 @@ def layouts(n: int) -> dict[str, dict[str, Any]]:
     return found
 
 
-PROFILE_WINDOW = "15:10"  # forwards under torch.profiler: decode ones after the warm-up's
+PROFILE_FORWARDS = 10  # decode forwards under torch.profiler, in the untimed pass
 
 
 def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
     from moeserve.bench import random_prompts, run_bench
     from moeserve.runtime.engine import Engine
-    from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV
+    from moeserve.runtime.step_profile import DIR_ENV
 
     configs = layouts(args.gpus)
     print(f"layouts: {list(configs)}", flush=True)
@@ -88,7 +89,6 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
     for name, kw in configs.items():
         if args.profile:
             os.environ[DIR_ENV] = str(profile_dir(args, name))
-            os.environ[KERNELS_ENV] = PROFILE_WINDOW
         try:
             # every layout's ranks in processes of their own, as the server runs them (a
             # rank in this process would share its interpreter with the bench's clients)
@@ -114,10 +114,25 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
                     k: s[k] for k in ("output_tokens_per_s", "input_tokens_per_s",
                                       "ttft_ms_p50", "itl_ms_p50", "completed", "num_prompts")}})
                 print(rows[-1], flush=True)
+            if args.profile:
+                profile_pass(e, args, args.concurrency[-1])
         if args.profile:
             rows[-1]["profile"] = read_profile(profile_dir(args, name))
     os.environ.pop(DIR_ENV, None)
     return rows
+
+
+def profile_pass(engine: Any, args: Any, c: int) -> None:
+    """c prompts, untimed, with PROFILE_FORWARDS of their decode forwards profiled: the
+    window starts after the prefills the plan's extend budget needs for them (and two more
+    forwards), and the prompts generate past its end."""
+    from moeserve.bench import random_prompts, run_bench
+
+    per_rank = -(-c // engine.plan.layout.dp) * args.input_len
+    skip = -(-per_rank // engine.plan.budget.extend) + 2
+    engine.profile_kernels(PROFILE_FORWARDS, skip=skip)
+    run_bench(engine, random_prompts(c, args.input_len, engine.spec.vocab_size, seed=c + 1),
+              max(args.output_len, skip + PROFILE_FORWARDS + 2), c, progress=False)
 
 
 def profile_dir(args: Any, name: str) -> Path:

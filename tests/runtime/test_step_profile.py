@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moeserve.runtime.engine import Engine
+from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV, StepProfile
 
 FLAGS = dict(load_format="dummy", device="cpu", skip_tokenizer_init=True, max_total_tokens=2048,
@@ -42,7 +42,8 @@ def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeyp
         parts = sum(v["mean_us"] for k, v in phases.items() if k != "iteration")
         assert 0 < parts <= phases["iteration"]["mean_us"] * 1.01
         kernels = (tmp_path / f"rank{r}_kernels.txt").read_text().splitlines()
-        assert kernels[0].startswith(f"rank {r}: 3 forwards; host (no GPU) time per forward")
+        assert kernels[0].startswith(f"rank {r}: 3 forwards (")
+        assert "; host (no GPU) time per forward" in kernels[0]
         assert len(kernels) > 3  # the ops of the window, most expensive first
     assert not list(tmp_path.glob(f"rank{ranks}_*"))
 
@@ -54,3 +55,24 @@ def test_off_without_the_folder_and_a_bad_window_is_named(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "200")
     with pytest.raises(ValueError, match="expected START:COUNT"):
         StepProfile.from_env(0)
+
+
+def test_a_window_on_demand_profiles_the_forwards_after_the_skip(tmp_path, monkeypatch):
+    """Engine.profile_kernels: the window starts where the call says, not at startup (a tool
+    profiles a pass it does not time); without the folder it is refused."""
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    monkeypatch.delenv(DIR_ENV, raising=False)
+    with Engine("preset:tiny", **FLAGS) as e:
+        with pytest.raises(EngineError, match=DIR_ENV):
+            e.profile_kernels(3)
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    with Engine("preset:tiny", **FLAGS) as e:
+        e.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        assert not (tmp_path / "rank0_kernels.txt").exists()  # no window without a call
+        with pytest.raises(ValueError, match="count >= 1"):
+            e.profile_kernels(0)
+        e.profile_kernels(4, skip=2)  # after the prefill and a decode: decodes only
+        out = e.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    assert all(o["error"] is None for o in out)
+    kernels = (tmp_path / "rank0_kernels.txt").read_text().splitlines()
+    assert kernels[0].startswith("rank 0: 4 forwards (4 decode); "), kernels[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing
+import os
 import queue
 import sys
 import threading
@@ -37,6 +38,7 @@ from moeserve.runtime.output import RequestState
 from moeserve.runtime.request import RequestInput, TokenOutput
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.startup import phase_line, summary_line
+from moeserve.runtime.step_profile import DIR_ENV
 from moeserve.runtime.worker import Message, RankWorker, rank_main, serve_loop
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,8 @@ class Engine:
                               "`moeserve worker --node-rank K` (or any command with it)")
         self.cfg = runtime_config(cfg)
         self.plan = make_plan(self.cfg)
+        # the ranks profile only when started with the folder (runtime/step_profile.py)
+        self._profiling = bool(os.environ.get(DIR_ENV))
         self.spec = self.plan.spec
         from moeserve.runtime.tokenizer import checkpoint_eos_ids, load_tokenizer
 
@@ -528,6 +532,18 @@ class Engine:
     def abort(self, rid: str) -> None:
         if self._dead is None and not self._closing:
             self._inbox.put(Message("abort", rid))
+
+    def profile_kernels(self, count: int, skip: int = 0) -> None:
+        """Every rank runs the `count` forwards after its next `skip` under torch.profiler
+        and writes its kernel table (rank{r}_kernels.txt) into MOESERVE_PROFILE_DIR, which
+        must be set when the engine starts (runtime/step_profile.py)."""
+        if not self._profiling:
+            raise EngineError(f"profile_kernels needs {DIR_ENV} (a folder) in the environment "
+                              "the engine starts in")
+        if count < 1 or skip < 0:
+            raise ValueError(f"profile_kernels: count >= 1 and skip >= 0, got {count}, {skip}")
+        self._check_running()
+        self._inbox.put(Message("profile", (count, skip)))
 
     def _inputs(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):

@@ -11,6 +11,11 @@ Off unless the environment names a folder (the worker processes inherit it):
                                          # forward (host time per op on a CPU); these
                                          # forwards are left out of the phases
 
+or, with the folder set, Engine.profile_kernels(count, skip) at any time: every rank profiles
+the same window, `count` forwards after the next `skip` (tools take a window of a pass that
+they do not time: the profiler slows the forwards in it, and reading its events out stalls
+the rank, and with it every other rank, for a while).
+
 An iteration's kind is "decode" when every rank decodes or idles (a graph replay where the
 batch fits a bucket), "prefill" when some rank prefills, "none" when no rank has tokens. With
 the overlap schedule a step's device time hides behind the next iteration's host work, so the
@@ -45,6 +50,7 @@ class StepProfile:
         self.forwards = 0  # iterations with tokens on some rank so far
         self.torch_profiler: Any = None
         self.window_steps = 0
+        self.window_kinds: dict[str, int] = defaultdict(int)  # the window's forwards by kind
         self.on_device = False  # the window times device kernels (else host ops, on a CPU)
 
     @staticmethod
@@ -72,6 +78,12 @@ class StepProfile:
         finally:
             self.current[name] += time.perf_counter() - t0
 
+    def start_window(self, count: int, skip: int = 0) -> None:
+        """Profile the `count` forwards that follow the next `skip` (a window already
+        running goes on as it was)."""
+        if self.torch_profiler is None and count > 0:
+            self.kernels = (self.forwards + max(0, skip), count)
+
     def end(self, kind: str) -> None:
         """Close one iteration of the loop: its phases and its wall time under `kind`."""
         if self.torch_profiler is None:  # (the profiled forwards run slower: not counted)
@@ -79,6 +91,8 @@ class StepProfile:
             for name, seconds in self.current.items():
                 bucket[name].append(seconds)
             bucket["iteration"].append(time.perf_counter() - self.started)
+        else:
+            self.window_kinds[kind] += 1
         self.current.clear()
         if kind != "none":
             self._kernel_window()
@@ -96,6 +110,8 @@ class StepProfile:
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.on_device = len(acts) > 1
+            self.window_steps = 0
+            self.window_kinds.clear()
             self.torch_profiler = torch.profiler.profile(activities=acts)
             self.torch_profiler.__enter__()
         elif self.torch_profiler is not None:
@@ -116,7 +132,8 @@ class StepProfile:
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
         where = "device" if self.on_device else "host (no GPU)"
-        lines = [f"rank {self.rank}: {steps} forwards; {where} time per forward "
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.window_kinds.items()))
+        lines = [f"rank {self.rank}: {steps} forwards ({kinds}); {where} time per forward "
                  f"{total:.1f} us (self times summed)",
                  f"{'us/forward':>11} {'calls/forward':>13}  name"]
         lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]

@@ -64,7 +64,7 @@ IDLE_TICK_S = 0.02  # how long rank 0 waits for new requests when no rank has wo
 @dataclass(frozen=True)
 class Message:
     kind: str  # "add" (payload RequestInput), "add_many" (a list of them), "abort" (payload
-    # rid), "shutdown"
+    # rid), "profile" (payload (count, skip): a kernel window, step_profile.py), "shutdown"
     payload: Any = None
 
 
@@ -109,6 +109,8 @@ class RankWorker:
                 out = self.scheduler.abort(m.payload)
                 if out is not None:
                     outs.append(out)
+            elif m.kind == "profile" and self.profile is not None:
+                self.profile.start_window(*m.payload)
         if self.in_flight is not None and self.scheduler.needs_tokens():
             outs += self._collect()
         with phase(self.profile, "schedule"):
