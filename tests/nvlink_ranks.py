@@ -45,11 +45,16 @@ def _routing(case: str, m: int, k: int, g: torch.Generator, world: int) -> torch
     return ids
 
 
-def run_world(rank: int, world: int, dtype_name: str) -> list[dict]:
+def _records(run: Any, rank: int, *args: Any) -> list[dict]:
+    """run's records, or one record of the exception that stopped it (the test names it)."""
     try:
-        return _run(rank, world, dtype_name)
+        return run(rank, *args)
     except Exception:
         return [dict(case="exception", rank=rank, error=traceback.format_exc())]
+
+
+def run_world(rank: int, world: int, dtype_name: str) -> list[dict]:
+    return _records(_run, rank, world, dtype_name)
 
 
 def plan_for(kw: dict[str, int], a2a: str, dtype_name: str, spec: Any) -> Any:
@@ -123,10 +128,7 @@ def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
 
 
 def run_fp8_world(rank: int, world: int, device_type: str) -> list[dict]:
-    try:
-        return _run_fp8(rank, world, device_type)
-    except Exception:
-        return [dict(case="exception", rank=rank, error=traceback.format_exc())]
+    return _records(_run_fp8, rank, world, device_type)
 
 
 def _run_fp8(rank: int, world: int, device_type: str) -> list[dict]:
