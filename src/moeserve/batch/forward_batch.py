@@ -96,11 +96,19 @@ class ForwardBatch:
         pos = [p + j for p, e in zip(prefix_lens, ext) for j in range(e)]
         lists = (ids, pos, list(req_rows), seq, list(prefix_lens), ext, list(extra_logit_rows))
         # one copy to the device, which does not wait for it (the step in flight may still
-        # run there: a blocking copy would wait for it), and each field a view of it
-        packed = torch.tensor([v for part in lists for v in part], dtype=torch.int64)
-        packed = packed.to(dev, non_blocking=True)
-        ids_t, pos_t, rows_t, seq_t, prefix_t, ext_t, extra_t = packed.split(
-            [len(part) for part in lists])
+        # run there: a blocking copy would wait for it), and each field a view of it, starting
+        # on a 16-byte boundary (Triton specialises a kernel on its pointers' alignment: a
+        # field one int64 off would compile another variant mid-serving)
+        starts, total = [], 0
+        for part in lists:
+            starts.append(total)
+            total += len(part) + len(part) % 2
+        flat = [0] * total
+        for start, part in zip(starts, lists):
+            flat[start:start + len(part)] = part
+        packed = torch.tensor(flat, dtype=torch.int64).to(dev, non_blocking=True)
+        ids_t, pos_t, rows_t, seq_t, prefix_t, ext_t, extra_t = (
+            packed[start:start + len(part)] for start, part in zip(starts, lists))
         return cls(mode, ids_t, pos_t, out_cache_loc.to(dev, torch.int64), rows_t, seq_t,
                    prefix_t, ext_t, req_to_token, kv_pool, tuple(seq), tuple(prefix_lens),
                    tuple(ext), return_all_logits, extra_t if extra_logit_rows else None)
