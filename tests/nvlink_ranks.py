@@ -136,6 +136,7 @@ def _run_fp8(rank: int, world: int, device_type: str) -> list[dict]:
     what the NCCL all_to_all dispatcher hands them (the same slots: the fp8 bytes, the
     scales, the weights of every filled slot; the ids of every slot), and the two combines of
     the same expert outputs. On a CPU the peers' stores are emulated over gloo."""
+    from moeserve.layers.linear import quantize_rows
     from moeserve.moe.dispatch import create_dispatcher
     from moeserve.plan.budget import layer_scatters
 
@@ -170,6 +171,12 @@ def _run_fp8(rank: int, world: int, device_type: str) -> list[dict]:
             lo, hi = step.row_range(scattered)
             x, ids, w = (t[lo:hi].to(dev) for t in (x_T, ids_T, w_T))
             got = {a2a: d.dispatch(x, ids, w, step) for a2a, d in dispatchers.items()}
+            # each dispatcher quantized this step's rows into the plan's a2a.quant records
+            xq, xs = quantize_rows(x, plan_nv.a2a_scale_group)
+            planned = all(
+                torch.equal(ws.quant[:len(x)].view(torch.uint8), xq.view(torch.uint8))
+                and torch.equal(ws.quant_scale[:len(x)], xs)
+                for ws in (dispatchers["nvlink"].buffers, dispatchers["all_to_all"].workspace))
             (nv, nv_handle), (ref, ref_handle) = got["nvlink"], got["all_to_all"]
             per = spec.num_experts // state.layout.ep
             mine = state.ep.rank * per
@@ -190,7 +197,8 @@ def _run_fp8(rank: int, world: int, device_type: str) -> list[dict]:
                 scales=bool(torch.equal(nv.x_scale_NG[filled], ref.x_scale_NG[filled])),
                 weights=bool(torch.equal(nv.topk_weights_NK[filled],
                                          ref.topk_weights_NK[filled])),
-                combine_err=rel_err(y_nv.float().cpu(), y_ref.float().cpu())))
+                combine_err=rel_err(y_nv.float().cpu(), y_ref.float().cpu()),
+                planned=planned))
     return out
 
 
@@ -205,4 +213,5 @@ def check_fp8_records(records: list[dict], world: int) -> None:
     for r in records:
         where = (r["layout"], r["case"], r["rank"])
         assert r["fp8"] and r["ids"] and r["rows"] and r["scales"] and r["weights"], where
+        assert r["planned"], where  # the rows were quantized into the plan's records
         assert r["combine_err"] <= 1e-2, (where, r["combine_err"])

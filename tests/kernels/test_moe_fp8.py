@@ -230,6 +230,7 @@ def test_plan_records_the_fp8_workspace_and_the_binder_makes_it():
     all-to-all delivers them quantized; one formula for both dtypes."""
     from moeserve.config import EngineConfig
     from moeserve.plan.capacity import build_plan
+    from moeserve.config.quant import FP8_DTYPE as FP8
     from moeserve.runtime.buffers import bind_model_buffers
 
     flags = dict(model="preset:tiny", gpu_memory_gb=8, moe_runner_backend="triton",
@@ -260,8 +261,19 @@ def test_plan_records_the_fp8_workspace_and_the_binder_makes_it():
                                   moe_a2a_backend="all_to_all"))
     names = {r.name for r in a2a.buffers}
     assert "moe.runner.act_scale" in names and "moe.runner.input" not in names
-    ws = bind_model_buffers(a2a, "cpu").experts
-    assert ws.input is None and ws.act_scale is not None
+    bound = bind_model_buffers(a2a, "cpu")
+    assert bound.experts.input is None and bound.experts.act_scale is not None
+    # the rows the all-to-all quantizes before they travel: planned, on either transport
+    cap = a2a.a2a_cap
+    for transport in ("all_to_all", "nvlink"):
+        p = build_plan(EngineConfig(**flags, quantization="fp8", tp_size=2, ep_size=2,
+                                    moe_a2a_backend=transport))
+        assert p.buffer("a2a.quant").shape == (cap, h) and p.buffer("a2a.quant").dtype == FP8
+        assert p.buffer("a2a.quant_scale").shape == (cap, -(-h // 128))
+        ws = bind_model_buffers(p, "cpu").a2a
+        assert ws.quant.dtype == R.FP8 and ws.quant_scale.shape == (cap, -(-h // 128))
+    assert not any(r.name.startswith("a2a.quant") for r in build_plan(EngineConfig(
+        **flags, tp_size=2, ep_size=2, moe_a2a_backend="all_to_all")).buffers)
 
 
 # --- GPU: real shapes, CUDA graphs, an engine ------------------------------------------------

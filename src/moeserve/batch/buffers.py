@@ -75,22 +75,29 @@ class CommWindows:
 
 @dataclass(frozen=True, kw_only=True)
 class A2AWorkspace:
-    """a2a.send / a2a.recv: [ep, cap, payload] uint8 each (moe/dispatch/all_to_all.py)."""
+    """a2a.send / a2a.recv: [ep, cap, payload] uint8 each (moe/dispatch/all_to_all.py); with
+    fp8 rows a2a.quant [cap, H] fp8 and a2a.quant_scale [cap, G] float32, this rank's rows
+    quantized before they travel."""
 
     send: torch.Tensor
     recv: torch.Tensor
+    quant: Optional[torch.Tensor] = None
+    quant_scale: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class PeerExchangeBuffers:
     """The nvlink transport's records (moe/dispatch/nvlink.py): a2a.recv [ep, cap, payload]
     and a2a.combine [ep, cap, H x dtype bytes] uint8, symmetric on a GPU; a2a.slots [cap, ep]
-    and a2a.sources [ep, cap] int32, local."""
+    and a2a.sources [ep, cap] int32, local; with fp8 rows a2a.quant and a2a.quant_scale, as
+    A2AWorkspace's."""
 
     recv: torch.Tensor
     combine: torch.Tensor
     slots: torch.Tensor
     sources: torch.Tensor
+    quant: Optional[torch.Tensor] = None
+    quant_scale: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, kw_only=True)

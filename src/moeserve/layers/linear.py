@@ -80,13 +80,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y if residual is None else y + residual
 
 
-def quantize_rows(x_TK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x_TK: torch.Tensor, group: int,
+                  out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 rows, float32 scales [T, ceil(K/group)]): each row quantized per `group` columns,
-    by the device's FP8 kernel or its torch formulation."""
+    by the device's FP8 kernel or its torch formulation; into `out` (row-major tensors of
+    those shapes) when given."""
     ops = K.fp8(x_TK.device)
     if ops is not None:
-        return ops.quantize_groups(x_TK, group)
-    return fp8_ref.quantize_groups(x_TK, group)
+        return ops.quantize_groups(x_TK, group, out)
+    q, scale = fp8_ref.quantize_groups(x_TK, group)
+    if out is None:
+        return q, scale
+    out[0].copy_(q)
+    out[1].copy_(scale)
+    return out
 
 
 # ------------------------------------------------------------------------------------------

@@ -88,12 +88,19 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
                                   scale_group)
     knobs = ("--moe-a2a-max-tokens-per-rank", *BUDGET_KNOBS)
     formula = f"ep x cap x (H*{b} + K*8)"
+    quantized: list[BufferRecord] = []
     if scale_group:  # fp8 rows: a byte per value, a float32 scale per group
         formula = f"ep x cap x (H + ceil(H/{scale_group})*4 + K*8)"
         knobs = ("--quantization", *knobs)
+        # this rank's rows, quantized once before the exchange, and their scales
+        quantized = [
+            BufferRecord("a2a.quant", (cap, spec.hidden_size), FP8_DTYPE,
+                         "cap x H [this rank's rows in fp8, before they travel]", knobs),
+            BufferRecord("a2a.quant_scale", (cap, -(-spec.hidden_size // scale_group)),
+                         "float32", f"cap x ceil(H/{scale_group}) [their scales]", knobs)]
     if transport == "nvlink":
         ep = layout.ep
-        return [
+        return quantized + [
             BufferRecord("a2a.recv", (ep, cap, payload), "uint8",
                          f"{formula} [tokens the peers store; symmetric]", knobs, True),
             BufferRecord("a2a.combine", (ep, cap, spec.hidden_size * b), "uint8",
@@ -106,9 +113,9 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
     row = a2a_row_bytes(spec.hidden_size, spec.top_k, b, scale_group)
     if row != payload:  # fp8 tokens out, results back in the model's dtype: the larger row
         formula = f"ep x cap x max(H + ceil(H/{scale_group})*4 + K*8, H*{b})"
-    return [BufferRecord(f"a2a.{half}", (layout.ep, cap, row), "uint8",
-                         f"{formula} [{half} half; combine reuses it]", knobs)
-            for half in ("send", "recv")]
+    return quantized + [BufferRecord(f"a2a.{half}", (layout.ep, cap, row), "uint8",
+                                     f"{formula} [{half} half; combine reuses it]", knobs)
+                        for half in ("send", "recv")]
 
 
 def a2a_row_bytes(hidden: int, top_k: int, elem_bytes: int,

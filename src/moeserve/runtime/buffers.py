@@ -126,10 +126,12 @@ def bind_model_buffers(plan: CapacityPlan, device: torch.device | str) -> ModelB
 def _model_buffers(a: _Allocator) -> ModelBuffers:
     router = a.group("moe.router.", ("topk_ids", "topk_weights"))
     a2a: A2AWorkspace | PeerExchangeBuffers | None = None
+    quant = a.group("a2a.", ("quant", "quant_scale")) or {}  # fp8 rows
     if a.has("a2a.combine"):  # the nvlink transport
-        a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources")))
+        a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources")),
+                                  **quant)
     elif a.has("a2a.send"):
-        a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")))
+        a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")), **quant)
     experts = a.group("moe.runner.", BASE_FIELDS)
     if experts is not None:  # fp8 weights: act's scales, and the quantized input rows
         for fields in (("act_scale",), ("input", "input_scale"), ("act_f32",)):

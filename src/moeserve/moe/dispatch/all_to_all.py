@@ -27,10 +27,8 @@ from typing import Optional
 
 import torch
 
-from moeserve.layers.linear import quantize_rows
 from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, ExchangeDispatcher,
-                                        hidden_bytes, pack_tokens, payload_bytes,
-                                        unpack_tokens)
+                                        hidden_bytes, pack_tokens, unpack_tokens)
 from moeserve.plan.buffers import a2a_row_bytes
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.batch.buffers import A2AWorkspace, ModelBuffers
@@ -50,9 +48,6 @@ class AllToAllDispatcher(ExchangeDispatcher):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        plan = self.plan
-        self.scale_group = plan.a2a_scale_group
-        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
         # a workspace row carries a token out and its result back
         self.row_bytes = a2a_row_bytes(self.hidden, self.top_k, self.dtype.itemsize,
                                        self.scale_group)
@@ -101,7 +96,7 @@ class AllToAllDispatcher(ExchangeDispatcher):
         source_S = source[: p * r]
 
         if self.scale_group:  # quantized once here, for every peer the row goes to
-            xq_MH, xs_MG = quantize_rows(x_MH, self.scale_group)
+            xq_MH, xs_MG = self._quantized(x_MH, self.workspace)
             packed = pack_tokens(xq_MH, topk_ids_MK, topk_weights_MK, xs_MG)
         else:
             packed = pack_tokens(x_MH, topk_ids_MK, topk_weights_MK)

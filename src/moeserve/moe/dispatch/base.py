@@ -24,6 +24,8 @@ from moeserve.config.registry import Registry
 
 from moeserve.batch.buffers import ModelBuffers
 from moeserve.config.spec import ModelSpec
+from moeserve.layers.linear import quantize_rows
+from moeserve.parallel.collectives import region
 from moeserve.parallel.groups import ParallelState
 from moeserve.batch.step import StepContext
 from moeserve.plan.buffers import TOPK_ID_BYTES, TOPK_WEIGHT_BYTES, token_payload_bytes
@@ -97,6 +99,18 @@ class ExchangeDispatcher(Dispatcher):
         self.cap = plan.a2a_cap
         self.hidden, self.top_k = spec.hidden_size, spec.top_k
         self.experts_per_rank = spec.num_experts // lay.ep
+        self.scale_group = plan.a2a_scale_group  # fp8 rows: quantized once, before they travel
+        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
+
+    def _quantized(self, x_MH: torch.Tensor, ws: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows in fp8 and their group scales, in the plan's a2a.quant /
+        a2a.quant_scale when `ws` (the bound workspace) holds them."""
+        m = x_MH.shape[0]
+        out = None
+        if ws is not None and ws.quant is not None:
+            out = (region(ws.quant, (m, self.hidden), ws.quant.dtype),
+                   region(ws.quant_scale, (m, ws.quant_scale.shape[1]), torch.float32))
+        return quantize_rows(x_MH, self.scale_group, out)
 
     def _step_rows(self, x_MH: torch.Tensor, step: StepContext, where: str
                    ) -> tuple[int, int, int]:

@@ -37,9 +37,7 @@ import torch
 from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
 from moeserve.batch.step import StepContext
 from moeserve.kernels.moe import exchange_torch
-from moeserve.layers.linear import quantize_rows
-from moeserve.moe.dispatch.base import (DISPATCHERS, DispatchedTokens, ExchangeDispatcher,
-                                        payload_bytes)
+from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, ExchangeDispatcher
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
 
@@ -58,8 +56,6 @@ class NVLinkDispatcher(ExchangeDispatcher):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.scale_group = self.plan.a2a_scale_group  # fp8 rows: quantized once, here
-        self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
         self.buffers: Optional[PeerExchangeBuffers] = None
         self.recv_window: Optional[PeerWindow] = None  # on a GPU: the peers' stores
         self.combine_window: Optional[PeerWindow] = None
@@ -127,7 +123,7 @@ class NVLinkDispatcher(ExchangeDispatcher):
         x_NH, x_scale_NG, recv_ids_NK, recv_weights_NK = self._windows(r)
         x_MH, x_scale_MG = x_MH.contiguous(), None
         if self.scale_group and r:  # quantized once here, for every peer the row goes to
-            x_MH, x_scale_MG = quantize_rows(x_MH, self.scale_group)
+            x_MH, x_scale_MG = self._quantized(x_MH, self.buffers)
         if r and self.recv_window is not None:
             from moeserve.kernels.moe import exchange
 
