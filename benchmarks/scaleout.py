@@ -34,7 +34,8 @@ MODEL = "preset:qwen3-30b-a3b"
 METHOD = """\
 Output tokens/s of `moeserve bench` (random prompts, greedy, ignore_eos) through one engine per
 layout, one run each. The ceiling of throughput at a batch that fills N GPUs is N times the
-one-GPU rate of the same run and concurrency; "x one GPU" is the ratio to that rate."""
+one-GPU rate of the same run and concurrency; "x one GPU" is the ratio to that rate, and
+"ITL x one GPU" the ratio of the ITL p50s."""
 
 
 def add_arguments(p: Any) -> None:
@@ -164,19 +165,22 @@ def render_profile(rows: list[dict]) -> list[str]:
 
 
 def render(rows: list[dict]) -> list[str]:
-    one = {r["concurrency"]: r["output_tokens_per_s"] for r in rows
+    one = {r["concurrency"]: r for r in rows
            if r["config"].startswith("1 GPU") and "error" not in r}
     out = []
     for r in rows:
         if "error" in r:
-            out.append([r["config"], "-", "not run", "-", "-", r["error"]])
+            out.append([r["config"], "-", "not run", "-", "-", "-", r["error"]])
             continue
         base = one.get(r["concurrency"])
+        itl, base_itl = r["itl_ms_p50"], base and base["itl_ms_p50"]
         out.append([r["config"], r["concurrency"], f"{r['output_tokens_per_s']:.0f}",
-                    f"{r['output_tokens_per_s'] / base:.2f}" if base else "-",
-                    f"{r['ttft_ms_p50'] or 0:.0f}", f"{r['itl_ms_p50'] or 0:.1f}"])
+                    f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}"
+                    if base else "-",
+                    f"{r['ttft_ms_p50'] or 0:.0f}", f"{itl or 0:.1f}",
+                    f"{itl / base_itl:.2f}" if itl and base_itl else "-"])
     return table(["config", "concurrency", "output tok/s", "x one GPU", "TTFT p50 ms",
-                  "ITL p50 ms"], out)
+                  "ITL p50 ms", "ITL x one GPU"], out)
 
 
 def run(args: Any, argv: list[str]) -> int:

@@ -32,3 +32,19 @@ def test_rows_errors_and_profile(tmp_path, monkeypatch):
     assert prof["kernels"][0].startswith("rank 0: 10 forwards (10 decode); ")
     text = "\n".join(scaleout.render(rows) + scaleout.render_profile(rows))
     assert "not run" in text and "decode iterations of" in text and "launch.forward" in text
+
+
+def test_the_table_gives_each_layout_against_one_gpu():
+    def row(config, c, tps, itl):
+        return {"config": config, "concurrency": c, "output_tokens_per_s": tps,
+                "ttft_ms_p50": 10.0, "itl_ms_p50": itl}
+    rows = [row("1 GPU (ep 1)", 1, 300.0, 3.0), row("1 GPU (ep 1)", 256, 6000.0, 24.0),
+            row("tp2 ep2", 1, 240.0, 4.2), row("tp2 ep2", 256, 9000.0, 12.0),
+            {"config": "tp2 ep1", "error": "does not fit"}]
+    lines = scaleout.render(rows)
+    assert "ITL x one GPU" in lines[0]
+    cells = {(r[1].strip(), r[2].strip()): [c.strip() for c in r]
+             for r in (line.split("|") for line in lines[2:])}
+    assert cells[("tp2 ep2", "1")][4] == "0.80" and cells[("tp2 ep2", "1")][7] == "1.40"
+    assert cells[("tp2 ep2", "256")][4] == "1.50" and cells[("tp2 ep2", "256")][7] == "0.50"
+    assert cells[("tp2 ep1", "-")][3] == "not run" and cells[("tp2 ep1", "-")][7] == "does not fit"
