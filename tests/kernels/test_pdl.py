@@ -40,17 +40,23 @@ def _chain(x, r, norm_w, w_qkv, w_router, w13, w2, top_k):
     return q, y, s
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3])
-def test_a_graph_of_pdl_launches_equals_plain_launches(rows):
+def _seeded_sm90(dtype: torch.dtype):
+    """(generator, rand(*shape, scale) in dtype) on the GPU, seeded; skips below compute
+    capability 9.0, which PDL needs."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0")
     g = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter, experts, top_k = 512, 256, 16, 4
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+    return g, rand
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_graph_of_pdl_launches_equals_plain_launches(rows):
+    _, rand = _seeded_sm90(torch.bfloat16)
+    hidden, inter, experts, top_k = 512, 256, 16, 4
     x, r = rand(rows, hidden), rand(rows, hidden)
     weights = (rand(hidden) + 1, rand(1024, hidden, scale=hidden ** -0.5),
                rand(experts, hidden, scale=hidden ** -0.5),
@@ -99,16 +105,10 @@ def _fp8_chain(x, w_qkv, w_o, w13, w2, ids, weights):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_graph_of_pdl_fp8_launches_equals_plain_launches(rows):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs compute capability 9.0")
     from moeserve.kernels.fp8 import reference as R
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g, rand = _seeded_sm90(torch.float32)
     hidden, inter, experts, top_k = 512, 256, 16, 4
-
-    def rand(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, device="cuda") * scale
-
     x = rand(rows, hidden).to(torch.bfloat16)
     block = (128, 128)
     ws = (R.quantize_blocks(rand(1024, hidden, scale=hidden ** -0.5), block),

@@ -14,6 +14,7 @@ from moeserve.runtime.grammar import GrammarSpec
 from moeserve.runtime.request import RequestInput
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.worker import Message, RankWorker
+from sampling_cases import varied
 from moeserve.testing.tiny_models import make_hf_model, save_checkpoint
 
 
@@ -77,13 +78,7 @@ def _requests(stop: list[int]) -> dict[int, list[RequestInput]]:
     cases = {
         "greedy": SamplingParams(max_new_tokens=9, **p),
         "long": SamplingParams(max_new_tokens=25, **p),
-        "seeded": SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7,
-                                 ignore_eos=True),
-        "penalised": SamplingParams(max_new_tokens=7, frequency_penalty=1.5,
-                                    repetition_penalty=1.3, **p),
-        "logprobs": SamplingParams(max_new_tokens=5, logprobs=True, top_logprobs=2, **p),
-        "stop": SamplingParams(max_new_tokens=12, stop_token_ids=stop, **p),
-        "eos": SamplingParams(max_new_tokens=12, temperature=0.0),
+        **varied(stop),
         # n = 2 as the server runs it: the same prompt twice, its sampling seeded apart
         "n0": SamplingParams(max_new_tokens=6, temperature=0.8, seed=11, ignore_eos=True),
         "n1": SamplingParams(max_new_tokens=6, temperature=0.8, seed=12, ignore_eos=True),

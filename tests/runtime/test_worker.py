@@ -10,6 +10,7 @@ from moeserve.runtime.engine import make_plan
 from moeserve.runtime.request import RequestInput
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.worker import Message, RankWorker
+from sampling_cases import varied
 
 
 def _worker(overlap: bool, **flags) -> RankWorker:
@@ -95,13 +96,7 @@ def test_overlap_gives_the_tokens_of_the_plain_loop():
         cases = {
             "greedy": SamplingParams(max_new_tokens=9, **p),
             "one": SamplingParams(max_new_tokens=1, **p),
-            "seeded": SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=7,
-                                     ignore_eos=True),
-            "penalised": SamplingParams(max_new_tokens=7, frequency_penalty=1.5,
-                                        repetition_penalty=1.3, **p),
-            "logprobs": SamplingParams(max_new_tokens=5, logprobs=True, top_logprobs=2, **p),
-            "stop": SamplingParams(max_new_tokens=12, stop_token_ids=stop, **p),
-            "eos": SamplingParams(max_new_tokens=12, temperature=0.0),
+            **varied(stop),
             "aborted": SamplingParams(max_new_tokens=30, **p),
         }
         arrivals: dict[int, list[RequestInput]] = {}

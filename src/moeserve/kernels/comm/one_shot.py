@@ -89,6 +89,15 @@ def _chunk(s, VECS: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _copy(SRC, DST, total, VECS: tl.constexpr, VEC: tl.constexpr, CACHE: tl.constexpr):
+    """DST[:total vectors] = SRC[...], this program's chunks of it."""
+    for s in range(tl.program_id(0) * VECS, total, tl.num_programs(0) * VECS):
+        vecs, offs = _chunk(s, VECS, VEC)
+        live = (vecs < total)[:, None]
+        tl.store(DST + offs, tl.load(SRC + offs, mask=live, cache_modifier=CACHE), mask=live)
+
+
+@triton.jit
 def _window(PTRS, p, T: tl.constexpr):
     """Rank p's window as a pointer to T (symmetric buffers are aligned far beyond 16 B)."""
     return tl.multiple_of(tl.cast(tl.load(PTRS + p), tl.pointer_type(T)), 16)
@@ -109,13 +118,8 @@ def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, P: tl.constexpr,
                 tl.store(_window(PEERS, p, T) + offs, v, mask=live)
     if SYNC:
         _sync_peers(PADS, rank, P)
-    if COPY:
-        mine = _window(PEERS, rank, T)
-        for s in range(tl.program_id(0) * VECS, total, step):
-            vecs, offs = _chunk(s, VECS, VEC)
-            live = (vecs < total)[:, None]
-            tl.store(OUT + offs, tl.load(mine + offs, mask=live, cache_modifier=".cg"),
-                     mask=live)
+    if COPY:  # (.cg: the peers wrote the window, so it is read past this SM's L1)
+        _copy(_window(PEERS, rank, T), OUT, total, VECS, VEC, ".cg")
     if SYNC:
         _sync_peers(PADS, rank, P)
 
@@ -127,11 +131,7 @@ def _reduce_kernel(Y, OUT, PEERS, PADS, lo, hi, total, rank, P: tl.constexpr,
     step = tl.num_programs(0) * VECS
     T = Y.dtype.element_ty
     if STAGE:
-        mine = _window(PEERS, rank, T)
-        for s in range(tl.program_id(0) * VECS, total, step):
-            vecs, offs = _chunk(s, VECS, VEC)
-            live = (vecs < total)[:, None]
-            tl.store(mine + offs, tl.load(Y + offs, mask=live), mask=live)
+        _copy(Y, _window(PEERS, rank, T), total, VECS, VEC, "")
     if SYNC:
         _sync_peers(PADS, rank, P)
     if SUM:

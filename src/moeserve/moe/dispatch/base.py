@@ -100,6 +100,8 @@ class ExchangeDispatcher(Dispatcher):
         self.hidden, self.top_k = spec.hidden_size, spec.top_k
         self.experts_per_rank = spec.num_experts // lay.ep
         self.scale_group = plan.a2a_scale_group  # fp8 rows: quantized once, before they travel
+        # float32 scales a fp8 row carries (0: rows in the model's dtype)
+        self.scale_groups = -(-self.hidden // self.scale_group) if self.scale_group else 0
         self.payload = payload_bytes(self.hidden, self.top_k, self.dtype, self.scale_group)
 
     def _quantized(self, x_MH: torch.Tensor, ws: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +111,7 @@ class ExchangeDispatcher(Dispatcher):
         out = None
         if ws is not None and ws.quant is not None:
             out = (region(ws.quant, (m, self.hidden), ws.quant.dtype),
-                   region(ws.quant_scale, (m, ws.quant_scale.shape[1]), torch.float32))
+                   region(ws.quant_scale, (m, self.scale_groups), torch.float32))
         return quantize_rows(x_MH, self.scale_group, out)
 
     def _step_rows(self, x_MH: torch.Tensor, step: StepContext, where: str

@@ -96,15 +96,12 @@ class NVLinkDispatcher(ExchangeDispatcher):
         scales [P R, G] (None unless fp8), ids [P R, K], weights [P R, K]."""
         assert self.buffers is not None
         p, h, k = self.axis.size, self.hidden, self.top_k
-        n = p * r
-        dtype, g = self.dtype, 0
-        if self.scale_group:
-            dtype, g = torch.float8_e4m3fn, -(-h // self.scale_group)
+        n, g = p * r, self.scale_groups
+        dtype = torch.float8_e4m3fn if g else self.dtype
         scales_at, ids_at, weights_at = exchange_torch.window_offsets(p, r, h, k,
                                                                       dtype.itemsize, g)
         flat = self.buffers.recv.view(-1)
-        scales = (flat[scales_at: ids_at].view(torch.float32).view(n, g)
-                  if self.scale_group else None)
+        scales = flat[scales_at: ids_at].view(torch.float32).view(n, g) if g else None
         return (flat[:scales_at].view(dtype).view(n, h), scales,
                 flat[ids_at: weights_at].view(torch.int32).view(n, k),
                 flat[weights_at: weights_at + n * k * 4].view(torch.float32).view(n, k))
