@@ -274,6 +274,12 @@ def test_plan_records_the_fp8_workspace_and_the_binder_makes_it():
         assert ws.quant.dtype == R.FP8 and ws.quant_scale.shape == (cap, -(-h // 128))
     assert not any(r.name.startswith("a2a.quant") for r in build_plan(EngineConfig(
         **flags, tp_size=2, ep_size=2, moe_a2a_backend="all_to_all")).buffers)
+    # auto moves fp8 rows one-sided on the GPUs of one node, as it does bf16 rows
+    for device, want in (("cuda", "nvlink"), ("cpu", "all_to_all")):
+        on = dict(flags, device=device, moe_runner_backend="auto")
+        p = build_plan(EngineConfig(**on, quantization="fp8",
+                                    tp_size=2, ep_size=2, moe_a2a_backend="auto"))
+        assert p.backends.a2a == want and p.a2a_scale_group == 128
 
 
 # --- GPU: real shapes, CUDA graphs, an engine ------------------------------------------------

@@ -3,7 +3,7 @@ they take, and every reason the engine cannot start (docs/DESIGN.md, "The capaci
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from moeserve.config import EngineConfig, config_errors
@@ -222,10 +222,6 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
     if not problems:
         backends, backend_problems = planned_backends(cfg)
         problems += backend_problems
-    if (backends is not None and backends.a2a == "nvlink" and quant is not None
-            and cfg.moe_a2a_backend == "auto"):
-        # fp8 rows travel on the NCCL transport unless nvlink is named
-        backends = replace(backends, a2a="all_to_all")
     empty = CapacityPlan(cfg, spec, None, dtype, None, {}, None, (), None, tuple(problems))
     if problems:
         return empty
