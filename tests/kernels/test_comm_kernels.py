@@ -1,9 +1,11 @@
 """The one-shot collectives' kernels (kernels/comm/one_shot.py) under Triton's interpreter, with
-the peers' windows emulated by CPU tensors of one process (their addresses stand in for the
-symmetric memory's peer pointers): the interpreter cannot wait for a peer, so every rank runs
-its first phase, then every rank its second (on a GPU one launch does both, with barriers
-between). The all-gather against the concatenation the NCCL path returns, the reduce-scatter
-and the all-reduce against the fp32 sum in rank order, bit for bit."""
+the peers' windows and signal pads emulated by CPU tensors of one process (their addresses
+stand in for the symmetric memory's pointers): the interpreter cannot wait for a peer, so
+every rank runs its first phase, then every rank its second (on a GPU one launch does both,
+with the signals or barriers between). The all-gather against the concatenation the NCCL path
+returns, the reduce-scatter and the all-reduce against the fp32 sum in rank order, bit for
+bit; the pushing collectives store into the half of each window that their call's epoch
+picks, alternating call by call, and touch nothing else."""
 
 from __future__ import annotations
 
@@ -15,30 +17,49 @@ from moeserve.kernels.comm import one_shot as O
 from moeserve.parallel.collectives import block_offsets
 from moeserve.parallel.symm_comm import _bytes
 
-NO_PADS = torch.zeros(8, dtype=torch.int64)  # the barriers are off under the interpreter
+NO_PADS = torch.zeros(8, dtype=torch.int64)  # the reduce-scatter's barriers are off here
+SLOT = O.MAX_PROGRAMS * 1  # where the pushing collectives' epochs start (x P)
 
 
-def windows(p, nbytes):
-    wins = [torch.full((nbytes + 64,), 7, dtype=torch.uint8) for _ in range(p)]
-    return wins, torch.tensor([w.data_ptr() for w in wins])
+class Ranks:
+    # p ranks' windows (window_bytes(most, p) each, filled with 7) and signal pads
+
+    def __init__(self, p, most):
+        self.p, self.nbytes = p, O.window_bytes(most, p)
+        self.wins = [torch.full((self.nbytes,), 7, dtype=torch.uint8) for _ in range(p)]
+        self.peers = torch.tensor([w.data_ptr() for w in self.wins])
+        self.pad = [torch.zeros(O.pad_slots(p), dtype=torch.int32) for _ in range(p)]
+        self.pads = torch.tensor([t.data_ptr() for t in self.pad])
+
+    def epochs(self, r):  # rank r's epoch of every program (its own flag slots)
+        return {int(self.pad[r][(O.MAX_PROGRAMS + b) * self.p + r])
+                for b in range(O.MAX_PROGRAMS)}
+
+    def touched_outside(self, r, lo, hi):  # whether any byte of window r outside [lo, hi) moved
+        moved = self.wins[r] != 7
+        return bool(moved[:lo].any() or moved[hi:].any())
 
 
-def gather(blocks):
+def gather(ranks, blocks):
     # every rank pushes, then every rank copies its window out: what each rank gets
     p, row = len(blocks), blocks[0].element_size() * int(torch.tensor(blocks[0].shape[1:]).prod())
     sizes = [b.shape[0] for b in blocks]
     total = sum(sizes) * row
-    wins, peers = windows(p, total)
     outs = [torch.full((total,), 5, dtype=torch.uint8) for _ in range(p)]
+    epoch = ranks.epochs(0)
+    half = ranks.nbytes // 2 if max(epoch) % 2 == 0 else 0  # this call's half
+    for w in ranks.wins:
+        w.fill_(7)
     for r, off in enumerate(block_offsets(sizes)):
-        O.gather(_bytes(blocks[r]), outs[r], peers, NO_PADS, r, off * row, copy=False,
-                 sync=False)
-        if r == 0:  # a rank stores its own rows into every window, and nothing else
-            untouched = torch.ones(total + 64, dtype=torch.bool)
-            untouched[:sizes[0] * row] = False
-            assert all((w[untouched] == 7).all() for w in wins)
+        O.gather(_bytes(blocks[r]), outs[r], ranks.peers, ranks.pads, r, off * row,
+                 ranks.nbytes, copy=False, sync=False)
+        if r == 0:  # a rank stores its own rows into every window's half, and nothing else
+            for w in range(p):
+                assert not ranks.touched_outside(w, half, half + sizes[0] * row), (w, half)
     for r in range(p):
-        O.gather(_bytes(blocks[r])[:0], outs[r], peers, NO_PADS, r, 0, push=False, sync=False)
+        O.gather(_bytes(blocks[r])[:0], outs[r], ranks.peers, ranks.pads, r, 0, ranks.nbytes,
+                 push=False, sync=False)
+        assert ranks.epochs(r) == {max(epoch) + 1}  # every program counted the call
     shape = (sum(sizes), *blocks[0].shape[1:])
     return [o.view(blocks[0].dtype).view(shape) for o in outs]
 
@@ -53,13 +74,16 @@ for sizes, shape, dtype in [([5, 0, 7], (40,), torch.bfloat16),
                             ([0, 9, 4], (3, 2), torch.int16)]:
     blocks = [(torch.randn(s, *shape) * 50).to(dtype) for s in sizes]
     want = torch.cat(blocks)  # what the NCCL path's all_gather_uneven returns
-    for got in gather(blocks):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (sizes, dtype)
+    ranks = Ranks(len(sizes), want.numel() * want.element_size())
+    for call in range(2):  # the second call uses the other half of every window
+        for got in gather(ranks, blocks):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (sizes, dtype)
 
 
 def reduce_scatter(ys, sizes, dtype):
     p, row = len(ys), int(torch.tensor(ys[0].shape[1:]).prod())
-    wins, peers = windows(p, ys[0].numel() * ys[0].element_size())
+    ranks = Ranks(p, ys[0].numel() * ys[0].element_size())  # (alive while the kernels run)
+    peers = ranks.peers
     outs = [torch.full((s, *ys[0].shape[1:]), 9.0, dtype=dtype) for s in sizes]
     for r, off in enumerate(block_offsets(sizes)):
         O.reduce(ys[r].view(-1), outs[r].view(-1), peers, NO_PADS, r, off * row, add=False,
@@ -88,17 +112,31 @@ for sizes, width, dtype in [([4, 0, 6], 24, torch.float32), ([2, 3], 24, torch.f
         assert got.shape == (sizes[r], width)
         assert torch.equal(got, want[off:off + sizes[r]]), (sizes, dtype, r)
 
-# the all-reduce: every rank keeps every row, summed in place (out is y itself)
+# the all-reduce: every rank keeps every row, summed in place (out is y itself); each rank's
+# tensor lands in its slot of every window's half; a gather between two all-reduces moves
+# every program's epoch on, so the third call is in the first's half again
 for p, n, dtype in [(2, 3, torch.float16), (3, 400, torch.float32)]:
-    ys = [torch.randn(n, 16).to(dtype) for _ in range(p)]
-    want = rank_order_sum(ys).to(dtype)
-    wins, peers = windows(p, n * 16 * ys[0].element_size())
-    for r in range(p):
-        O.reduce(ys[r].view(-1), ys[r].view(-1), peers, NO_PADS, r, 0, add=False, sync=False)
-    for r in range(p):
-        O.reduce(ys[r].view(-1), ys[r].view(-1), peers, NO_PADS, r, 0, stage=False,
-                 sync=False)
-    assert all(torch.equal(y, want) for y in ys)
+    ranks = Ranks(p, n * 16 * 4)
+    e = torch.tensor([], dtype=dtype).element_size()
+    for call in range(3):
+        if call == 1:
+            gather(ranks, [torch.randn(2, 4) for _ in range(p)])
+            continue
+        ys = [torch.randn(n, 16).to(dtype) for _ in range(p)]
+        want = rank_order_sum(ys).to(dtype)
+        for w in ranks.wins:
+            w.fill_(7)
+        for r in range(p):
+            O.all_reduce(ys[r].view(-1), ys[r].view(-1), ranks.peers, ranks.pads, r,
+                         ranks.nbytes, add=False, sync=False)
+        half = ranks.nbytes // 2  # epochs 1 and 3: odd, the second half (the gather's 2: the first)
+        for w in range(p):  # every rank's slot of every window, nothing else
+            assert not ranks.touched_outside(w, half, half + p * n * 16 * e), (p, call, w)
+        for r in range(p):
+            O.all_reduce(ys[r].view(-1), ys[r].view(-1), ranks.peers, ranks.pads, r,
+                         ranks.nbytes, push=False, sync=False)
+        assert all(torch.equal(y, want) for y in ys), (p, call)
+        assert all(ranks.epochs(r) == {call + 1} for r in range(p))
 print("interpreter ok")
 """
 
@@ -117,3 +155,7 @@ def test_the_grid_counts_bytes_so_every_rank_has_the_same():
     # 16 bytes a vector where every offset and address allows it
     assert O._vec(2, 0, 8, 64, 1024) == 8 and O._vec(2, 4, 8, 64) == 4
     assert O._vec(1, 3, 16) == 1 and O._vec(4, 2, 4) == 2
+    # a window: two halves of P slots of the largest collective; the pads hold the barriers'
+    # slots, then the pushing collectives' flags and epochs
+    assert O.window_bytes(4096, 2) == 16384 and O.window_bytes(4096, 4) == 32768
+    assert O.pad_slots(4) == 2 * O.MAX_PROGRAMS * 4

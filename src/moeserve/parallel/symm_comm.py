@@ -7,25 +7,27 @@ call by call, between these and NCCL).
     symm.all_gather(x_R, sizes, out_N)              # every rank's rows, in rank order
     symm.reduce_scatter(y_N, sizes, out_R)          # this rank's rows, summed over the ranks
 
-The window is the plan's comm.symm.<axis> record, --symm-comm-max-bytes bytes in symmetric
-memory (parallel/symmetric.py: peer-to-peer mappings, no NVLink multicast). A collective runs
-here when its full tensor (an all-reduce's input, an all-gather's output, a reduce-scatter's
-input: the same count on every rank) fits the window: below that size one launch that loads
+The window is the plan's comm.symm.<axis> record, 2 P x --symm-comm-max-bytes bytes in
+symmetric memory (parallel/symmetric.py: peer-to-peer mappings, no NVLink multicast; two
+halves of P slots, kernels/comm/one_shot.py says why). A collective runs here when its full
+tensor (an all-reduce's input, an all-gather's output, a reduce-scatter's input: the same
+count on every rank) is at most --symm-comm-max-bytes: below that size one launch that loads
 and stores the peers' memory directly beats NCCL's protocol, above it NCCL's bandwidth wins
 (`python -m benchmarks collectives` measures where). Every rank decides from the same numbers
 (the step's sizes, the rows' width and dtype), so all ranks take the same path.
 
-    all-reduce      kernels/comm/one_shot.reduce over the whole tensor: each rank stages x in
-                    its window, barrier, sums every window in fp32 in rank order into x,
-                    barrier (the same bits on every rank)
+    all-reduce      kernels/comm/one_shot.all_reduce: each rank stores x into its slot of
+                    every window, signals, waits for every peer's signal, sums the slots of
+                    its own window in fp32 in rank order into x (the same bits on every rank)
     all-gather      kernels/comm/one_shot.gather: each rank stores its rows into every window
-                    at their offset in the concatenation (no padding), barrier, copies its
-                    window out, barrier
+                    at their offset in the concatenation (no padding), signals, waits, copies
+                    its window out
     reduce-scatter  kernels/comm/one_shot.reduce: each rank stages its input in its window,
                     barrier, sums its own rows from every window in fp32 in rank order, barrier
 
-Each ends with a barrier after every read of a window, so consecutive collectives on one window
-need nothing more (kernels/comm/one_shot.py says why). No step allocates or waits for the host:
+The pushing ones (all-reduce, all-gather) synchronise one way and alternate between the
+window's halves; the reduce-scatter closes with a barrier (kernels/comm/one_shot.py says why
+consecutive collectives on one window need nothing more). No step allocates or waits for the host:
 the addresses are the window's, the sizes the step's, and CUDA graphs capture the launches.
 
 Why not torch's one_shot_all_reduce: its kernel adds in the tensor's dtype (bf16 sums in
@@ -76,11 +78,24 @@ class SymmetricCollectives:
             raise RuntimeError(f"GPU {buf.device.index} cannot reach GPUs {far} directly (no "
                                "NVLink or P2P mapping) for the one-shot collectives: use "
                                "--symm-comm-max-bytes 0 (NCCL for every collective)")
+        from moeserve.kernels.comm.one_shot import pad_slots
+        from moeserve.parallel.symmetric import signal_pad_bytes
+
+        if pad_slots(axis.size) * 4 > signal_pad_bytes():
+            raise RuntimeError(f"the one-shot collectives over {axis.size} ranks need signal "
+                               f"pads of {pad_slots(axis.size) * 4} bytes, torch's symmetric "
+                               f"memory has {signal_pad_bytes()}: use --symm-comm-max-bytes 0")
         return cls(PeerWindow.open(buf, axis), axis)
 
     @property
-    def max_bytes(self) -> int:
+    def window_nbytes(self) -> int:
         return self.window.local.numel() * self.window.local.element_size()
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest collective (its full tensor) that runs here: the window holds two
+        halves of P of them (one_shot.window_bytes)."""
+        return self.window_nbytes // (2 * self.axis.size)
 
     def takes(self, nbytes: int, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether a collective of `nbytes` (a reduction of `dtype`) runs here."""
@@ -92,8 +107,8 @@ class SymmetricCollectives:
 
         assert x.is_contiguous() and self.takes(x.numel() * x.element_size(), x.dtype)
         flat = x.view(-1)
-        one_shot.reduce(flat, flat, self.window.peer_ptrs, self.window.signal_ptrs,
-                        self.axis.rank, 0)
+        one_shot.all_reduce(flat, flat, self.window.peer_ptrs, self.window.signal_ptrs,
+                            self.axis.rank, self.window_nbytes)
         return x
 
     def all_gather(self, x_R: torch.Tensor, sizes: Sequence[int], out_N: torch.Tensor) -> None:
@@ -105,7 +120,7 @@ class SymmetricCollectives:
         assert x_R.is_contiguous() and out_N.is_contiguous() and x_R.dtype == out_N.dtype
         one_shot.gather(_bytes(x_R), _bytes(out_N), self.window.peer_ptrs,
                         self.window.signal_ptrs, self.axis.rank,
-                        sum(sizes[: self.axis.rank]) * row)
+                        sum(sizes[: self.axis.rank]) * row, self.window_nbytes)
 
     def reduce_scatter(self, y_N: torch.Tensor, sizes: Sequence[int],
                        out_R: torch.Tensor) -> None:

@@ -32,6 +32,11 @@ def _symm_mem() -> Any:
     return symm_mem
 
 
+def signal_pad_bytes() -> int:
+    """Bytes of each peer's signal pad (torch's, the same for every buffer)."""
+    return int(_symm_mem().get_signal_pad_size())
+
+
 def symmetric_empty(shape: Sequence[int], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """A tensor in symmetric memory on `device` (a CUDA device)."""

@@ -251,12 +251,16 @@ def comm_records(spec: ModelSpec, layout: ParallelLayout, max_bytes: int) -> lis
     """The windows of the one-shot collectives (parallel/symm_comm.py), one per axis that
     exchanges anything: a collective whose full tensor (an all-reduce's input, an all-gather's
     output, a reduce-scatter's input, all ranks' rows, unpadded) fits runs in it, a larger one
-    on NCCL. None where max_bytes is 0 (across nodes, on a CPU, or turned off)."""
+    on NCCL. None where max_bytes is 0 (across nodes, on a CPU, or turned off). A window is
+    two halves of P slots of max_bytes (kernels/comm/one_shot.window_bytes: the pushing
+    collectives alternate halves, and the all-reduce stores its whole tensor into each rank)."""
     if not max_bytes:
         return []
-    return [BufferRecord(f"comm.symm.{axis}", (max_bytes,), "uint8",
-                         f"--symm-comm-max-bytes, the largest one-shot collective over {axis} "
-                         "(all ranks' rows) [symmetric]", ("--symm-comm-max-bytes",), True)
+    sizes = {"attn_tp": layout.attn_tp, "world": layout.tp}
+    return [BufferRecord(f"comm.symm.{axis}", (2 * sizes[axis] * max_bytes,), "uint8",
+                         f"2 x {axis} ({sizes[axis]}) x --symm-comm-max-bytes (the largest "
+                         f"one-shot collective over {axis}, all ranks' rows) [symmetric]",
+                         ("--symm-comm-max-bytes",), True)
             for axis in comm_axes(spec, layout)]
 
 

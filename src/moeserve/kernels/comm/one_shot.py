@@ -8,17 +8,33 @@ are cut into chunks of CHUNK_BYTES, and program b of every rank owns the same ch
 b + 2G, ... (G programs, the same on every rank: `programs`). So program b's barrier with
 program b of each peer is all that orders the chunks it touches, and no barrier spans the grid.
 
-    gather   PUSH: this rank's elements [lo, hi) of the gathered tensor into every rank's
-             window, at the same offsets; barrier; COPY: this rank's window, now the whole
-             gathered tensor, into OUT; barrier
-    reduce   STAGE: this rank's full contribution into its own window; barrier; SUM: elements
-             [lo, hi) from every rank's window, added in fp32 in rank order (the same bits on
-             every rank and every run), into OUT; barrier
+    gather      PUSH: this rank's elements [lo, hi) of the gathered tensor into every rank's
+                window, at the same offsets; signal; COPY: this rank's window, now the whole
+                gathered tensor, into OUT
+    all_reduce  PUSH: this rank's whole tensor into slot [rank] of every rank's window;
+                signal; SUM: every slot of this rank's window, added in fp32 in rank order
+                (the same bits on every rank and every run), into OUT
+    reduce      (the reduce-scatter) STAGE: this rank's full contribution into its own
+                window; barrier; SUM: elements [lo, hi) from every rank's window, in fp32 in
+                rank order, into OUT; barrier
 
-The closing barrier is what makes consecutive collectives safe on one window: a rank leaves a
-collective only when every peer has read what it needed from this rank's window (reduce) or
-copied out what was stored into its own (gather), so the next collective's stores land on
-nothing anyone still reads. Entering needs no barrier: the previous one's closing barrier was it.
+The pushing collectives (gather, all_reduce) synchronise one way: program b stores, then sets
+its flag on each peer to the call's epoch (release), then waits until each peer's flag on this
+rank has reached that epoch (acquire) and reads its own window alone. Their stores go to one
+of two halves of the window, by the epoch's parity, so a fast peer's next call stores into the
+other half while this rank still reads; it can come round to this half again only after this
+rank has signalled the call after, that is after this rank finished reading. Every program of
+every rank keeps its epoch (its count of pushing calls, in its own flag slot), so these
+collectives always run MAX_PROGRAMS programs: every program counts every call.
+The reduce-scatter keeps both barriers: the closing one is what lets the next collective
+store into windows that peers read (a rank leaves only when every peer has read what it needed
+from this rank's window), and it stages in the first half, which the pushing collectives reach
+only a call later. The pushing collectives leave a peer reading only its own window, which a
+barrier of the next reduce-scatter waits for.
+
+Window layout (bytes, `window_bytes(max, P)`): two halves of P x max each. The gather's
+tensor (at most max) sits at the start of a half, the all-reduce's P slots of its tensor one
+after another, the reduce-scatter's staged tensor at the start of the window.
 
 The barrier is torch's blockwise signal-pad protocol: program b sets slot [b P + rank] of each
 peer's pad from 0 to 1 (release, system scope: this program's earlier stores, every thread's,
@@ -26,6 +42,10 @@ are visible to the peer first), then waits for slot [b P + p] of its own pad to 
 peer p and resets it (acquire). A slot holds one signal; every collective sets and clears each
 slot it uses once, so collectives of different grids (and torch's own one-shot all-reduce, the
 same protocol) follow each other on one window.
+
+The flags and epochs of the pushing collectives are the pad's slots [(MAX_PROGRAMS + b) P + p]
+(`pad_slots`), past the barriers': the flag of peer p for program b, and at p = rank that
+program's epoch. They only grow (as int32, compared by their difference, so they may wrap).
 
 Elements move in vectors of VEC (16 bytes where every offset and address allows it, else
 fewer), each in one access; a rank picks its VEC alone, since chunks count bytes whatever the
@@ -45,11 +65,24 @@ import triton.language as tl
 CHUNK_BYTES = 8192  # what one program moves per step of its loop; programs own whole chunks
 MAX_PROGRAMS = 32  # below the SM count of every GPU this runs on: all programs resident at once
 NUM_WARPS = 4
+_FLAGS = tl.constexpr(MAX_PROGRAMS)  # the kernels' name for it: where the flag slots start
 
 
 def programs(nbytes: int) -> int:
-    """G for a collective over a full tensor of nbytes: the same on every rank."""
+    """G for a reduce-scatter over a full tensor of nbytes: the same on every rank (the
+    pushing collectives always run MAX_PROGRAMS)."""
     return max(1, min(MAX_PROGRAMS, triton.cdiv(nbytes, CHUNK_BYTES)))
+
+
+def window_bytes(max_bytes: int, peers: int) -> int:
+    """A window's bytes for collectives of up to max_bytes over `peers` ranks: two halves of
+    `peers` slots (the all-reduce pushes its whole tensor into a slot of every rank)."""
+    return 2 * peers * max_bytes
+
+
+def pad_slots(peers: int) -> int:
+    """int32 slots of a signal pad that the collectives use: the barriers', then the flags."""
+    return 2 * MAX_PROGRAMS * peers
 
 
 @triton.jit
@@ -67,6 +100,38 @@ def _sync_peers(PADS, rank, P: tl.constexpr):
     for p in tl.static_range(P):
         if p != rank:
             while tl.atomic_cas(mine + slot + p, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # every thread's loads come after the acquire
+
+
+@triton.jit
+def _epoch(PADS, rank, P: tl.constexpr):
+    """This pushing call's epoch for this program: one past its last one's."""
+    mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
+    return tl.load(mine + (_FLAGS + tl.program_id(0)) * P + rank) + 1
+
+
+@triton.jit
+def _keep_epoch(PADS, rank, epoch, P: tl.constexpr):
+    mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
+    tl.store(mine + (_FLAGS + tl.program_id(0)) * P + rank, epoch)
+
+
+@triton.jit
+def _signal_peers(PADS, rank, epoch, P: tl.constexpr):
+    """This program's stores are visible to each peer before its flag there reads `epoch`;
+    then wait until every peer's flag here has reached `epoch`, and what it stored before
+    is visible here."""
+    tl.debug_barrier()  # every thread's stores come before the release
+    slot = (_FLAGS + tl.program_id(0)) * P
+    for p in tl.static_range(P):
+        if p != rank:
+            pad = tl.cast(tl.load(PADS + p), tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pad + slot + rank, epoch, sem="release", scope="sys")
+    mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
+    for p in tl.static_range(P):
+        if p != rank:
+            while tl.atomic_add(mine + slot + p, 0, sem="acquire", scope="sys") - epoch < 0:
                 pass
     tl.debug_barrier()  # every thread's loads come after the acquire
 
@@ -103,25 +168,56 @@ def _window(PTRS, p, T: tl.constexpr):
     return tl.multiple_of(tl.cast(tl.load(PTRS + p), tl.pointer_type(T)), 16)
 
 
-@triton.jit(do_not_specialize=["lo", "hi", "total", "rank"])
-def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, P: tl.constexpr,
+@triton.jit(do_not_specialize=["lo", "hi", "total", "rank", "half"])
+def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, half, P: tl.constexpr,
                    VECS: tl.constexpr, VEC: tl.constexpr, PUSH: tl.constexpr,
                    COPY: tl.constexpr, SYNC: tl.constexpr):
     step = tl.num_programs(0) * VECS
     T = OUT.dtype.element_ty
+    epoch = _epoch(PADS, rank, P)
+    at = (epoch & 1) * half  # this call's half of every window (elements)
     if PUSH:
         for s in range(_first_chunk(lo, VECS), hi, step):
             vecs, offs = _chunk(s, VECS, VEC)
             live = ((vecs >= lo) & (vecs < hi))[:, None]
             v = tl.load(X + (offs - lo * VEC), mask=live)
             for p in tl.static_range(P):
-                tl.store(_window(PEERS, p, T) + offs, v, mask=live)
+                tl.store(_window(PEERS, p, T) + at + offs, v, mask=live)
     if SYNC:
-        _sync_peers(PADS, rank, P)
+        _signal_peers(PADS, rank, epoch, P)
     if COPY:  # (.cg: the peers wrote the window, so it is read past this SM's L1)
-        _copy(_window(PEERS, rank, T), OUT, total, VECS, VEC, ".cg")
+        _copy(_window(PEERS, rank, T) + at, OUT, total, VECS, VEC, ".cg")
+        _keep_epoch(PADS, rank, epoch, P)
+
+
+@triton.jit(do_not_specialize=["total", "rank", "half"])
+def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
+                       VECS: tl.constexpr, VEC: tl.constexpr, PUSH: tl.constexpr,
+                       SUM: tl.constexpr, SYNC: tl.constexpr):
+    step = tl.num_programs(0) * VECS
+    T = Y.dtype.element_ty
+    epoch = _epoch(PADS, rank, P)
+    at = (epoch & 1) * half  # this call's half of every window (elements)
+    if PUSH:
+        for s in range(tl.program_id(0) * VECS, total, step):
+            vecs, offs = _chunk(s, VECS, VEC)
+            live = (vecs < total)[:, None]
+            v = tl.load(Y + offs, mask=live)
+            for p in tl.static_range(P):
+                tl.store(_window(PEERS, p, T) + at + rank * total * VEC + offs, v, mask=live)
     if SYNC:
-        _sync_peers(PADS, rank, P)
+        _signal_peers(PADS, rank, epoch, P)
+    if SUM:  # (.cg: the peers wrote the window)
+        mine = _window(PEERS, rank, T) + at
+        for s in range(tl.program_id(0) * VECS, total, step):
+            vecs, offs = _chunk(s, VECS, VEC)
+            live = (vecs < total)[:, None]
+            acc = tl.load(mine + offs, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
+            for q in tl.static_range(1, P):  # rank order
+                acc += tl.load(mine + q * total * VEC + offs, mask=live, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+            tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=live)
+        _keep_epoch(PADS, rank, epoch, P)
 
 
 @triton.jit(do_not_specialize=["lo", "hi", "total", "rank"])
@@ -155,29 +251,57 @@ def _vec(elem_bytes: int, *counts: int) -> int:
                             2 // elem_bytes, 1) if v >= 1 and all(c % v == 0 for c in counts))
 
 
+def _half(window_nbytes: int, peers: int, total: int, e: int) -> int:
+    """Elements of T in half a window, checking that the pushing collective's `total` fits
+    (window_bytes)."""
+    half, rest = divmod(window_nbytes, 2)
+    assert rest == 0 and half % e == 0 and peers * total * e <= half, \
+        (window_nbytes, peers, total, e)
+    return half // e
+
+
 def gather(x: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
-           signal_ptrs: torch.Tensor, rank: int, lo: int, *, push: bool = True,
-           copy: bool = True, sync: bool = True) -> None:
+           signal_ptrs: torch.Tensor, rank: int, lo: int, window_nbytes: int, *,
+           push: bool = True, copy: bool = True, sync: bool = True) -> None:
     """out [total] = every rank's x, each at its own offset; x: this rank's elements
     [lo, lo + len(x)). Flat, contiguous, one dtype (any: the bytes of the rows). Every
-    window holds at least out's bytes."""
+    window has window_nbytes >= window_bytes(out's bytes, P)."""
     total, n, e = out.numel(), x.numel(), out.element_size()
     assert x.dtype == out.dtype and x.is_contiguous() and out.is_contiguous()
     assert 0 <= lo and lo + n <= total and total * e < 2**31
+    p = peer_ptrs.numel()
+    half = _half(window_nbytes, p, total, e)
     src = x if n else out  # a rank with no rows reads nothing; no empty pointer
-    vec = _vec(e, lo, n, total, src.data_ptr() // e, out.data_ptr() // e)
-    _gather_kernel[(programs(total * e),)](
+    vec = _vec(e, lo, n, total, half, src.data_ptr() // e, out.data_ptr() // e)
+    _gather_kernel[(MAX_PROGRAMS,)](
         src, out, peer_ptrs, signal_ptrs, lo // vec, (lo + n) // vec, total // vec, rank,
-        P=peer_ptrs.numel(), VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, COPY=copy,
+        half, P=p, VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, COPY=copy,
         SYNC=sync, num_warps=NUM_WARPS)
+
+
+def all_reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
+               signal_ptrs: torch.Tensor, rank: int, window_nbytes: int, *,
+               push: bool = True, add: bool = True, sync: bool = True) -> None:
+    """out [total] = y summed over the ranks, in fp32 in rank order (flat, contiguous, a float
+    dtype; out may be y itself). Every window has window_nbytes >= window_bytes(y's bytes, P)."""
+    total, e = y.numel(), y.element_size()
+    assert y.dtype == out.dtype and y.is_contiguous() and out.is_contiguous()
+    assert out.numel() == total and total * e < 2**31
+    p = peer_ptrs.numel()
+    half = _half(window_nbytes, p, total, e)
+    vec = _vec(e, total, half, y.data_ptr() // e, out.data_ptr() // e)
+    _all_reduce_kernel[(MAX_PROGRAMS,)](
+        y, out, peer_ptrs, signal_ptrs, total // vec, rank, half, P=p,
+        VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, SUM=add, SYNC=sync,
+        num_warps=NUM_WARPS)
 
 
 def reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
            signal_ptrs: torch.Tensor, rank: int, lo: int, *, stage: bool = True,
            add: bool = True, sync: bool = True) -> None:
-    """out [n] = elements [lo, lo + n) of y summed over the ranks, in fp32 in rank order; y:
-    this rank's [total] (flat, contiguous, a float dtype; out may be y itself with lo = 0: the
-    all-reduce). Every window holds at least y's bytes."""
+    """The reduce-scatter: out [n] = elements [lo, lo + n) of y summed over the ranks, in
+    fp32 in rank order; y: this rank's [total] (flat, contiguous, a float dtype). Every window
+    holds at least y's bytes."""
     total, n, e = y.numel(), out.numel(), y.element_size()
     assert y.dtype == out.dtype and y.is_contiguous() and out.is_contiguous()
     assert 0 <= lo and lo + n <= total and total * e < 2**31
