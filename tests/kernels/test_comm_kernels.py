@@ -18,7 +18,6 @@ from moeserve.parallel.collectives import block_offsets
 from moeserve.parallel.symm_comm import _bytes
 
 NO_PADS = torch.zeros(8, dtype=torch.int64)  # the reduce-scatter's barriers are off here
-SLOT = O.MAX_PROGRAMS * 1  # where the pushing collectives' epochs start (x P)
 
 
 class Ranks:
@@ -31,9 +30,9 @@ class Ranks:
         self.pad = [torch.zeros(O.pad_slots(p), dtype=torch.int32) for _ in range(p)]
         self.pads = torch.tensor([t.data_ptr() for t in self.pad])
 
-    def epochs(self, r):  # rank r's epoch of every program (its own flag slots)
-        return {int(self.pad[r][(O.MAX_PROGRAMS + b) * self.p + r])
-                for b in range(O.MAX_PROGRAMS)}
+    def epoch(self, r):  # rank r's epoch, and its count of programs that finished the call
+        return (int(self.pad[r][O.MAX_PROGRAMS * self.p + r]),
+                int(self.pad[r][(O.MAX_PROGRAMS + 1) * self.p + r]))
 
     def touched_outside(self, r, lo, hi):  # whether any byte of window r outside [lo, hi) moved
         moved = self.wins[r] != 7
@@ -46,8 +45,8 @@ def gather(ranks, blocks):
     sizes = [b.shape[0] for b in blocks]
     total = sum(sizes) * row
     outs = [torch.full((total,), 5, dtype=torch.uint8) for _ in range(p)]
-    epoch = ranks.epochs(0)
-    half = ranks.nbytes // 2 if max(epoch) % 2 == 0 else 0  # this call's half
+    epoch, _ = ranks.epoch(0)
+    half = ranks.nbytes // 2 if epoch % 2 == 0 else 0  # this call's (epoch + 1) half
     for w in ranks.wins:
         w.fill_(7)
     for r, off in enumerate(block_offsets(sizes)):
@@ -59,7 +58,7 @@ def gather(ranks, blocks):
     for r in range(p):
         O.gather(_bytes(blocks[r])[:0], outs[r], ranks.peers, ranks.pads, r, 0, ranks.nbytes,
                  push=False, sync=False)
-        assert ranks.epochs(r) == {max(epoch) + 1}  # every program counted the call
+        assert ranks.epoch(r) == (epoch + 1, 0)  # the last program counted the call
     shape = (sum(sizes), *blocks[0].shape[1:])
     return [o.view(blocks[0].dtype).view(shape) for o in outs]
 
@@ -114,7 +113,7 @@ for sizes, width, dtype in [([4, 0, 6], 24, torch.float32), ([2, 3], 24, torch.f
 
 # the all-reduce: every rank keeps every row, summed in place (out is y itself); each rank's
 # tensor lands in its slot of every window's half; a gather between two all-reduces moves
-# every program's epoch on, so the third call is in the first's half again
+# the epoch on, so the third call is in the first's half again
 for p, n, dtype in [(2, 3, torch.float16), (3, 400, torch.float32)]:
     ranks = Ranks(p, n * 16 * 4)
     e = torch.tensor([], dtype=dtype).element_size()
@@ -136,7 +135,7 @@ for p, n, dtype in [(2, 3, torch.float16), (3, 400, torch.float32)]:
             O.all_reduce(ys[r].view(-1), ys[r].view(-1), ranks.peers, ranks.pads, r,
                          ranks.nbytes, push=False, sync=False)
         assert all(torch.equal(y, want) for y in ys), (p, call)
-        assert all(ranks.epochs(r) == {call + 1} for r in range(p))
+        assert all(ranks.epoch(r) == (call + 1, 0) for r in range(p))
 print("interpreter ok")
 """
 

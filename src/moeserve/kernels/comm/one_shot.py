@@ -23,9 +23,9 @@ its flag on each peer to the call's epoch (release), then waits until each peer'
 rank has reached that epoch (acquire) and reads its own window alone. Their stores go to one
 of two halves of the window, by the epoch's parity, so a fast peer's next call stores into the
 other half while this rank still reads; it can come round to this half again only after this
-rank has signalled the call after, that is after this rank finished reading. Every program of
-every rank keeps its epoch (its count of pushing calls, in its own flag slot), so these
-collectives always run MAX_PROGRAMS programs: every program counts every call.
+rank has signalled the call after, that is after this rank finished reading. A rank's epoch
+counts its pushing calls (every rank makes the same ones): each program reads it when it
+starts, and the last program of the grid to finish advances it.
 The reduce-scatter keeps both barriers: the closing one is what lets the next collective
 store into windows that peers read (a rank leaves only when every peer has read what it needed
 from this rank's window), and it stages in the first half, which the pushing collectives reach
@@ -43,9 +43,11 @@ peer p and resets it (acquire). A slot holds one signal; every collective sets a
 slot it uses once, so collectives of different grids (and torch's own one-shot all-reduce, the
 same protocol) follow each other on one window.
 
-The flags and epochs of the pushing collectives are the pad's slots [(MAX_PROGRAMS + b) P + p]
-(`pad_slots`), past the barriers': the flag of peer p for program b, and at p = rank that
-program's epoch. They only grow (as int32, compared by their difference, so they may wrap).
+The flags of the pushing collectives are the pad's slots [(MAX_PROGRAMS + b) P + p]
+(`pad_slots`), past the barriers': the flag of peer p for program b. At p = rank (no peer
+signals itself) slot b = 0 holds the rank's epoch and b = 1 the count of the grid's programs
+that finished. Flags and epochs only grow (as int32, compared by their difference, so they
+may wrap).
 
 Elements move in vectors of VEC (16 bytes where every offset and address allows it, else
 fewer), each in one access; a rank picks its VEC alone, since chunks count bytes whatever the
@@ -69,8 +71,7 @@ _FLAGS = tl.constexpr(MAX_PROGRAMS)  # the kernels' name for it: where the flag 
 
 
 def programs(nbytes: int) -> int:
-    """G for a reduce-scatter over a full tensor of nbytes: the same on every rank (the
-    pushing collectives always run MAX_PROGRAMS)."""
+    """G for a collective over a full tensor of nbytes: the same on every rank."""
     return max(1, min(MAX_PROGRAMS, triton.cdiv(nbytes, CHUNK_BYTES)))
 
 
@@ -106,15 +107,21 @@ def _sync_peers(PADS, rank, P: tl.constexpr):
 
 @triton.jit
 def _epoch(PADS, rank, P: tl.constexpr):
-    """This pushing call's epoch for this program: one past its last one's."""
+    """This pushing call's epoch: one past the last one's (this rank's count of them)."""
     mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
-    return tl.load(mine + (_FLAGS + tl.program_id(0)) * P + rank) + 1
+    return tl.load(mine + _FLAGS * P + rank) + 1
 
 
 @triton.jit
 def _keep_epoch(PADS, rank, epoch, P: tl.constexpr):
+    """The last program of the grid to get here records the call's epoch (every program
+    read the previous one when it started)."""
+    tl.debug_barrier()
     mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
-    tl.store(mine + (_FLAGS + tl.program_id(0)) * P + rank, epoch)
+    done = tl.atomic_add(mine + (_FLAGS + 1) * P + rank, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(mine + (_FLAGS + 1) * P + rank, 0)
+        tl.store(mine + _FLAGS * P + rank, epoch)
 
 
 @triton.jit
@@ -273,7 +280,7 @@ def gather(x: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
     half = _half(window_nbytes, p, total, e)
     src = x if n else out  # a rank with no rows reads nothing; no empty pointer
     vec = _vec(e, lo, n, total, half, src.data_ptr() // e, out.data_ptr() // e)
-    _gather_kernel[(MAX_PROGRAMS,)](
+    _gather_kernel[(programs(total * e),)](
         src, out, peer_ptrs, signal_ptrs, lo // vec, (lo + n) // vec, total // vec, rank,
         half, P=p, VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, COPY=copy,
         SYNC=sync, num_warps=NUM_WARPS)
@@ -290,7 +297,7 @@ def all_reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
     p = peer_ptrs.numel()
     half = _half(window_nbytes, p, total, e)
     vec = _vec(e, total, half, y.data_ptr() // e, out.data_ptr() // e)
-    _all_reduce_kernel[(MAX_PROGRAMS,)](
+    _all_reduce_kernel[(programs(total * e),)](
         y, out, peer_ptrs, signal_ptrs, total // vec, rank, half, P=p,
         VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, SUM=add, SYNC=sync,
         num_warps=NUM_WARPS)
