@@ -277,8 +277,9 @@ def test_plan_records_the_fp8_workspace_and_the_binder_makes_it():
     # auto moves fp8 rows one-sided on the GPUs of one node, as it does bf16 rows
     for device, want in (("cuda", "nvlink"), ("cpu", "all_to_all")):
         on = dict(flags, device=device, moe_runner_backend="auto")
-        p = build_plan(EngineConfig(**on, quantization="fp8",
-                                    tp_size=2, ep_size=2, moe_a2a_backend="auto"))
+        p = build_plan(EngineConfig(**on, quantization="fp8", tp_size=2, ep_size=2,
+                                    dp_size=2, enable_dp_attention=True,
+                                    moe_a2a_backend="auto"))
         assert p.backends.a2a == want and p.a2a_scale_group == 128
 
 

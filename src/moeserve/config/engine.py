@@ -63,8 +63,8 @@ class EngineConfig:
     moe_a2a_backend: str = knob(
         "none", "MoE token exchange: none (all-gather + reduce-scatter), all_to_all (NCCL), "
         "nvlink (one-sided stores into the peers' symmetric memory, GPUs of one node) or auto "
-        "(nvlink on the GPUs of one node, all_to_all across nodes or on a CPU, none where ep "
-        "differs from tp).", "--moe-a2a-backend", choices=A2A_BACKENDS)
+        "(with DP attention and ep = tp: nvlink on the GPUs of one node, all_to_all across "
+        "nodes or on a CPU; none otherwise).", "--moe-a2a-backend", choices=A2A_BACKENDS)
     moe_a2a_max_tokens_per_rank: Optional[int] = knob(
         None, "Per-rank token cap of the all-to-all workspace; default: the plan's worst case.",
         "--moe-a2a-max-tokens-per-rank")
@@ -190,9 +190,15 @@ class EngineConfig:
 
     @property
     def a2a_enabled(self) -> bool:
-        """Tokens travel to whole experts (the all-to-all path), by either transport."""
+        """Tokens travel to whole experts (the all-to-all path), by either transport. auto
+        takes it with whole experts per rank under DP attention, where each rank brings rows
+        of its own; without DP attention every rank of an attention group holds the same rows
+        after its all-reduce, and the gather path (each rank's experts on those rows, one
+        all-reduce) moves less and synchronises less than scattering them for an exchange
+        (benchmarks/RESULTS.md, "Scale-out, 2 GPUs")."""
         if self.moe_a2a_backend == "auto":
-            return self.tp_size > 1 and self.ep_size == self.tp_size
+            return (self.tp_size > 1 and self.ep_size == self.tp_size
+                    and self.enable_dp_attention)
         return self.moe_a2a_backend in ("all_to_all", "nvlink")
 
     def replace(self, **changes: Any) -> "EngineConfig":
