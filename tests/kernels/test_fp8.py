@@ -94,7 +94,7 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
     w = torch.randn(n, k, device=dev)
     wq, ws = R.quantize_blocks(w, block)
     bias, res = torch.randn(n, device=dev), torch.randn(9, n, device=dev)
-    for m in (1, 9, 70, 130):
+    for m in (1, 2, 9, 70, 130):  # 1 and 2 rows: the GEMV
         xx = torch.randn(m, k, device=dev)
         ref = R.fp8_linear(xx, wq, ws, block)
         got = gemm.fp8_linear(xx, wq, ws, block)
@@ -106,9 +106,19 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
             got = gemm.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             ref = R.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             assert float((got - ref).norm() / ref.norm()) < 1e-2
-    got = gemm.fp8_linear(xx[:9], wq, ws, block, bias, res)
-    ref = R.fp8_linear(xx[:9], wq, ws, block, bias) + res
-    assert float((got - ref).norm() / ref.norm()) < 1e-5
+    for rows in (1, 9):  # the GEMV's epilogue and the GEMM's
+        got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
+        ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
+        assert float((got - ref).norm() / ref.norm()) < 1e-5, rows
+# the GEMV quantizes the row as the quantizer does: a row whose group is all zeros, and
+# values on the e4m3 grid's edges, give the reference's products (float32 out, K = 3 groups)
+w = torch.randn(40, 384, device=dev)
+wq, ws = R.quantize_blocks(w, (128, 128))
+xx = torch.randn(2, 384, device=dev) * 300
+xx[0, 128:256] = 0
+got = gemm.fp8_gemv(xx, wq, ws, (128, 128))
+ref = R.fp8_linear(xx, wq, ws, (128, 128))
+assert float((got - ref).norm() / ref.norm()) < 1e-6
 print("interpreter ok")
 """
 

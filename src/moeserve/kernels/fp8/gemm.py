@@ -7,8 +7,17 @@ the dense projections (kernels/fp8/reference.py is the same arithmetic in torch)
 The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
 float32. Decode-sized steps take 16-row tiles, prefills 64/128-row ones; the column tile is
-narrowed (down to 16) until the weight streams through about two programs an SM. Both kernels
-launch with PDL (kernels/launch/pdl.py), gated before their first load.
+narrowed (down to 16) until the weight streams through about two programs an SM.
+
+Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, in one launch
+with the quantizer inside it: each program streams GEMV_BLOCK_N rows of the weight along K,
+quantizes each group of the activation row itself (the quantizer's arithmetic, so the same
+codes and scales), and accumulates codes x scales x weight x block scale in float32 on CUDA
+cores, reduced over K once at the end. A 16-row MMA tile would waste 15 of its rows there,
+and the separate quantizer launch costs as much as the product.
+
+The kernels launch with PDL (kernels/launch/pdl.py), gated before their first load of what
+the kernel before wrote (the GEMV loads its first weight tile before the gate).
 
 Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
 cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
@@ -86,6 +95,81 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
                                              BLOCK=triton.next_power_of_2(group),
                                              **pdl_args(x_TK.device))
     return q, s
+
+
+GEMV_MAX_ROWS = 2  # up to this many rows fp8_linear takes the GEMV
+GEMV_BLOCK_N = 16  # weight rows a GEMV program streams (one row through 2048 columns: 128)
+
+
+@triton.jit
+def _quantized_chunk(x_row, k, k_ok):
+    """The activation's group at columns k as the quantizer codes it, dequantized: codes x
+    scale in float32 (zero outside K)."""
+    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+    scale = group_scale(tl.max(tl.abs(x), axis=0))
+    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+    return q * scale
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
+                     stride_wn, stride_wsn, stride_rm, stride_ym, GROUP_N: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # program (column block, row): BLOCK_N weight rows against one activation row, BLOCK_K =
+    # the scale group along K
+    pid_n, row = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    s_rows = ws_ptr + (cols // GROUP_N) * stride_wsn
+    # the first weight tile before the gate: no kernel writes weights
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    pdl_gate(PDL)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        xq = _quantized_chunk(x_row, k, k < K)
+        w_s = tl.load(s_rows + k0 // BLOCK_K, mask=col_ok, other=0.0)
+        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
+                         mask=col_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
+        acc += (w.to(tl.float32) * w_s[:, None]) * xq[None, :]
+        w = w_next
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + row.to(tl.int64) * stride_rm + cols, mask=col_ok,
+                     other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + cols, y.to(y_ptr.dtype.element_ty),
+             mask=col_ok)
+
+
+def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
+             block: tuple[int, int], bias: Optional[torch.Tensor] = None,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 x @ W.T (+ bias) (+ residual) for a few rows in one launch, the activation
+    quantized per row per bk columns inside it; out in x's dtype."""
+    m, k = x_MK.shape
+    n = w_NK.shape[0]
+    bn, bk = block
+    assert bk >= 16 and bk & (bk - 1) == 0, block
+    assert x_MK.stride(-1) == 1 and w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1
+    out = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
+    if m == 0:
+        return out
+    res = residual if residual is not None else out
+    assert res.stride(-1) == 1
+    grid = (triton.cdiv(n, GEMV_BLOCK_N), m)
+    _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
+                           n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
+                           res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=GEMV_BLOCK_N,
+                           BLOCK_K=bk, HAS_BIAS=bias is not None,
+                           HAS_RES=residual is not None, num_warps=4,
+                           **pdl_args(x_MK.device))
+    return out
 
 
 @triton.jit
@@ -171,9 +255,16 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
-    block-scaled GEMM; out in x's dtype."""
+    block-scaled GEMM (up to GEMV_MAX_ROWS rows: both in the GEMV's one launch); out in x's
+    dtype."""
     x_TK = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_groups(x_TK, block[1])
+    if x_TK.stride(-1) != 1:
+        x_TK = x_TK.contiguous()
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
-    y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
+    bk = block[1]
+    if x_TK.shape[0] <= GEMV_MAX_ROWS and bk >= 16 and bk & (bk - 1) == 0:
+        y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
+    else:
+        xq, xs = quantize_groups(x_TK, bk)
+        y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
     return y.view(*x.shape[:-1], w_NK.shape[0])
