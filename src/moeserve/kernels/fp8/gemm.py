@@ -13,7 +13,8 @@ Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, 
 with the quantizer inside it: each program streams GEMV_BLOCK_N rows of the weight along K,
 quantizes each group of the activation row itself (the quantizer's arithmetic, so the same
 codes and scales), and accumulates codes x scales x weight x block scale in float32 on CUDA
-cores, reduced over K once at the end. A 16-row MMA tile would waste 15 of its rows there,
+cores, reduced over K once at the end; a step takes several groups (GEMV_K columns), so that
+a row is few steps of a latency-bound loop. A 16-row MMA tile would waste 15 of its rows there,
 and the separate quantizer launch costs as much as the product.
 
 The kernels launch with PDL (kernels/launch/pdl.py), gated before their first load of what
@@ -99,45 +100,53 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
 
 GEMV_MAX_ROWS = 2  # up to this many rows fp8_linear takes the GEMV
 GEMV_BLOCK_N = 16  # weight rows a GEMV program streams (one row through 2048 columns: 128)
+GEMV_K = 512  # columns a GEMV step takes (whole scale groups), so few steps a row
 
 
 @triton.jit
-def _quantized_chunk(x_row, k, k_ok):
-    """The activation's group at columns k as the quantizer codes it, dequantized: codes x
-    scale in float32 (zero outside K)."""
-    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-    scale = group_scale(tl.max(tl.abs(x), axis=0))
-    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
-    return q * scale
+def _quantized_groups(x):
+    """The activation's groups x [GROUPS, bk] (float32, zero outside K) as the quantizer codes
+    them, dequantized: codes x scale."""
+    scale = group_scale(tl.max(tl.abs(x), axis=1))
+    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX),
+                              FP8_MAX))
+    return q * scale[:, None]
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
                      stride_wn, stride_wsn, stride_rm, stride_ym, GROUP_N: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    # program (column block, row): BLOCK_N weight rows against one activation row, BLOCK_K =
-    # the scale group along K
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # program (column block, row): BLOCK_N weight rows against one activation row, GROUPS
+    # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles
     pid_n, row = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    gs = tl.arange(0, GROUPS)
+    k_in = gs[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [GROUPS, BLOCK_K]
     col_ok = cols < N
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    s_rows = ws_ptr + (cols // GROUP_N) * stride_wsn
+    w_rows = w_ptr + cols.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = ws_ptr + (cols // GROUP_N)[:, None] * stride_wsn
     # the first weight tile before the gate: no kernel writes weights
-    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    w = tl.load(w_rows + k_in[None, :, :], mask=col_ok[:, None, None] & (k_in < K)[None, :, :],
+                other=0.0)
     pdl_gate(PDL)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        xq = _quantized_chunk(x_row, k, k < K)
-        w_s = tl.load(s_rows + k0 // BLOCK_K, mask=col_ok, other=0.0)
-        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
-                         mask=col_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
-        acc += (w.to(tl.float32) * w_s[:, None]) * xq[None, :]
-        w = w_next
-    y = tl.sum(acc, axis=1)
+    x = tl.load(x_row + k_in, mask=k_in < K, other=0.0)
+    acc = tl.zeros([BLOCK_N, GROUPS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * BLOCK_K):
+        g = k0 // BLOCK_K + gs
+        w_s = tl.load(s_rows + g[None, :], mask=col_ok[:, None] & (g * BLOCK_K < K)[None, :],
+                      other=0.0)
+        # the next step's loads go out before this step's arithmetic
+        nk = k0 + GROUPS * BLOCK_K + k_in
+        w_next = tl.load(w_rows + nk[None, :, :],
+                         mask=col_ok[:, None, None] & (nk < K)[None, :, :], other=0.0)
+        x_next = tl.load(x_row + nk, mask=nk < K, other=0.0)
+        xq = _quantized_groups(x.to(tl.float32))
+        acc += (w.to(tl.float32) * w_s[:, :, None]) * xq[None, :, :]
+        w, x = w_next, x_next
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -166,9 +175,9 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
                            n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
                            res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=GEMV_BLOCK_N,
-                           BLOCK_K=bk, HAS_BIAS=bias is not None,
-                           HAS_RES=residual is not None, num_warps=4,
-                           **pdl_args(x_MK.device))
+                           BLOCK_K=bk, GROUPS=max(1, GEMV_K // bk),
+                           HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                           num_warps=4, **pdl_args(x_MK.device))
     return out
 
 
