@@ -175,21 +175,28 @@ def _window(PTRS, p, T: tl.constexpr):
     return tl.multiple_of(tl.cast(tl.load(PTRS + p), tl.pointer_type(T)), 16)
 
 
+@triton.jit
+def _push(X, PEERS, lo, hi, at, P: tl.constexpr, VECS: tl.constexpr, VEC: tl.constexpr):
+    """Vectors [lo, hi) of the flat tensor (X holds them from lo on) into every rank's window
+    at element `at` + their offset: this program's chunks of them."""
+    T = X.dtype.element_ty
+    for s in range(_first_chunk(lo, VECS), hi, tl.num_programs(0) * VECS):
+        vecs, offs = _chunk(s, VECS, VEC)
+        live = ((vecs >= lo) & (vecs < hi))[:, None]
+        v = tl.load(X + (offs - lo * VEC), mask=live)
+        for p in tl.static_range(P):
+            tl.store(_window(PEERS, p, T) + at + offs, v, mask=live)
+
+
 @triton.jit(do_not_specialize=["lo", "hi", "total", "rank", "half"])
 def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, half, P: tl.constexpr,
                    VECS: tl.constexpr, VEC: tl.constexpr, PUSH: tl.constexpr,
                    COPY: tl.constexpr, SYNC: tl.constexpr):
-    step = tl.num_programs(0) * VECS
     T = OUT.dtype.element_ty
     epoch = _epoch(PADS, rank, P)
     at = (epoch & 1) * half  # this call's half of every window (elements)
     if PUSH:
-        for s in range(_first_chunk(lo, VECS), hi, step):
-            vecs, offs = _chunk(s, VECS, VEC)
-            live = ((vecs >= lo) & (vecs < hi))[:, None]
-            v = tl.load(X + (offs - lo * VEC), mask=live)
-            for p in tl.static_range(P):
-                tl.store(_window(PEERS, p, T) + at + offs, v, mask=live)
+        _push(X, PEERS, lo, hi, at, P, VECS, VEC)
     if SYNC:
         _signal_peers(PADS, rank, epoch, P)
     if COPY:  # (.cg: the peers wrote the window, so it is read past this SM's L1)
@@ -205,13 +212,8 @@ def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
     T = Y.dtype.element_ty
     epoch = _epoch(PADS, rank, P)
     at = (epoch & 1) * half  # this call's half of every window (elements)
-    if PUSH:
-        for s in range(tl.program_id(0) * VECS, total, step):
-            vecs, offs = _chunk(s, VECS, VEC)
-            live = (vecs < total)[:, None]
-            v = tl.load(Y + offs, mask=live)
-            for p in tl.static_range(P):
-                tl.store(_window(PEERS, p, T) + at + rank * total * VEC + offs, v, mask=live)
+    if PUSH:  # into slot [rank] of this call's half
+        _push(Y, PEERS, 0, total, at + rank * total * VEC, P, VECS, VEC)
     if SYNC:
         _signal_peers(PADS, rank, epoch, P)
     if SUM:  # (.cg: the peers wrote the window)
