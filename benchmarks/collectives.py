@@ -39,7 +39,7 @@ RANKS_TIMEOUT_S = 900
 METHOD = """\
 Per call on each rank, µs, as CUDA-graph replays (ten calls in a graph, the median of 30
 replays after a barrier). One-shot: the engine's path on symmetric memory
-(kernels/comm/one_shot.py, one launch each with the peers' barriers inside); torch: the
+(kernels/comm/one_shot.py, one launch each, synchronising with the peers inside); torch: the
 all-reduce as torch's one_shot_all_reduce_out after a copy into the window (bf16 and fp32
 only). NCCL: the same calls without the window. Bytes: the whole tensor, all ranks' rows
 (what --symm-comm-max-bytes bounds). The crossover: the largest size up to which the one-shot

@@ -1,4 +1,4 @@
-"""One-shot collectives on symmetric memory: one launch each, the peers' barriers inside it.
+"""One-shot collectives on symmetric memory: one launch each, synchronising with the peers inside.
 
 Every rank of the axis owns a window (a symmetric buffer) that every peer can load from and
 store into; PEERS holds each rank's window address, PADS each rank's signal pad (torch's
