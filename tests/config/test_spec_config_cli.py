@@ -186,3 +186,20 @@ def test_deepseek_v3_on_8x80gb_shows_plan_then_error_and_exits_nonzero():
 def test_missing_model_is_a_clear_cli_error(capsys):
     assert main(["plan", "--model", "/no/such/model"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dp, device, want", [
+    (1, "cuda", "none"),  # replicated rows: the gather path, one all-reduce
+    (2, "cuda", "nvlink"),  # DP attention: each rank's own rows travel one-sided
+    (2, "cpu", "all_to_all"),
+    (1, "cpu", "none")])
+def test_auto_exchanges_tokens_only_under_dp_attention(dp, device, want):
+    cfg = EngineConfig(model="preset:qwen3-30b-a3b", tp_size=2, ep_size=2, dp_size=dp,
+                       enable_dp_attention=dp > 1, moe_a2a_backend="auto", device=device,
+                       gpu_memory_gb=80)
+    plan = build_plan(cfg)
+    assert plan.ok, plan.errors
+    assert plan.backends.a2a == want and plan.layout.a2a == (want != "none")
+    # ep < tp never exchanges: experts are split, and the gather path sums them
+    assert not EngineConfig(model="preset:qwen3-30b-a3b", tp_size=2, ep_size=1,
+                            moe_a2a_backend="auto").a2a_enabled
