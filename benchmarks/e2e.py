@@ -277,10 +277,13 @@ def engine_notes(ours: dict[str, Any]) -> list[str]:
     prof = ours.get("profile_batch1", {})
     if "top" in prof:
         body += ["", f"Batch-1 graph step under torch.profiler: {prof['kernels_per_step']:.0f} "
-                 f"kernels, {prof['kernel_ms_per_step']:.2f} ms of summed kernel time; the "
-                 "largest:", ""]
-        body += table(["kernel", "ms/step", "launches/step"],
-                      [[f"`{k['name'][:60]}`", f"{k['ms']:.3f}", k["calls"]] for k in prof["top"]])
+                 f"kernels, the device busy {prof['busy_ms_per_step']:.2f} ms (their spans "
+                 f"summed: {prof['kernel_ms_per_step']:.2f} ms; under PDL a kernel's span "
+                 "holds its wait for the one before, its exclusive time does not); the "
+                 "largest by exclusive time:", ""]
+        body += table(["kernel", "exclusive ms/step", "span ms/step", "launches/step"],
+                      [[f"`{k['name'][:60]}`", f"{k['ms']:.3f}", f"{k['span_ms']:.3f}",
+                        k["calls"]] for k in prof["top"]])
     if ours.get("prefill"):
         body += ["", "One prefill (CUDA events; host = the model call):", ""]
         body += table(["tokens", "eager device ms", "eager host ms", "prefill graphs device ms",

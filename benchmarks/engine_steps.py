@@ -159,23 +159,24 @@ def replay_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> Optional[flo
 
 
 def kernel_profile(runner: Any, ctx: int, top: int = 12) -> dict[str, Any]:
-    """Kernels of one batch-1 graph decode step under torch.profiler: launches and summed
-    device time per step, the largest by time."""
+    """Kernels of one batch-1 graph decode step under torch.profiler: launches, the device's
+    busy time and the kernels' spans summed per step (under PDL the spans overlap:
+    step_profile.exclusive_times), the largest by exclusive time."""
     from torch.profiler import ProfilerActivity, profile
+
+    from moeserve.runtime.step_profile import exclusive_times, kernel_spans
 
     decode_ms(runner, 1, ctx, True, 2)  # warm
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_ms(runner, 1, ctx, True, 1)
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            kernels.setdefault(ev.name[:90], []).append(ev.device_time / 1e3)
+    times = exclusive_times(kernel_spans(prof.events()))
     steps = 6  # decode_ms ran 5 warm-up steps and 1 timed
-    largest = sorted(((sum(v) / steps, len(v) // steps, k) for k, v in kernels.items()),
-                     reverse=True)[:top]
-    return {"kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
-            "kernel_ms_per_step": sum(sum(v) for v in kernels.values()) / steps,
-            "top": [{"name": n, "ms": ms, "calls": c} for ms, c, n in largest]}
+    largest = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels_per_step": sum(t[2] for t in times.values()) / steps,
+            "busy_ms_per_step": sum(t[0] for t in times.values()) / steps / 1e3,
+            "kernel_ms_per_step": sum(t[1] for t in times.values()) / steps / 1e3,
+            "top": [{"name": n[:90], "ms": t[0] / steps / 1e3, "span_ms": t[1] / steps / 1e3,
+                     "calls": int(t[2]) // steps} for n, t in largest]}
 
 
 @torch.inference_mode()

@@ -122,9 +122,10 @@ def _fp8_results(fp8_ms: dict[str, float], bf16_ms: dict[str, float]) -> dict:
             "ours_fp8": {"decode_ms": fp8_ms, "startup_s": 21.0,
                          "backends": ["triton", "triton"], "graph_buckets": [1, 2, 4, 256],
                          "replay_ms": {"1": 1.1}, "eager_ms": {"1": 30.0},
-                         "profile_batch1": {"kernels_per_step": 500, "kernel_ms_per_step": 1.0,
+                         "profile_batch1": {"kernels_per_step": 500, "busy_ms_per_step": 0.8,
+                                            "kernel_ms_per_step": 1.0,
                                             "top": [{"name": "fused_moe_fp8", "ms": 0.5,
-                                                     "calls": 48}]}}}
+                                                     "span_ms": 0.7, "calls": 48}]}}}
 
 
 def test_fp8_section_from_made_up_measurements(tmp_path):
@@ -156,7 +157,8 @@ def test_fp8_section_from_made_up_measurements(tmp_path):
             "at 0.60x the bf16 step (at most 0.65: met); batch 64 at 1.30x its FP8 floor (at "
             "most 1.25: missed).") in text
     assert "startup 21 s; bf16: backends ['triton', 'triton'], startup 14 s." in text
-    assert "`fused_moe_fp8` | 0.500 | 48" in text and "batch 1 1.10 ms" in text
+    assert "`fused_moe_fp8` | 0.500 | 0.700 | 48" in text and "batch 1 1.10 ms" in text
+    assert "500 kernels, the device busy 0.80 ms (their spans summed: 1.00 ms;" in text
     # beside the bf16 section, not in its place
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n\n## End to end\n\nbf16 numbers\n\n"

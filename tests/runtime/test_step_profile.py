@@ -76,3 +76,25 @@ def test_a_window_on_demand_profiles_the_forwards_after_the_skip(tmp_path, monke
     assert all(o["error"] is None for o in out)
     kernels = (tmp_path / "rank0_kernels.txt").read_text().splitlines()
     assert kernels[0].startswith("rank 0: 4 forwards (4 decode); "), kernels[0]
+
+
+def test_exclusive_times_count_an_overlap_once_per_stream():
+    """Under PDL a kernel starts while the one before runs and waits: its span holds the
+    other's tail, its exclusive time does not; the exclusive times sum to the busy time."""
+    from moeserve.runtime.step_profile import exclusive_times, kernel_table
+
+    s0, s1 = (0, 7), (0, 8)
+    spans = [(s0, 0.0, 10.0, "a"),  # a runs 0-10
+             (s0, 4.0, 14.0, "b"),  # b placed at 4, waits for a: 4 us its own
+             (s0, 5.0, 9.0, "c"),  # inside b's span entirely: nothing its own
+             (s0, 20.0, 25.0, "a"),  # after a gap
+             (s1, 2.0, 6.0, "b")]  # another stream: its own busy time
+    t = exclusive_times(spans)
+    assert t["a"] == [15.0, 15.0, 2] and t["c"] == [0.0, 4.0, 1]
+    assert t["b"] == [4.0 + 4.0, 10.0 + 4.0, 2]
+    assert sum(v[0] for v in t.values()) == 14.0 + 5.0 + 4.0  # the union, stream by stream
+    lines = kernel_table(t, 2, "rank 0: 2 forwards (2 decode); ")
+    assert lines[0] == ("rank 0: 2 forwards (2 decode); device busy time per forward 11.5 us "
+                        "(the kernels' exclusive times; their spans summed: 16.5 us)")
+    assert [ln.split()[-1] for ln in lines[2:]] == ["a", "b", "c"]  # most exclusive first
+    assert lines[2].split()[:3] == ["7.5", "7.5", "1.0"]

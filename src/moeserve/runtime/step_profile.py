@@ -8,8 +8,9 @@ Off unless the environment names a folder (the worker processes inherit it):
                                          # (decode, prefill, idle)
     MOESERVE_PROFILE_KERNELS=200:50      # forwards 200..249 under torch.profiler:
                                          # rank{r}_kernels.txt, device time per kernel per
-                                         # forward (host time per op on a CPU); these
-                                         # forwards are left out of the phases
+                                         # forward, exclusive and span (exclusive_times;
+                                         # host time per op on a CPU); these forwards are
+                                         # left out of the phases
 
 or, with the folder set, Engine.profile_kernels(count, skip) at any time: every rank profiles
 the same window, `count` forwards after the next `skip` (tools take a window of a pass that
@@ -123,20 +124,17 @@ class StepProfile:
         prof, self.torch_profiler = self.torch_profiler, None
         prof.__exit__(None, None, None)
         steps = max(1, self.window_steps)
-        rows = []
-        field = "self_device_time_total" if self.on_device else "self_cpu_time_total"
-        for e in prof.key_averages():
-            us = getattr(e, field, 0.0) or 0.0
-            if us > 0:
-                rows.append((us / steps, e.count / steps, e.key))
-        rows.sort(reverse=True)
-        total = sum(r[0] for r in rows)
-        where = "device" if self.on_device else "host (no GPU)"
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.window_kinds.items()))
-        lines = [f"rank {self.rank}: {steps} forwards ({kinds}); {where} time per forward "
-                 f"{total:.1f} us (self times summed)",
-                 f"{'us/forward':>11} {'calls/forward':>13}  name"]
-        lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]
+        head = f"rank {self.rank}: {steps} forwards ({kinds}); "
+        if self.on_device:
+            lines = kernel_table(exclusive_times(kernel_spans(prof.events())), steps, head)
+        else:
+            rows = sorted(((e.self_cpu_time_total / steps, e.count / steps, e.key)
+                           for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                          reverse=True)
+            lines = [head + f"host (no GPU) time per forward {sum(r[0] for r in rows):.1f} us "
+                     "(self times summed)", f"{'us/forward':>11} {'calls/forward':>13}  name"]
+            lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]
         (self.folder / f"rank{self.rank}_kernels.txt").write_text("\n".join(lines) + "\n")
 
     def summary(self) -> dict[str, Any]:
@@ -155,6 +153,54 @@ class StepProfile:
             self._write_kernels()
         path = self.folder / f"rank{self.rank}_steps.json"
         path.write_text(json.dumps(self.summary(), indent=1))
+
+
+Span = tuple[Any, float, float, str]  # (stream, start us, end us, name) of a device kernel
+
+
+def kernel_spans(events: Any) -> list[Span]:
+    """The device kernels (and copies) among torch.profiler's events, each with its stream."""
+    import torch
+
+    return [((getattr(ev, "device_index", 0), getattr(ev, "device_resource_id", 0)),
+             float(ev.time_range.start), float(ev.time_range.end), ev.name)
+            for ev in events
+            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0]
+
+
+def exclusive_times(spans: list[Span]) -> dict[str, list[float]]:
+    """Per name: [exclusive us, span us, count] summed over its kernels. A kernel's exclusive
+    time is the part of its span that no kernel started before it on its stream still covers.
+    Under PDL a kernel is placed while the one before it runs and waits at its gate, so its
+    span holds the other's tail: the spans summed exceed the device's busy time, the
+    exclusive times sum to it (the union of the spans, stream by stream)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    streams: dict[Any, list[Span]] = defaultdict(list)
+    for span in spans:
+        streams[span[0]].append(span)
+    for kernels in streams.values():
+        covered = float("-inf")  # the end of the latest span so far
+        for _, start, end, name in sorted(kernels, key=lambda k: (k[1], k[2])):
+            row = out[name]
+            row[0] += max(0.0, end - max(start, covered))
+            row[1] += end - start
+            row[2] += 1
+            covered = max(covered, end)
+    return dict(out)
+
+
+def kernel_table(times: dict[str, list[float]], steps: int, head: str,
+                 top: int = 60) -> list[str]:
+    """The report of exclusive_times over `steps` forwards, most exclusive time first."""
+    busy = sum(t[0] for t in times.values()) / steps
+    spans = sum(t[1] for t in times.values()) / steps
+    lines = [head + f"device busy time per forward {busy:.1f} us (the kernels' exclusive "
+             f"times; their spans summed: {spans:.1f} us)",
+             f"{'excl us/fwd':>11} {'span us/fwd':>11} {'calls/forward':>13}  name"]
+    rows = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    lines += [f"{t[0] / steps:11.1f} {t[1] / steps:11.1f} {t[2] / steps:13.1f}  {name[:120]}"
+              for name, t in rows]
+    return lines
 
 
 def _pct(values: list[float], q: float) -> float:
