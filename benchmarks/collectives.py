@@ -9,7 +9,7 @@ of parallel/collectives.py, in one run; where NCCL starts to win, per op.
 
 Each rank times every collective as CUDA-graph replays (ten calls back to back per replay,
 after a barrier, between CUDA events: the median of 30 replays, per call; a2a.timed), on a
-window for the largest tensor (one_shot.window_bytes), so that the one-shot path runs at every
+window for the largest tensor (kernels/comm/layout.window_bytes), so that the one-shot path runs at every
 size. The
 all-gather's rows are split over the ranks as a scattered layer's are (ceil(rows / ranks) a
 rank, the last ones fewer), into a buffer as the plan's; the reduce-scatter's and the
@@ -80,7 +80,7 @@ def measure(rank: int, world: int, rows: list[int], hidden: int, dtype: torch.dt
     import torch.distributed as dist
 
     from benchmarks.a2a import timed
-    from moeserve.kernels.comm.one_shot import window_bytes
+    from moeserve.kernels.comm.layout import window_bytes
     from moeserve.parallel import collectives as C
     from moeserve.parallel.groups import Axis
     from moeserve.parallel.symm_comm import SymmetricCollectives

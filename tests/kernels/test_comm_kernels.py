@@ -13,7 +13,7 @@ from interpreter import run_interpreted
 
 KERNELS = r"""
 import torch
-from moeserve.kernels.comm import one_shot as O
+from moeserve.kernels.comm import layout as L, one_shot as O
 from moeserve.parallel.collectives import block_offsets
 from moeserve.parallel.symm_comm import _bytes
 
@@ -24,10 +24,10 @@ class Ranks:
     # p ranks' windows (window_bytes(most, p) each, filled with 7) and signal pads
 
     def __init__(self, p, most):
-        self.p, self.nbytes = p, O.window_bytes(most, p)
+        self.p, self.nbytes = p, L.window_bytes(most, p)
         self.wins = [torch.full((self.nbytes,), 7, dtype=torch.uint8) for _ in range(p)]
         self.peers = torch.tensor([w.data_ptr() for w in self.wins])
-        self.pad = [torch.zeros(O.pad_slots(p), dtype=torch.int32) for _ in range(p)]
+        self.pad = [torch.zeros(L.pad_slots(p), dtype=torch.int32) for _ in range(p)]
         self.pads = torch.tensor([t.data_ptr() for t in self.pad])
 
     def epoch(self, r):  # rank r's epoch, and its count of programs that finished the call
@@ -156,5 +156,8 @@ def test_the_grid_counts_bytes_so_every_rank_has_the_same():
     assert O._vec(1, 3, 16) == 1 and O._vec(4, 2, 4) == 2
     # a window: two halves of P slots of the largest collective; the pads hold the barriers'
     # slots, then the pushing collectives' flags and epochs
-    assert O.window_bytes(4096, 2) == 16384 and O.window_bytes(4096, 4) == 32768
-    assert O.pad_slots(4) == 2 * O.MAX_PROGRAMS * 4
+    from moeserve.kernels.comm import layout as L
+
+    assert L.window_bytes(4096, 2) == 16384 and L.window_bytes(4096, 4) == 32768
+    assert L.max_collective_bytes(16384, 2) == 4096
+    assert L.pad_slots(4) == 2 * O.MAX_PROGRAMS * 4

@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from moeserve.kernels.comm.layout import max_collective_bytes, pad_slots
 from moeserve.parallel.groups import Axis
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
 
@@ -78,7 +79,6 @@ class SymmetricCollectives:
             raise RuntimeError(f"GPU {buf.device.index} cannot reach GPUs {far} directly (no "
                                "NVLink or P2P mapping) for the one-shot collectives: use "
                                "--symm-comm-max-bytes 0 (NCCL for every collective)")
-        from moeserve.kernels.comm.one_shot import pad_slots
         from moeserve.parallel.symmetric import signal_pad_bytes
 
         if pad_slots(axis.size) * 4 > signal_pad_bytes():
@@ -94,8 +94,8 @@ class SymmetricCollectives:
     @property
     def max_bytes(self) -> int:
         """The largest collective (its full tensor) that runs here: the window holds two
-        halves of P of them (one_shot.window_bytes)."""
-        return self.window_nbytes // (2 * self.axis.size)
+        halves of P of them (kernels/comm/layout.py)."""
+        return max_collective_bytes(self.window_nbytes, self.axis.size)
 
     def takes(self, nbytes: int, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether a collective of `nbytes` (a reduction of `dtype`) runs here."""

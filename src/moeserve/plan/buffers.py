@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from moeserve.kernels.attention import tiles as AT
+from moeserve.kernels.comm.layout import window_bytes
 from moeserve.config.quant import FP8_DTYPE
 from moeserve.config.spec import ModelSpec
 from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
@@ -252,12 +253,12 @@ def comm_records(spec: ModelSpec, layout: ParallelLayout, max_bytes: int) -> lis
     exchanges anything: a collective whose full tensor (an all-reduce's input, an all-gather's
     output, a reduce-scatter's input, all ranks' rows, unpadded) fits runs in it, a larger one
     on NCCL. None where max_bytes is 0 (across nodes, on a CPU, or turned off). A window is
-    two halves of P slots of max_bytes (kernels/comm/one_shot.window_bytes: the pushing
+    two halves of P slots of max_bytes (kernels/comm/layout.window_bytes: the pushing
     collectives alternate halves, and the all-reduce stores its whole tensor into each rank)."""
     if not max_bytes:
         return []
     sizes = {"attn_tp": layout.attn_tp, "world": layout.tp}
-    return [BufferRecord(f"comm.symm.{axis}", (2 * sizes[axis] * max_bytes,), "uint8",
+    return [BufferRecord(f"comm.symm.{axis}", (window_bytes(max_bytes, sizes[axis]),), "uint8",
                          f"2 x {axis} ({sizes[axis]}) x --symm-comm-max-bytes (the largest "
                          f"one-shot collective over {axis}, all ranks' rows) [symmetric]",
                          ("--symm-comm-max-bytes",), True)

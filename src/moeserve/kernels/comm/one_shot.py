@@ -32,7 +32,7 @@ from this rank's window), and it stages in the first half, which the pushing col
 only a call later. The pushing collectives leave a peer reading only its own window, which a
 barrier of the next reduce-scatter waits for.
 
-Window layout (bytes, `window_bytes(max, P)`): two halves of P x max each. The gather's
+Window layout (bytes, `window_bytes(max, P)`, kernels/comm/layout.py): two halves of P x max each. The gather's
 tensor (at most max) sits at the start of a half, the all-reduce's P slots of its tensor one
 after another, the reduce-scatter's staged tensor at the start of the window.
 
@@ -64,8 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.comm.layout import MAX_PROGRAMS
+
 CHUNK_BYTES = 8192  # what one program moves per step of its loop; programs own whole chunks
-MAX_PROGRAMS = 32  # below the SM count of every GPU this runs on: all programs resident at once
 NUM_WARPS = 4
 _FLAGS = tl.constexpr(MAX_PROGRAMS)  # the kernels' name for it: where the flag slots start
 
@@ -73,17 +74,6 @@ _FLAGS = tl.constexpr(MAX_PROGRAMS)  # the kernels' name for it: where the flag 
 def programs(nbytes: int) -> int:
     """G for a collective over a full tensor of nbytes: the same on every rank."""
     return max(1, min(MAX_PROGRAMS, triton.cdiv(nbytes, CHUNK_BYTES)))
-
-
-def window_bytes(max_bytes: int, peers: int) -> int:
-    """A window's bytes for collectives of up to max_bytes over `peers` ranks: two halves of
-    `peers` slots (the all-reduce pushes its whole tensor into a slot of every rank)."""
-    return 2 * peers * max_bytes
-
-
-def pad_slots(peers: int) -> int:
-    """int32 slots of a signal pad that the collectives use: the barriers', then the flags."""
-    return 2 * MAX_PROGRAMS * peers
 
 
 @triton.jit

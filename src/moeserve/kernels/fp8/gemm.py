@@ -156,6 +156,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, strid
              mask=col_ok)
 
 
+def gemv_takes(rows: int, block: tuple[int, int]) -> bool:
+    """Whether fp8_linear runs `rows` rows as the GEMV: a few rows, and scale groups along K
+    that a step's tile holds whole (a power of two, at least 16 wide)."""
+    bk = block[1]
+    return rows <= GEMV_MAX_ROWS and bk >= 16 and bk & (bk - 1) == 0
+
+
 def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
              block: tuple[int, int], bias: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,7 +171,7 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     m, k = x_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
-    assert bk >= 16 and bk & (bk - 1) == 0, block
+    assert gemv_takes(0, block), block
     assert x_MK.stride(-1) == 1 and w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1
     out = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
     if m == 0:
@@ -270,10 +277,9 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     if x_TK.stride(-1) != 1:
         x_TK = x_TK.contiguous()
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
-    bk = block[1]
-    if x_TK.shape[0] <= GEMV_MAX_ROWS and bk >= 16 and bk & (bk - 1) == 0:
+    if gemv_takes(x_TK.shape[0], block):
         y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
     else:
-        xq, xs = quantize_groups(x_TK, bk)
+        xq, xs = quantize_groups(x_TK, block[1])
         y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
     return y.view(*x.shape[:-1], w_NK.shape[0])
