@@ -65,7 +65,7 @@ def test_the_plan_has_a_window_per_axis_on_the_gpus_of_one_node():
     assert plan.ok, plan.errors
     comm = {r.name: r for r in plan.buffers if r.name.startswith("comm.")}
     assert set(comm) == {"comm.symm.attn_tp", "comm.symm.world"}
-    for rec in comm.values():  # two halves of a slot per rank (one_shot.window_bytes)
+    for rec in comm.values():  # two halves of a slot per rank (layout.window_bytes)
         assert rec.symmetric and rec.shape == (2 * 2 * SYMM_COMM_MAX_BYTES,)
         assert rec.dtype == "uint8" and rec.knobs == ("--symm-comm-max-bytes",)
     assert plan.backends.symm_comm_max_bytes == SYMM_COMM_MAX_BYTES
