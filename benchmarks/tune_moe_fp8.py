@@ -43,18 +43,17 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
 
 
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
-    """GEMV tiles by the fp8 rules whose accumulators take 16..64 registers a thread."""
+    """Decode tiles by the fp8 rules (a K step whole groups, down's one group; the products
+    reduced a step) whose weight tiles take 8..64 fp8 values a thread."""
     if gemm == "gate_up":
-        # whole groups (quantized in the epilogue) or a divisor of one (quantized after)
-        space = itertools.product((16, 32, 64, GROUP), (32, 64, 128), (4, 8))
+        space = itertools.product((4, 8, 16, 32), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
     else:
         tk = 1 << (top_k - 1).bit_length()
-        space = itertools.product((4, 8, 16, 32), (32, 64, 128), (2, 4, 8))
+        space = itertools.product((2, 4, 8, 16), (GROUP,), (4, 8))
         elems = lambda bn, bk: tk * bn * bk  # noqa: E731
-    prefetch = ({}, {"PREFETCH": 1}) if gemm == "gate_up" else ({},)
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, **pf} for bn, bk, w in space
-            for pf in prefetch if 16 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
+            if 8 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
 
 
 def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
@@ -116,7 +115,6 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
 
 def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
     """cfg plus the best GEMV tiles when the GEMV path times faster as a graph replay."""
-    from moeserve.kernels.fp8.gemm import quantize_groups
     from moeserve.kernels.moe.decode_moe_fp8 import decode_down_fp8, decode_gate_up_fp8
     from moeserve.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 
@@ -125,14 +123,14 @@ def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
     calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
               torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
               torch.rand(n, k, device=DEVICE)) for _ in range(4)]
-    quant = [quantize_groups(x, GROUP) for x, _, _ in calls]
     t_up, up = best_in_graph("decode gate_up", lambda c: [
-        lambda q=q, i=i: decode_gate_up_fp8(*q, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, c)
-        for q, (_, i, _) in zip(quant, calls)], gemv_candidates("gate_up", k))
-    hs = [decode_gate_up_fp8(*q, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, up)
-          for q, (_, i, _) in zip(quant, calls)]
+        lambda x=x, i=i: decode_gate_up_fp8(x, None, w13, w13_s, i.view(-1), k, 0, "silu",
+                                            BLOCK, c)
+        for x, i, _ in calls], gemv_candidates("gate_up", k))
+    hs = [decode_gate_up_fp8(x, None, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, up).clone()
+          for x, i, _ in calls]
     t_down, dn = best_in_graph("decode down", lambda c: [
-        lambda hb=hb, i=i, wt=wt: decode_down_fp8(*hb, w2, w2_s, i.view(-1), wt.view(-1), n, k,
+        lambda hb=hb, i=i, wt=wt: decode_down_fp8(hb, w2, w2_s, i.view(-1), wt.view(-1), n, k,
                                                   0, BLOCK, c, torch.bfloat16)
         for hb, (_, i, wt) in zip(hs, calls)], gemv_candidates("down", k))
     decode = {**cfg, "decode": {"gate_up": up, "down": dn}}

@@ -48,9 +48,9 @@ def test_fp8_tile_rules():
                                      quant_block=(128, group))
             configs.validate(cfg, "defaults", group)
             assert cfg["gate_up"]["BLOCK_N"] % group == 0
-            if "decode" in cfg:  # the GEMV's tile: whole groups or a divisor of one
-                up_n = cfg["decode"]["gate_up"]["BLOCK_N"]
-                assert up_n % group == 0 or group % up_n == 0
+            for g, c in cfg.get("decode", {}).items():  # whole groups a K step
+                assert c["BLOCK_K"] % group == 0 and c["BLOCK_N"] & (c["BLOCK_N"] - 1) == 0
+                assert g == "gate_up" or c["BLOCK_K"] == group  # down: one group a step
     bad = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                                       "num_warps": 4, "num_stages": 3},
            "down": {"BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
@@ -60,6 +60,17 @@ def test_fp8_tile_rules():
     msg = str(err.value)
     assert "gate_up.BLOCK_N 64 is not a multiple" in msg and "down.BLOCK_K 256" in msg
     assert "down sets WS" in msg and "tune-moe --fp8" in msg
+    decode = {"gate_up": {"BLOCK_N": 24, "BLOCK_K": 384, "num_warps": 4, "PREFETCH": 1},
+              "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}}
+    with pytest.raises(ValueError) as err:
+        configs.validate({**bad, "down": {**bad["down"], "BLOCK_K": 128, "WS": 0},
+                          "gate_up": {**bad["gate_up"], "BLOCK_N": 128}, "decode": decode},
+                         "t.json", 128)
+    msg = str(err.value)
+    assert "decode.gate_up.BLOCK_N 24 is not a power of two" in msg, msg
+    assert "decode.gate_up.BLOCK_K 384 is not a power-of-two multiple" in msg, msg
+    assert "decode.down.BLOCK_K 256 is not the scale group 128" in msg, msg
+    assert "decode.gate_up sets PREFETCH" in msg, msg
     assert configs.table_dtype(torch.bfloat16, (128, 128)) == "fp8_w8a8_128x128"
     assert configs.table_dtype(torch.bfloat16) == "bfloat16"
     assert configs.fp8_group("fp8_w8a8_128x64") == 64 and configs.fp8_group("bfloat16") is None
@@ -122,11 +133,16 @@ def run(tri, x, ids, w, cfg, x_scale=None, ws=None):
                                 tri.quant.block, cfg, torch.float32, ws)
 
 
-# the grouped GEMMs and the GEMVs against the reference runner's W8A8 path: scale groups of 16
-# and of 32 (BLOCK_K 16 dividing it), H not a multiple of the group, gate_up tiles of one and
-# of two groups, TMA weights, half tiles, the top-k summed by atomics in down; EP ranks, -1 ids
-gemv = {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4},
-        "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
+# the grouped GEMMs and the decode kernels against the reference runner's W8A8 path: scale
+# groups of 16 and of 32 (BLOCK_K 16 dividing it), H not a multiple of the group, gate_up
+# tiles of one and of two groups, TMA weights, half tiles, the top-k summed by atomics in
+# down; decode tiles wider and narrower than the group; EP ranks, -1 ids
+def decode_cfg(group, up_n=16, up_k=1, down_n=8):
+    return {"gate_up": {"BLOCK_N": up_n, "BLOCK_K": up_k * group, "num_warps": 4},
+            "down": {"BLOCK_N": down_n, "BLOCK_K": group, "num_warps": 2}}
+
+
+gemv = decode_cfg(16)
 cases = [
     ((16, 16), "silu", {"BLOCK_M": 16, "gate_up": gemm_cfg(16, 16), "down": gemm_cfg(16, 16)}),
     ((16, 32), "gelu", {"BLOCK_M": 16, "gate_up": gemm_cfg(32, 16),
@@ -134,10 +150,8 @@ cases = [
     ((16, 16), "silu", {"BLOCK_M": 32, "gate_up": gemm_cfg(32, 16, TMA=1, HALF_TAIL=1),
                         "down": gemm_cfg(16, 16, HALF_TAIL=1, ATOMIC_SUM=1)}),
     ((32, 16), "silu", {"decode": gemv}),
-    ((16, 32), "gelu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 64}}}),
-    # a GEMV gate_up tile below the group: its float32 product quantized after it
-    ((16, 32), "silu", {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8,
-                                                        "PREFETCH": 1}}}),
+    ((16, 32), "gelu", {"decode": decode_cfg(32, up_n=64, up_k=2, down_n=2)}),
+    ((16, 16), "silu", {"decode": decode_cfg(16, up_n=4, up_k=4, down_n=16)}),
 ]
 for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64),
                                                                     ((2, 1), 40)]):
@@ -184,8 +198,7 @@ assert torch.allclose(hs[rows], want_s, rtol=1e-5, atol=0)
 spec = make_spec(e=8, k=2, h=48, i=64)
 tri = make_fp8_experts("triton", spec, 2, 1, block, seed=7)
 grouped = {"BLOCK_M": 16, "gate_up": gemm_cfg(16, 16), "down": gemm_cfg(16, 16)}
-split = {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 8}}  # its product in act_f32
-for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, {"decode": split})]:
+for n, cfg in [(30, grouped), (3, {"decode": gemv})]:  # decode: its product in act_f32
     p = n * 2
     def workspace(short=0):
         b = max(max_blocks(p, m, 4) for m in BLOCK_MS)
@@ -195,7 +208,8 @@ for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, {"decode": split})]:
                          torch.empty(r, 64, dtype=R.FP8), torch.empty(p, 48),
                          torch.empty(align_scratch_len(p, 4), dtype=torch.int32),
                          act_scale=torch.empty(r, 4), input=torch.empty(n, 48, dtype=R.FP8),
-                         input_scale=torch.empty(n, 3), act_f32=torch.empty(p, 64))
+                         input_scale=torch.empty(n, 3),
+                         act_f32=torch.empty(p - (short > 0), 64))
     x = torch.randn(n, 48)
     ids, w = routing(n, 2, 8, "skewed", seed=n)
     assert torch.equal(run(tri, x, ids, w, cfg, ws=workspace()), run(tri, x, ids, w, cfg))
@@ -208,7 +222,7 @@ for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, {"decode": split})]:
         raise AssertionError("a workspace too small was taken")
 # tiles that break the fp8 rules are refused at launch, naming the rule
 for bad in ({"BLOCK_M": 16, "gate_up": gemm_cfg(16, 32), "down": gemm_cfg(16, 16)},
-            {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_N": 24}}}):
+            {"decode": {**gemv, "gate_up": {**gemv["gate_up"], "BLOCK_K": 24}}}):
     try:
         run(tri, x, ids, w, bad)
     except ValueError as exc:

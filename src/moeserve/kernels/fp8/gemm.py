@@ -10,12 +10,14 @@ float32. Decode-sized steps take 16-row tiles, prefills 64/128-row ones; the col
 narrowed (down to 16) until the weight streams through about two programs an SM.
 
 Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, in one launch
-with the quantizer inside it: each program streams GEMV_BLOCK_N rows of the weight along K,
+with the quantizer inside it: each program streams BLOCK_N rows of the weight along K,
 quantizes each group of the activation row itself (the quantizer's arithmetic, so the same
 codes and scales), and accumulates codes x scales x weight x block scale in float32 on CUDA
-cores, reduced over K once at the end; a step takes several groups (GEMV_K columns), so that
-a row is few steps of a latency-bound loop. A 16-row MMA tile would waste 15 of its rows there,
-and the separate quantizer launch costs as much as the product.
+cores; a step takes several groups (a quarter of K, gemv_tiles), so that a row is four steps
+of a latency-bound loop, with the next step's loads issued before this step's arithmetic, and
+reduces its products at once, so that the registers hold tiles in flight rather than
+accumulators. A 16-row MMA tile would waste 15 of its rows there, and the separate quantizer
+launch costs as much as the product.
 
 The kernels launch with PDL (kernels/launch/pdl.py), gated before their first load of what
 the kernel before wrote (the GEMV loads its first weight tile before the gate).
@@ -99,8 +101,16 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
 
 
 GEMV_MAX_ROWS = 2  # up to this many rows fp8_linear takes the GEMV
-GEMV_BLOCK_N = 16  # weight rows a GEMV program streams (one row through 2048 columns: 128)
-GEMV_K = 512  # columns a GEMV step takes (whole scale groups), so few steps a row
+GEMV_TILE = 8192  # weight bytes a GEMV program loads a step: BLOCK_N rows x its K step
+
+
+def gemv_tiles(k: int, bk: int) -> tuple[int, int]:
+    """(BLOCK_N, K step): a step takes a quarter of K (whole scale groups, 256 to 1024
+    columns), so a row is four steps; the rows fill GEMV_TILE bytes (H100, one row, cold
+    weights: 5120 x 2048 in 7.7 us with 16 x 512 tiles, 2048 x 4096 in 7.3 us with 8 x 1024,
+    where 16 x 512 takes 10.4)."""
+    step = max(bk, min(1024, max(256, triton.next_power_of_2(k) // 4)))
+    return max(1, GEMV_TILE // step), step
 
 
 @triton.jit
@@ -119,7 +129,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, strid
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # program (column block, row): BLOCK_N weight rows against one activation row, GROUPS
-    # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles
+    # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles, each
+    # step's products reduced at once (a [BLOCK_N] accumulator leaves the registers to the
+    # tiles in flight)
     pid_n, row = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     gs = tl.arange(0, GROUPS)
@@ -133,7 +145,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, strid
     pdl_gate(PDL)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     x = tl.load(x_row + k_in, mask=k_in < K, other=0.0)
-    acc = tl.zeros([BLOCK_N, GROUPS, BLOCK_K], dtype=tl.float32)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, GROUPS * BLOCK_K):
         g = k0 // BLOCK_K + gs
         w_s = tl.load(s_rows + g[None, :], mask=col_ok[:, None] & (g * BLOCK_K < K)[None, :],
@@ -144,9 +156,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, strid
                          mask=col_ok[:, None, None] & (nk < K)[None, :, :], other=0.0)
         x_next = tl.load(x_row + nk, mask=nk < K, other=0.0)
         xq = _quantized_groups(x.to(tl.float32))
-        acc += (w.to(tl.float32) * w_s[:, :, None]) * xq[None, :, :]
+        y += tl.sum(tl.sum(w.to(tl.float32) * xq[None, :, :], axis=2) * w_s, axis=1)
         w, x = w_next, x_next
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -178,13 +189,13 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
         return out
     res = residual if residual is not None else out
     assert res.stride(-1) == 1
-    grid = (triton.cdiv(n, GEMV_BLOCK_N), m)
+    block_n, step = gemv_tiles(k, bk)
+    grid = (triton.cdiv(n, block_n), m)
     _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
                            n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
-                           res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=GEMV_BLOCK_N,
-                           BLOCK_K=bk, GROUPS=max(1, GEMV_K // bk),
-                           HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                           num_warps=4, **pdl_args(x_MK.device))
+                           res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=block_n,
+                           BLOCK_K=bk, GROUPS=step // bk, HAS_BIAS=bias is not None,
+                           HAS_RES=residual is not None, num_warps=4, **pdl_args(x_MK.device))
     return out
 
 

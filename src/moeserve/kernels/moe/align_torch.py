@@ -39,7 +39,7 @@ class Workspace(NamedTuple):
     act_scale: Optional[torch.Tensor] = None  # [R, ceil(I/G)] float32
     input: Optional[torch.Tensor] = None  # [T, H] fp8
     input_scale: Optional[torch.Tensor] = None  # [T, ceil(H/G)] float32
-    act_f32: Optional[torch.Tensor] = None  # [P, I] float32, the GEMV gate_up's split product
+    act_f32: Optional[torch.Tensor] = None  # [P, I] float32, the decode gate_up's product
 
 
 # the records of every triton runner (the others are an fp8 runner's)

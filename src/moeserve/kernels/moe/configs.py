@@ -21,14 +21,15 @@ top-k sum pass: fused_moe.down_summed; the tuner tries it from 1024 tokens, so t
 steps keep bits that do not vary between runs). An entry with a "decode"
 key ({"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}) runs that size through the
 GEMV kernels of decode_moe.py instead of align + grouped GEMMs; its gate_up may set
-"PREFETCH": 1 (each K step loads the next chunk's tiles first); a num_stages in a decode
-entry changes nothing there (decode_moe._opts).
+"PREFETCH": 1 (each K step loads the next chunk's tiles first); a num_stages in a bf16
+decode entry changes nothing there (decode_moe._opts).
 FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keyed by
 `fp8_w8a8_{bn}x{bk}` in place of the dtype (table_dtype), and defaults of their own
 (fp8_default_config): BLOCK_K divides the scale group bk (one scale a K step) and gate_up's
-BLOCK_N is a multiple of it (its epilogue quantizes whole groups), or for the decode GEMV a
-divisor of it (its float32 product quantized after it); no "PAIRED" or "WS". A
-table may carry a "note" (a string, ignored).
+BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". Their
+"decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
+a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
+PREFETCH. A table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
 """
@@ -142,12 +143,8 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
                 "down": _gemm(128, 128, 8, 4, 3)}
     cfg: dict[str, Any] = {"BLOCK_M": base["BLOCK_M"], "gate_up": gemm(base["gate_up"], True),
                            "down": gemm(base["down"], False)}
-    if "decode" in base:
-        gemv_k = math.gcd(group, 64)
-        # gate_up 16 columns a program (split below the group, quantized after it) when
-        # 16 divides the group: whole-group tiles leave most SMs idle at a row or two
-        up_n = 16 if group % 16 == 0 else -(-16 // group) * group
-        cfg["decode"] = {"gate_up": _gemv(up_n, gemv_k, 4), "down": _gemv(16, gemv_k, 4)}
+    if "decode" in base:  # a K step a scale group (H100, batch 1: the fastest tiles)
+        cfg["decode"] = {"gate_up": _gemv(16, group, 4), "down": _gemv(8, group, 8)}
     return cfg
 
 
@@ -171,21 +168,42 @@ def load_tuned(num_local: int, hidden: int, inter: int, dtype: str, device_name:
     return {int(k): validate(v, str(path), group) for k, v in table.items() if k != "note"}
 
 
+def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
+                      decode: bool = False, one_group: bool = False) -> list[str]:
+    """What breaks the fp8 rules in one kernel's tiles: BLOCK_K must divide the scale group
+    (one scale a K step), or (decode: the decode kernels, which quantize whole groups a step)
+    be a power-of-two multiple of it (one_group: the group itself), with BLOCK_N a power of
+    two; a tile that quantizes its output (whole_groups) holds whole groups (BLOCK_N a
+    multiple of the group); no PAIRED or WS, nor a decode PREFETCH."""
+    bad = []
+    n, k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if decode:
+        groups = k // group if k % group == 0 else 0
+        if groups < 1 or groups & (groups - 1) or (one_group and groups != 1):
+            what = "the" if one_group else "a power-of-two multiple of the"
+            what += " scale group"
+            bad.append(f"BLOCK_K {k} is not {what} {group}")
+        if n < 1 or n & (n - 1):
+            bad.append(f"BLOCK_N {n} is not a power of two")
+    elif group % k:
+        bad.append(f"BLOCK_K {k} does not divide the scale group {group}")
+    if whole_groups and n % group:
+        bad.append(f"BLOCK_N {n} is not a multiple of the scale group {group}")
+    bad += [f"sets {key}, which has no fp8 kernel" for key in ("PAIRED", "WS") if cfg.get(key)]
+    if decode and cfg.get("PREFETCH"):
+        bad.append("sets PREFETCH, which has no fp8 kernel")
+    return bad
+
+
 def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
-    """The fp8 kernels' constraints (fused_moe_fp8.check_tiles checks them again at launch)."""
-    gemms = [("gate_up", cfg["gate_up"], True), ("down", cfg["down"], False)]
-    gemms += [(f"decode.{g}", cfg["decode"][g], g == "gate_up") for g in cfg.get("decode", ())]
-    bad = [f"{name}.BLOCK_K {c['BLOCK_K']} does not divide the scale group {group}"
-           for name, c, _ in gemms if group % c["BLOCK_K"]]
-    # the decode gate_up GEMV also takes a tile that divides the group (its product is
-    # quantized after it, decode_moe_fp8.py); the grouped gate_up quantizes whole groups
-    bad += [f"{name}.BLOCK_N {c['BLOCK_N']} is not a multiple of the scale group {group}"
-            + (" nor divides it" if name.startswith("decode") else "")
-            for name, c, whole in gemms
-            if whole and c["BLOCK_N"] % group
-            and not (name.startswith("decode") and group % c["BLOCK_N"] == 0)]
-    bad += [f"{name} sets {key}, which has no fp8 kernel" for name, c, _ in gemms
-            for key in ("PAIRED", "WS") if c.get(key)]
+    """The fp8 kernels' constraints (fp8_tiles.check_tiles checks them again at launch)."""
+    kernels = [("gate_up", cfg["gate_up"], True, False, False),
+               ("down", cfg["down"], False, False, False)]
+    kernels += [(f"decode.{g}", cfg["decode"][g], False, True, g == "down")
+                for g in cfg.get("decode", ())]
+    bad = [f"{name}.{p}" if p[0].isupper() else f"{name} {p}"
+           for name, c, whole, decode, one in kernels
+           for p in fp8_tile_problems(c, group, whole, decode, one)]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8.gemm import FP8_MAX, group_scale, round_e4m3
+from moeserve.kernels.moe.configs import fp8_tile_problems
 
 FP8 = torch.float8_e4m3fn
 
@@ -26,18 +27,9 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
 
 
 def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,
-                split: bool = False) -> None:
-    """BLOCK_K must divide the scale group (one scale a K step); a tile that quantizes its
-    output (whole_groups) holds whole groups: BLOCK_N a multiple of it, or (split: a kernel
-    whose product can be quantized after it) a divisor of it."""
-    bad = []
-    if group % cfg["BLOCK_K"]:
-        bad.append(f"BLOCK_K {cfg['BLOCK_K']} does not divide the scale group {group}")
-    if whole_groups and cfg["BLOCK_N"] % group and not (split and group % cfg["BLOCK_N"] == 0):
-        bad.append(f"BLOCK_N {cfg['BLOCK_N']} is not a multiple of the scale group {group}"
-                   + (" nor divides it" if split else ""))
-    if cfg.get("PAIRED") or cfg.get("WS"):
-        bad.append("PAIRED and WS have no fp8 kernel")
+                decode: bool = False, one_group: bool = False) -> None:
+    """The fp8 tile rules (configs.fp8_tile_problems), at launch."""
+    bad = fp8_tile_problems(cfg, group, whole_groups, decode, one_group)
     if bad:
         raise ValueError(f"fp8 MoE tile config for {what}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")

@@ -1,5 +1,5 @@
 """The fused MoE experts with block-scaled FP8 weights (W8A8): fused_moe.py's align and grouped
-GEMMs with fp8 operands, or decode_moe_fp8.py's two GEMVs for an entry with "decode".
+GEMMs with fp8 operands, or decode_moe_fp8.py's two launches for an entry with "decode".
 
 Legend as fused_moe.py; G = the activations' group (the weights' block_k), bn = the weights'
 block_n; w13_s [E, 2I/bn, ceil(H/G)] and w2_s [E, ceil(H/bn), I/G] float32 block scales.
@@ -231,15 +231,16 @@ def fused_experts_fp8(x_NH: torch.Tensor, x_scale: Optional[torch.Tensor], w13: 
     fp8 with its [N, ceil(H/G)] scales x_scale; the output in out_dtype."""
     num_local = w13.shape[0]
     n, k = topk_ids_NK.shape
+    ids = topk_ids_NK.to(torch.int32).contiguous()
+    weights = topk_weights_NK.to(torch.float32).contiguous().view(-1)
+    if "decode" in config:  # quantizes the rows itself
+        return decode_experts_fp8(x_NH.contiguous(), x_scale, w13, w13_s, w2, w2_s,
+                                  ids.view(-1), weights, k, first_expert, act, block,
+                                  config["decode"], out_dtype, ws)
     if x_scale is None:
         xq, xs = quantize_input(x_NH, block[1], ws)
     else:
         xq, xs = x_NH.contiguous(), x_scale.contiguous()
-    ids = topk_ids_NK.to(torch.int32).contiguous()
-    weights = topk_weights_NK.to(torch.float32).contiguous().view(-1)
-    if "decode" in config:
-        return decode_experts_fp8(xq, xs, w13, w13_s, w2, w2_s, ids.view(-1), weights, k,
-                                  first_expert, act, block, config["decode"], out_dtype, ws)
     blocks = align_triton(ids, first_expert, num_local, config["BLOCK_M"], ws)
     h, hs = gate_up(xq, xs, w13, w13_s, blocks, k, act, config["gate_up"], block, ws)
     hidden = w2.shape[1]
