@@ -291,6 +291,22 @@ def check_topk_softmax(device: str) -> None:
             assert max(abs(got[i] - ref[i]) for i in ref) < 1e-6
         ids, w16 = topk_softmax(logits, k, renorm, scale, m, torch.bfloat16)
         assert torch.equal(w16, w16.bfloat16().float())
+    # the same launch quantizing the MoE's rows (one row a program): the quantizer's bits,
+    # the top-k untouched; H not a multiple of the group, a row of zeros
+    from moeserve.kernels.fp8 import gemm
+    from moeserve.kernels.moe.router import quantizes_rows
+    assert quantizes_rows(11, 128) and not quantizes_rows(90, 128)
+    logits = torch.randn(11, 128, generator=gen).to(device)
+    x = (torch.randn(11, 200, generator=gen) * 3).to(device)
+    x[4] = 0
+    q = torch.empty(16, 200, dtype=torch.float8_e4m3fn, device=device)
+    sc = torch.empty(16, 4, device=device)
+    ids, w = topk_softmax(logits, 8, True, 1.0, 9, quantize=(x, 64, q[:11], sc[:11]))
+    want_q, want_s = gemm.quantize_groups(x, 64)
+    assert torch.equal(q[:11].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(sc[:11], want_s)
+    ids0, w0 = topk_softmax(logits, 8, True, 1.0, 9)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
 
 
 def check_router_topk(device: str, dtype: torch.dtype) -> None:

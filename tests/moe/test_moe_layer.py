@@ -247,3 +247,34 @@ def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
     y, want = (layers[r](x, exchange_step(n, state, plan)) for r in ("triton", "reference"))
     assert y.dtype == torch.bfloat16
     assert rel_err(y.float(), want.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3])
+def test_fp8_layer_takes_the_rows_the_router_quantized(n):
+    """fp8 experts on one GPU: the router's top-k launch quantizes the rows into the plan's
+    moe.runner.input (the experts then launch no quantizer), and the layer's output is the
+    one the experts' own quantizing gives, bit for bit."""
+    from moeserve.config import EngineConfig
+    from moeserve.config.quant import QuantSpec
+    from moeserve.kernels.fp8 import gemm
+
+    config = EngineConfig(model="preset:tiny", gpu_memory_gb=8, moe_runner_backend="triton",
+                          device="cuda", quantization="fp8", dtype="bfloat16")
+    plan = build_plan(config)
+    spec, state = plan.spec, single_process_state(ParallelLayout.from_config(config))
+    with torch.device("cuda"):
+        layer = MoELayer(spec, state, plan, dtype=torch.bfloat16, experts="triton",
+                         quant=QuantSpec(128, 128, from_checkpoint=False))
+    load(layer, full_weights(spec, seed=5))
+    layer.bind_buffers(bind_model_buffers(plan, "cuda"))
+    x = torch.randn(n, spec.hidden_size, generator=torch.Generator().manual_seed(n))
+    x = x.cuda().bfloat16()
+    ws = layer.experts.workspace
+    ws.input.zero_()
+    y = layer(x, exchange_step(n, state, plan))
+    want_q, want_s = gemm.quantize_groups(x, 128)
+    assert torch.equal(ws.input[:n].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(ws.input_scale[:n], want_s)
+    layer._input_quant = lambda: None  # the experts quantize the rows themselves
+    assert torch.equal(layer(x, exchange_step(n, state, plan)), y)

@@ -175,10 +175,21 @@ class Router(nn.Module):
 
     def forward(self, x_MH: torch.Tensor, num_valid: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights, _ = self.route(x_MH, num_valid)
+        return ids, weights
+
+    def route(self, x_MH: torch.Tensor, num_valid: Optional[int] = None,
+              quantize: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(ids, weights, whether x was quantized): quantize (group G, fp8 [M, H], float32
+        [M, ceil(H/G)]) asks that the top-k's launch also quantize x's rows into them, as
+        kernels/fp8/gemm.quantize_groups would (fp8 experts then need no quantizer launch);
+        the top-k kernel does where it takes one row a program, nothing else does."""
         cfg = self.cfg
         out = None if self.buffers is None else self.buffers.rows(x_MH.shape[0])
         if (cfg.scoring, cfg.topk_method) == ("softmax", "greedy") and x_MH.is_cuda:
-            fused = self._fused(x_MH, x_MH.shape[0] if num_valid is None else num_valid, out)
+            fused = self._fused(x_MH, x_MH.shape[0] if num_valid is None else num_valid, out,
+                                quantize)
             if fused is not None:
                 return fused
         ids, weights = select_experts(self.logits(x_MH), self.cfg,
@@ -187,14 +198,15 @@ class Router(nn.Module):
         if not self.fp32_logits and x_MH.dtype != torch.float32:
             rounded = weights.to(x_MH.dtype)
             weights = rounded.float() if out is None else weights.copy_(rounded)
-        return ids, weights
+        return ids, weights, False
 
     def _fused(self, x_MH: torch.Tensor, num_valid: int,
-               out: Optional[tuple[torch.Tensor, torch.Tensor]]
-               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+               out: Optional[tuple[torch.Tensor, torch.Tensor]],
+               quantize: Optional[tuple[int, torch.Tensor, torch.Tensor]]
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor, bool]]:
         """The softmax + greedy router on a GPU (kernels/moe/router.py): the logits GEMM
         and the top-k in one launch where router_gemm_suits, else the logits, then the top-k's
-        launch. None where neither kernel runs."""
+        launch (which quantizes x where asked and it can). None where neither kernel runs."""
         cfg = self.cfg
         # model-dtype logits go in as they are: the kernels upcast them, as .float() would
         round_to = torch.float32 if self.fp32_logits else x_MH.dtype
@@ -206,12 +218,17 @@ class Router(nn.Module):
             res = ops and ops.router_topk(x_MH, self.weight, *args, not self.fp32_logits,
                                           round_to, out=out)
             if res is not None:
-                return res
+                return (*res, False)
         ops = K.router(x_MH.device)
         if ops is None:
             return None
         logits = self.logits(x_MH) if self.fp32_logits else linear(x_MH, self.weight)
-        return ops.topk_softmax(logits, *args, round_to, out=out)
+        rows = None
+        if quantize is not None and ops.quantizes_rows(x_MH.shape[0], cfg.num_experts) \
+                and x_MH.stride(-1) == 1:
+            rows = (x_MH, quantize[0], *(t[:x_MH.shape[0]] for t in quantize[1:]))
+        return (*ops.topk_softmax(logits, *args, round_to, out=out, quantize=rows),
+                rows is not None)
 
     def checkpoint_names(self) -> list[str]:
         names = ["weight"]

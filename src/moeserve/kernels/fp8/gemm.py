@@ -65,17 +65,25 @@ def group_scale(amax):
 
 
 @triton.jit
+def quantize_group(x_row, q_row, s_row, g, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Group g of one row (x_row, q_row, s_row: the row's starts): its codes and its scale
+    stored (BLOCK = GROUP rounded up to a power of two)."""
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = group_scale(tl.max(tl.abs(x), axis=0))
+    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(s_row + g, scale)
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
                             GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)  # x is the kernel before's output
     row, g = tl.program_id(0), tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = group_scale(tl.max(tl.abs(x), axis=0))
-    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    quantize_group(x_ptr + row * stride_x, q_ptr + row * stride_q, s_ptr + row * stride_s, g,
+                   K, GROUP, BLOCK)
 
 
 def quantize_groups(x_TK: torch.Tensor, group: int,

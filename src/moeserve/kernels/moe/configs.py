@@ -143,8 +143,8 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
                 "down": _gemm(128, 128, 8, 4, 3)}
     cfg: dict[str, Any] = {"BLOCK_M": base["BLOCK_M"], "gate_up": gemm(base["gate_up"], True),
                            "down": gemm(base["down"], False)}
-    if "decode" in base:  # a K step a scale group (H100, batch 1: the fastest tiles)
-        cfg["decode"] = {"gate_up": _gemv(16, group, 4), "down": _gemv(8, group, 8)}
+    if "decode" in base:  # the fastest tiles at one row on H100 (rows quantized before)
+        cfg["decode"] = {"gate_up": _gemv(8, 2 * group, 4), "down": _gemv(8, group, 8)}
     return cfg
 
 

@@ -3,7 +3,8 @@ interpreter; kernels/select.py chooses them). M rows, E experts, H hidden, K top
 
   topk_softmax  from logits [M, E]: top-k of the fp32 softmax, optional renormalisation,
                 scaling, rounding of the weights to the model dtype, ids -1 / weights 0 for
-                padding rows
+                padding rows; at decode sizes it may also quantize the MoE's input rows for
+                fp8 experts (programs of its own in the same launch: no quantizer launch)
   router_topk   the same from x [M, H] and the gate's weight [E, H]: the logits GEMM and the
                 choice in one launch, for prefill-sized steps (moe/router.py says from how
                 many rows). Each program computes ROWS rows' logits in registers (fp32 sums,
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8.gemm import quantize_group
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 TOPK_ONE_ROW_MAX = 64  # up to this many rows, topk_softmax takes one row a program
@@ -89,11 +91,19 @@ def _choose_and_store(x, rows, row_ok, E, num_valid, scale, Ids, Weights,
 
 
 @triton.jit
-def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
-                         TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         ROUND_F16: tl.constexpr, PDL: tl.constexpr):
+def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale, X, XQ, XS, H,
+                         stride_x, stride_xq, stride_xs, TOP_K: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         RENORM: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         ROUND_F16: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_gate(PDL)
+    if GROUP > 0:  # ROWS 1; the programs past the first of a row quantize its groups
+        if tl.program_id(1) > 0:
+            row = tl.program_id(0).to(tl.int64)
+            quantize_group(X + row * stride_x, XQ + row * stride_xq, XS + row * stride_xs,
+                           tl.program_id(1) - 1, H, GROUP, BLOCK_G)
+            return
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_E)
     row_ok = rows < M
@@ -104,6 +114,7 @@ def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
 
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # ids [M, K] int32, weights [M, K] float32
+RowQuant = tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]  # x, group, codes, scales
 
 
 def _outputs(m: int, top_k: int, device: torch.device, out: Optional[Outputs]) -> Outputs:
@@ -116,21 +127,34 @@ def _outputs(m: int, top_k: int, device: torch.device, out: Optional[Outputs]) -
 
 def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                  num_valid: int, round_to: torch.dtype = torch.float32,
-                 tile: Optional[tuple[int, int]] = None, out: Optional[Outputs] = None
-                 ) -> Outputs:
+                 tile: Optional[tuple[int, int]] = None, out: Optional[Outputs] = None,
+                 quantize: Optional[RowQuant] = None) -> Outputs:
     """ids [M, K] int32 and weights [M, K] float32 of the softmax + greedy top-k router, into
-    `out` when given; tile (rows a program, warps) overrides topk_tile's."""
+    `out` when given; tile (rows a program, warps) overrides topk_tile's. quantize (x [M, H],
+    its group G, fp8 [M, H] and float32 [M, ceil(H/G)] outputs; only with one row a program,
+    quantizes_rows): the same launch also quantizes x's rows per G columns, as
+    kernels/fp8/gemm.quantize_groups does, in programs of their own beside the top-k's."""
     m, e = logits_ME.shape
     assert logits_ME.stride(-1) == 1
     ids, weights = _outputs(m, top_k, logits_ME.device, out)
     if m:
         rows, warps = tile or topk_tile(m, e)
-        _topk_softmax_kernel[(triton.cdiv(m, rows),)](
-            logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, TOP_K=top_k,
-            ROWS=rows, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), RENORM=renormalize,
+        x, group, xq, xs = quantize or (logits_ME, 0, logits_ME, logits_ME)
+        groups = triton.cdiv(x.shape[1], group) if quantize else 0
+        assert not quantize or (rows == 1 and x.stride(-1) == xq.stride(-1) == 1
+                                and xq.shape == x.shape and xs.shape == (m, groups))
+        _topk_softmax_kernel[(triton.cdiv(m, rows), 1 + groups)](
+            logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, x, xq, xs,
+            x.shape[1], x.stride(0), xq.stride(0), xs.stride(0), TOP_K=top_k, ROWS=rows,
+            BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), RENORM=renormalize,
             ROUND_BF16=round_to == torch.bfloat16, ROUND_F16=round_to == torch.float16,
-            num_warps=warps, **pdl_args(logits_ME.device))
+            GROUP=group, BLOCK_G=_pow2(group), num_warps=warps, **pdl_args(logits_ME.device))
     return ids, weights
+
+
+def quantizes_rows(rows: int, experts: int) -> bool:
+    """Whether topk_softmax takes `quantize` at this size: one row a program."""
+    return topk_tile(rows, experts)[0] == 1
 
 
 @triton.jit(do_not_specialize=["M", "num_valid"])

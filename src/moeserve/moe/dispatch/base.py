@@ -49,6 +49,8 @@ class Dispatcher(ABC):
     # True when dispatch and combine never wait for the host (no data-dependent shapes): a
     # CUDA graph can capture them (runtime/cuda_graph.py runs decode eagerly otherwise)
     graph_safe: ClassVar[bool] = False
+    # True when dispatch hands the experts the caller's rows themselves (x_NH is x_MH)
+    passes_rows: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:

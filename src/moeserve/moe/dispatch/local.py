@@ -22,6 +22,7 @@ class LocalHandle:
 class LocalDispatcher(Dispatcher):
     reduces_partial_sums = True
     graph_safe = True  # shapes come from the step only
+    passes_rows = True
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:
