@@ -259,10 +259,13 @@ def test_fp8_layer_takes_the_rows_the_router_quantized(n):
     from moeserve.config.quant import QuantSpec
     from moeserve.kernels.fp8 import gemm
 
+    from test_moe_triton import make_spec
+
+    spec = make_spec(e=8, k=2, h=256, i=128)  # whole 128-wide scale blocks
     config = EngineConfig(model="preset:tiny", gpu_memory_gb=8, moe_runner_backend="triton",
                           device="cuda", quantization="fp8", dtype="bfloat16")
-    plan = build_plan(config)
-    spec, state = plan.spec, single_process_state(ParallelLayout.from_config(config))
+    plan = build_plan(config, spec)
+    state = single_process_state(ParallelLayout.from_config(config))
     with torch.device("cuda"):
         layer = MoELayer(spec, state, plan, dtype=torch.bfloat16, experts="triton",
                          quant=QuantSpec(128, 128, from_checkpoint=False))
