@@ -110,6 +110,24 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
         got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
         ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
         assert float((got - ref).norm() / ref.norm()) < 1e-5, rows
+# scales written outer-dim-major (as cuBLAS reads them): the same values
+xx = torch.randn(5, 256, device=dev)
+q, sc = gemm.quantize_groups(xx, 64)
+st = torch.empty(4, 5, device=dev).t()
+q2 = torch.empty_like(q)
+gemm.quantize_groups(xx, 64, out=(q2, st))
+assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(st, sc)
+# 128 x 128 blocks, K a multiple of 512, 3..512 bf16 rows: cuBLAS's block-scaled GEMM on a
+# GPU (the Triton GEMM elsewhere), against the reference, with bias and residual
+w = torch.randn(384, 1024, device=dev)
+wq, ws = R.quantize_blocks(w, (128, 128))
+bias, res = torch.randn(384, device=dev), torch.randn(64, 384, device=dev)
+for m in (3, 8, 64):
+    xx = torch.randn(m, 1024, device=dev).bfloat16()
+    assert gemm.cublas_takes(xx, wq, (128, 128)) == (dev == "cuda")  # then 3: padded rows
+    got = gemm.fp8_linear(xx, wq, ws, (128, 128), bias.bfloat16(), res[:m].bfloat16()).float()
+    ref = (R.fp8_linear(xx.float(), wq, ws, (128, 128), bias) + res[:m])
+    assert float((got - ref).norm() / ref.norm()) < 1e-2, m
 # the GEMV quantizes the row as the quantizer does: a row whose group is all zeros, and
 # values on the e4m3 grid's edges, give the reference's products (float32 out, K = 3 groups)
 w = torch.randn(40, 384, device=dev)
