@@ -288,21 +288,23 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     return out
 
 
-# rows (past the GEMV's) up to which fp8_linear takes cuBLAS's block-scaled GEMM: on H100 it
-# timed level with or ahead of the Triton GEMM at 3..512 rows on the attention projections of
-# Qwen3-30B-A3B and Mixtral (5120 x 2048 at 8 rows: 10.4 against 16.2 us; at 512: 26.3 / 37.0)
-CUBLAS_MAX_ROWS = 512
+# the rows for which fp8_linear takes cuBLAS's block-scaled GEMM. Alone, it timed level with
+# or ahead of the Triton GEMM at 3..512 rows on H100 (Qwen3-30B-A3B's and Mixtral's attention
+# projections: 5120 x 2048 at 8 rows 10.4 against 16.2 us, at 512 rows 26.3 against 37.0); in
+# the decode step it is no PDL kernel, so the kernels beside it lose their overlap: the step
+# lost 3.5% at 8 rows and 2.6% at 64, and gained 3.8% at 256 (Qwen3-30B-A3B, graph replay)
+CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 256, 512
 
 
 def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether fp8_linear runs these rows through cuBLAS's block-scaled GEMM
     (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on a
     GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's scales then
-    serve as they are, transposed), past the GEMV's rows and up to CUBLAS_MAX_ROWS."""
+    serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
     m, k = x_TK.shape
     return (x_TK.is_cuda and _BLOCKWISE is not None and block == (128, 128)
             and x_TK.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0
-            and w_NK.shape[0] % 128 == 0 and GEMV_MAX_ROWS < m <= CUBLAS_MAX_ROWS)
+            and w_NK.shape[0] % 128 == 0 and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
 
 
 def cublas_block_gemm(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
