@@ -158,7 +158,10 @@ for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64)
     spec = make_spec(e=8, k=2, h=h, i=64, act=act)
     ref = make_fp8_experts("reference", spec, ep, rank, block, seed=h)
     tri = make_fp8_experts("triton", spec, ep, rank, block, seed=h)
-    for n, mode in ((1, "uniform"), (7, "skewed"), (30, "padded")):
+    # the decode kernels at decode sizes (the interpreter runs their programs one by one)
+    sizes = ((1, "uniform"), (7, "padded")) if "decode" in cfg else \
+        ((1, "uniform"), (7, "skewed"), (30, "padded"))
+    for n, mode in sizes:
         x = torch.randn(n, h) * 2
         ids, w = routing(n, 2, 8, mode, seed=n)
         want = ref(x, ids, w)
