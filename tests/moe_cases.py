@@ -61,6 +61,16 @@ SPEC_KINDS = ("qwen3", "qwen2", "deepseek_v2", "deepseek_v3")  # the multi-rank 
 T_MAX = 32
 
 
+
+def make_spec(e: int = 16, k: int = 4, h: int = 256, i: int = 192, act: str = "silu"):
+    """A one-layer Qwen3-MoE spec of these experts, top-k and widths (the kernel tests')."""
+    return spec_from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": h, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 64,
+        "intermediate_size": 64, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "hidden_act": act, "num_experts": e, "num_experts_per_tok": k,
+        "moe_intermediate_size": i, "norm_topk_prob": True}, name="test")
+
 def tiny_spec(kind: str) -> ModelSpec:
     return spec_from_hf_config(HF_CONFIGS[kind], name=f"tiny-{kind}")
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from interpreter import run_interpreted
-from moe_cases import fake_state
-from moeserve.config.spec import spec_from_hf_config
+from moe_cases import fake_state, make_spec  # noqa: F401 (make_spec: the kernel tests' import)
 from moeserve.moe.experts import create_experts
 from moeserve.kernels.moe import configs
 from moeserve.kernels.moe.align_torch import align_torch
@@ -25,15 +24,6 @@ from moeserve.parallel.layout import ParallelLayout
 from moeserve.testing.graphs import captured
 
 ROUTINGS = ("uniform", "skewed", "padded")
-
-
-def make_spec(e: int = 16, k: int = 4, h: int = 256, i: int = 192, act: str = "silu"):
-    return spec_from_hf_config({
-        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": h, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 64,
-        "intermediate_size": 64, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
-        "hidden_act": act, "num_experts": e, "num_experts_per_tok": k,
-        "moe_intermediate_size": i, "norm_topk_prob": True}, name="test")
 
 
 def make_experts(name: str, spec, ep: int, rank: int, dtype, device, seed: int):

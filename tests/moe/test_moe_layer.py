@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from hf_blocks import HF_CLASSES, hf_block
 from moe_cases import (dense_weights, engine_config, fake_state, full_weights, load,
-                       reference_dense, reference_experts, rel_err, tiny_spec)
+                       make_spec, reference_dense, reference_experts, rel_err, tiny_spec)
 from moeserve.layers.mlp import DenseMLP
 from moeserve.moe.dispatch import create_dispatcher
 from moeserve.moe.experts import create_experts
@@ -249,6 +249,37 @@ def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
     assert rel_err(y.float(), want.float()) < 1e-2
 
 
+def test_fp8_router_quantizes_only_rows_that_reach_the_experts_as_they_are():
+    """The router's launch is asked to quantize into the plan's moe.runner.input only where
+    the dispatcher hands the experts the layer's own rows (one rank); a CPU router never
+    does, and says so."""
+    from moeserve.config import EngineConfig
+    from moeserve.config.quant import QuantSpec
+    spec = make_spec(e=8, k=2, h=256, i=128)
+    quant = QuantSpec(128, 128, from_checkpoint=False)
+    flags = dict(model="preset:tiny", gpu_memory_gb=8, moe_runner_backend="triton",
+                 device="cuda", quantization="fp8", dtype="bfloat16")
+    config = EngineConfig(**flags)
+    plan = build_plan(config, spec)
+    state = single_process_state(ParallelLayout.from_config(config))
+    layer = MoELayer(spec, state, plan, dtype=torch.bfloat16, experts="triton", quant=quant)
+    assert layer._input_quant() is None  # no buffers bound yet
+    layer.bind_buffers(bind_model_buffers(plan, "cpu"))
+    group, rows, scales = layer._input_quant()
+    assert group == 128 and rows is layer.experts.workspace.input
+    assert scales is layer.experts.workspace.input_scale
+    x = torch.randn(3, 256).bfloat16()
+    ids, weights, quantized = layer.gate.route(x, 3, (group, rows, scales))
+    assert not quantized and ids.shape == (3, 2)
+    gather = EngineConfig(**flags, tp_size=2, ep_size=2)
+    gather_plan = build_plan(gather, spec)
+    rank = fake_state(ParallelLayout.from_config(gather), 0)
+    other = MoELayer(spec, rank, gather_plan, dtype=torch.bfloat16, experts="triton",
+                     quant=quant)
+    other.bind_buffers(bind_model_buffers(gather_plan, "cpu"))
+    assert not other.dispatcher.passes_rows and other._input_quant() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 3])
 def test_fp8_layer_takes_the_rows_the_router_quantized(n):
@@ -258,8 +289,6 @@ def test_fp8_layer_takes_the_rows_the_router_quantized(n):
     from moeserve.config import EngineConfig
     from moeserve.config.quant import QuantSpec
     from moeserve.kernels.fp8 import gemm
-
-    from test_moe_triton import make_spec
 
     spec = make_spec(e=8, k=2, h=256, i=128)  # whole 128-wide scale blocks
     config = EngineConfig(model="preset:tiny", gpu_memory_gb=8, moe_runner_backend="triton",
