@@ -7,8 +7,9 @@ bench` on the same engine.
 Each part runs in its own process, so that our model and transformers' never share the GPU:
   ceilings  copy bandwidth and bf16 GEMM rate (benchmarks/harness.py)
   ours      decode step at --batches over --ctx cached tokens (graph replay with its input
-            copies; eager at batch 1), the graph replayed back to back, the batch-1 step's
-            kernels, experts touched by the dummy routing, one prefill of each
+            copies; eager at batch 1), the graph replayed back to back, the kernels of the
+            steps of --profile-batches (batch 1 by default), experts touched by the dummy
+            routing, one prefill of each
             --prefill-tokens, then `moeserve bench` at each --concurrency
   hf        transformers' generate, each experts implementation, batch 1 and 8
 
@@ -58,6 +59,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--part", help="run one part in this process (the parent runs each so)")
     p.add_argument("--model", default=MODEL, help="our engine's model (hf: the default only)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--profile-batches", type=int, nargs="*", default=[1],
+                   help="batches whose graph decode step is profiled kernel by kernel")
     p.add_argument("--ctx", type=int, default=512, help="cached tokens of each decode request")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--concurrency", type=int, nargs="*",
@@ -154,7 +157,8 @@ def part_detail(args: Any, runner: Any, out: dict[str, Any]) -> None:
         seen: list[int] = []
         S.decode_ms(runner, b, args.ctx, False, 1, touched=seen)
         out["touched"][str(b)] = statistics.mean(seen) if seen else None
-    out["profile_batch1"] = S.kernel_profile(runner, args.ctx)
+    out["profiles"] = {str(b): S.kernel_profile(runner, args.ctx, b)
+                       for b in args.profile_batches}
     out["prefill"] = [S.prefill_ms(runner, n) for n in args.prefill_tokens]
 
 
@@ -265,7 +269,7 @@ def render(res: dict[str, Any]) -> str:
 
 def engine_notes(ours: dict[str, Any]) -> list[str]:
     """What a part measured beside its decode steps: the eager step, the graphs replayed back
-    to back, the batch-1 step's kernels, the prefills."""
+    to back, the profiled steps' kernels, the prefills."""
     body: list[str] = []
     if ours.get("eager_ms", {}).get("1"):
         body += ["", f"Batch 1 without CUDA graphs (eager): {ours['eager_ms']['1']:.2f} ms/step."]
@@ -274,13 +278,13 @@ def engine_notes(ours: dict[str, Any]) -> list[str]:
         body += ["", "Decode graph replayed back to back (the device's time when the host is "
                  "ahead): " + ", ".join(f"batch {b} {v:.2f} ms" for b, v in replays.items())
                  + "."]
-    prof = ours.get("profile_batch1", {})
-    if "top" in prof:
-        body += ["", f"Batch-1 graph step under torch.profiler: {prof['kernels_per_step']:.0f} "
-                 f"kernels, the device busy {prof['busy_ms_per_step']:.2f} ms (their spans "
-                 f"summed: {prof['kernel_ms_per_step']:.2f} ms; under PDL a kernel's span "
-                 "holds its wait for the one before, its exclusive time does not); the "
-                 "largest by exclusive time:", ""]
+    for batch, prof in ours.get("profiles", {}).items():
+        body += ["", f"Batch-{batch} graph step under torch.profiler: "
+                 f"{prof['kernels_per_step']:.0f} kernels, the device busy "
+                 f"{prof['busy_ms_per_step']:.2f} ms (their spans summed: "
+                 f"{prof['kernel_ms_per_step']:.2f} ms; under PDL a kernel's span holds its "
+                 "wait for the one before, its exclusive time does not); the largest by "
+                 "exclusive time:", ""]
         body += table(["kernel", "exclusive ms/step", "span ms/step", "launches/step"],
                       [[f"`{k['name'][:60]}`", f"{k['ms']:.3f}", f"{k['span_ms']:.3f}",
                         k["calls"]] for k in prof["top"]])

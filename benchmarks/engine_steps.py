@@ -158,17 +158,17 @@ def replay_ms(runner: Any, batch: int, ctx: int, reps: int = 30) -> Optional[flo
     return a.elapsed_time(b) / reps
 
 
-def kernel_profile(runner: Any, ctx: int, top: int = 12) -> dict[str, Any]:
-    """Kernels of one batch-1 graph decode step under torch.profiler: launches, the device's
-    busy time and the kernels' spans summed per step (under PDL the spans overlap:
+def kernel_profile(runner: Any, ctx: int, batch: int = 1, top: int = 12) -> dict[str, Any]:
+    """Kernels of one graph decode step of `batch` rows under torch.profiler: launches, the
+    device's busy time and the kernels' spans summed per step (under PDL the spans overlap:
     step_profile.exclusive_times), the largest by exclusive time."""
     from torch.profiler import ProfilerActivity, profile
 
     from moeserve.runtime.step_profile import exclusive_times, kernel_spans
 
-    decode_ms(runner, 1, ctx, True, 2)  # warm
+    decode_ms(runner, batch, ctx, True, 2)  # warm
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decode_ms(runner, 1, ctx, True, 1)
+        decode_ms(runner, batch, ctx, True, 1)
     times = exclusive_times(kernel_spans(prof.events()))
     steps = 6  # decode_ms ran 5 warm-up steps and 1 timed
     largest = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]

@@ -122,10 +122,15 @@ def _fp8_results(fp8_ms: dict[str, float], bf16_ms: dict[str, float]) -> dict:
             "ours_fp8": {"decode_ms": fp8_ms, "startup_s": 21.0,
                          "backends": ["triton", "triton"], "graph_buckets": [1, 2, 4, 256],
                          "replay_ms": {"1": 1.1}, "eager_ms": {"1": 30.0},
-                         "profile_batch1": {"kernels_per_step": 500, "busy_ms_per_step": 0.8,
-                                            "kernel_ms_per_step": 1.0,
-                                            "top": [{"name": "fused_moe_fp8", "ms": 0.5,
-                                                     "span_ms": 0.7, "calls": 48}]}}}
+                         "profiles": {
+                             "1": {"kernels_per_step": 500, "busy_ms_per_step": 0.8,
+                                   "kernel_ms_per_step": 1.0,
+                                   "top": [{"name": "fused_moe_fp8", "ms": 0.5,
+                                            "span_ms": 0.7, "calls": 48}]},
+                             "64": {"kernels_per_step": 560, "busy_ms_per_step": 9.5,
+                                    "kernel_ms_per_step": 12.0,
+                                    "top": [{"name": "_down_kernel", "ms": 3.25,
+                                             "span_ms": 3.5, "calls": 48}]}}}}
 
 
 def test_fp8_section_from_made_up_measurements(tmp_path):
@@ -158,6 +163,10 @@ def test_fp8_section_from_made_up_measurements(tmp_path):
             "most 1.25: missed).") in text
     assert "startup 21 s; bf16: backends ['triton', 'triton'], startup 14 s." in text
     assert "`fused_moe_fp8` | 0.500 | 0.700 | 48" in text and "batch 1 1.10 ms" in text
+    # one kernel table a profiled batch, in the order measured
+    assert text.index("Batch-1 graph step under torch.profiler: 500 kernels") \
+        < text.index("Batch-64 graph step under torch.profiler: 560 kernels, the device busy "
+                     "9.50 ms") < text.index("`_down_kernel` | 3.250 | 3.500 | 48")
     assert "500 kernels, the device busy 0.80 ms (their spans summed: 1.00 ms;" in text
     # beside the bf16 section, not in its place
     results = tmp_path / "RESULTS.md"
