@@ -125,7 +125,7 @@ wq, ws = R.quantize_blocks(w, (128, 128))
 bias, res = torch.randn(384, device=dev), torch.randn(301, 384, device=dev)
 for m in (8, 256, 301):
     xx = torch.randn(m, 1024, device=dev).bfloat16()
-    assert gemm.cublas_takes(xx, wq, (128, 128)) == (dev == "cuda" and m >= 256)
+    assert gemm.cublas_takes(xx, wq, ws, (128, 128)) == (dev == "cuda" and m >= 256)
     got = gemm.fp8_linear(xx, wq, ws, (128, 128), bias.bfloat16(), res[:m].bfloat16()).float()
     ref = (R.fp8_linear(xx.float(), wq, ws, (128, 128), bias) + res[:m])
     assert float((got - ref).norm() / ref.norm()) < 1e-2, m

@@ -263,11 +263,13 @@ def test_fp8_router_quantizes_only_rows_that_reach_the_experts_as_they_are():
     plan = build_plan(config, spec)
     state = single_process_state(ParallelLayout.from_config(config))
     layer = MoELayer(spec, state, plan, dtype=torch.bfloat16, experts="triton", quant=quant)
-    assert layer._input_quant() is None  # no buffers bound yet
+    assert layer._input_quant(3) is None  # no buffers bound yet
     layer.bind_buffers(bind_model_buffers(plan, "cpu"))
-    group, rows, scales = layer._input_quant()
-    assert group == 128 and rows is layer.experts.workspace.input
-    assert scales is layer.experts.workspace.input_scale
+    group, rows, scales = layer._input_quant(3)
+    ws = layer.experts.workspace
+    assert group == 128 and rows.shape == (3, 256) and scales.shape == (3, 2)
+    assert rows.data_ptr() == ws.input.data_ptr()
+    assert scales.data_ptr() == ws.input_scale.data_ptr()
     x = torch.randn(3, 256).bfloat16()
     ids, weights, quantized = layer.gate.route(x, 3, (group, rows, scales))
     assert not quantized and ids.shape == (3, 2)
@@ -277,7 +279,7 @@ def test_fp8_router_quantizes_only_rows_that_reach_the_experts_as_they_are():
     other = MoELayer(spec, rank, gather_plan, dtype=torch.bfloat16, experts="triton",
                      quant=quant)
     other.bind_buffers(bind_model_buffers(gather_plan, "cpu"))
-    assert not other.dispatcher.passes_rows and other._input_quant() is None
+    assert not other.dispatcher.passes_rows and other._input_quant(3) is None
 
 
 @pytest.mark.gpu
@@ -308,5 +310,5 @@ def test_fp8_layer_takes_the_rows_the_router_quantized(n):
     want_q, want_s = gemm.quantize_groups(x, 128)
     assert torch.equal(ws.input[:n].view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(ws.input_scale[:n], want_s)
-    layer._input_quant = lambda: None  # the experts quantize the rows themselves
+    layer._input_quant = lambda rows: None  # the experts quantize the rows themselves
     assert torch.equal(layer(x, exchange_step(n, state, plan)), y)

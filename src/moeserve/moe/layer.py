@@ -92,13 +92,13 @@ class MoELayer(nn.Module):
         if x_MH.shape[0] != step.num_rows(self.scattered):
             raise ValueError(f"MoE layer {self.layer_id} got {x_MH.shape[0]} rows, the step gives "
                              f"this rank {step.num_rows(self.scattered)}")
-        quant = self._input_quant()
+        quant = self._input_quant(x_MH.shape[0])
         topk_ids_MK, topk_weights_MK, quantized = self.gate.route(
             x_MH, step.valid_rows(self.scattered), quant)
         tokens, handle = self.dispatcher.dispatch(x_MH, topk_ids_MK, topk_weights_MK, step)
         x_NH, x_scale = tokens.x_NH, tokens.x_scale_NG
-        if quant is not None and quantized and x_NH is x_MH:  # the router's launch did it
-            x_NH, x_scale = (t[:x_MH.shape[0]] for t in quant[1:])
+        if quantized and x_NH is x_MH:  # the router's launch quantized these very rows
+            _, x_NH, x_scale = quant
         if x_scale is not None and self.experts.quant is None:  # kept unquantized
             x_NH = fp8.dequantize_groups(x_NH, x_scale, self.dispatcher.scale_group, x_MH.dtype)
             x_scale = None
@@ -110,15 +110,16 @@ class MoELayer(nn.Module):
             y_MH = self._add_shared(y_MH, x_MH)
         return y_MH
 
-    def _input_quant(self) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(G, fp8 rows, their scales): the plan's buffers of the fp8 experts' quantized input
-        (moe.runner.input / input_scale), which the router's top-k launch fills where the
-        dispatcher hands the experts the layer's own rows; None elsewhere."""
+    def _input_quant(self, rows: int) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(G, fp8 rows, their scales): the first `rows` rows of the plan's buffers of the fp8
+        experts' quantized input (moe.runner.input / input_scale), which the router's top-k
+        launch fills where the dispatcher hands the experts the layer's own rows; None
+        elsewhere."""
         ws = getattr(self.experts, "workspace", None)
         if self.experts.quant is None or ws is None or ws.input is None \
                 or not self.dispatcher.passes_rows:
             return None
-        return self.experts.quant.block_k, ws.input, ws.input_scale
+        return self.experts.quant.block_k, ws.input[:rows], ws.input_scale[:rows]
 
     def _add_shared(self, y_NH: torch.Tensor, x_NH: torch.Tensor) -> torch.Tensor:
         """y + the shared experts' output (partial sums when split) on rows x."""

@@ -226,7 +226,7 @@ class Router(nn.Module):
         rows = None
         if quantize is not None and ops.quantizes_rows(x_MH.shape[0], cfg.num_experts) \
                 and x_MH.stride(-1) == 1:
-            rows = (x_MH, quantize[0], *(t[:x_MH.shape[0]] for t in quantize[1:]))
+            rows = (x_MH, *quantize)
         return (*ops.topk_softmax(logits, *args, round_to, out=out, quantize=rows),
                 rows is not None)
 

@@ -65,6 +65,13 @@ def group_scale(amax):
 
 
 @triton.jit
+def e4m3_codes(x, scale):
+    """x / scale (IEEE division) clamped to +-448 and rounded to the e4m3 grid, in float32:
+    the quantizer's codes, for any tile x and a scale broadcast against it."""
+    return round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
 def quantize_group(x_row, q_row, s_at, g, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """Group g of one row (x_row, q_row: the row's starts; s_at: where its scale goes): its
     codes and its scale stored (BLOCK = GROUP rounded up to a power of two)."""
@@ -72,7 +79,7 @@ def quantize_group(x_row, q_row, s_at, g, K, GROUP: tl.constexpr, BLOCK: tl.cons
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     scale = group_scale(tl.max(tl.abs(x), axis=0))
-    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
+    q = e4m3_codes(x, scale)
     tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
     tl.store(s_at, scale)
 
@@ -128,9 +135,7 @@ def _quantized_groups(x):
     """The activation's groups x [GROUPS, bk] (float32, zero outside K) as the quantizer codes
     them, dequantized: codes x scale."""
     scale = group_scale(tl.max(tl.abs(x), axis=1))
-    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX),
-                              FP8_MAX))
-    return q * scale[:, None]
+    return e4m3_codes(x, scale[:, None]) * scale[:, None]
 
 
 @triton.jit
@@ -296,15 +301,17 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
 CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 256, 512
 
 
-def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, block: tuple[int, int]) -> bool:
+def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
+                 block: tuple[int, int]) -> bool:
     """Whether fp8_linear runs these rows through cuBLAS's block-scaled GEMM
     (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on a
-    GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's scales then
-    serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
+    GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's contiguous
+    scales then serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
     m, k = x_TK.shape
     return (x_TK.is_cuda and _BLOCKWISE is not None and block == (128, 128)
             and x_TK.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0
-            and w_NK.shape[0] % 128 == 0 and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
+            and w_NK.shape[0] % 128 == 0 and w_scale.is_contiguous()
+            and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
 
 
 def cublas_block_gemm(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
@@ -346,7 +353,7 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
     if gemv_takes(x_TK.shape[0], block):
         y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
-    elif cublas_takes(x_TK, w_NK, block) and w_scale.is_contiguous():
+    elif cublas_takes(x_TK, w_NK, w_scale, block):
         y = cublas_block_gemm(x_TK, w_NK, w_scale, bias)
         if res is not None:
             y += res

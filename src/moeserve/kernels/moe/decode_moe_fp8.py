@@ -49,7 +49,7 @@ def _row_groups(x_row, xs_row, k_in, hidden, kb, GROUP_K: tl.constexpr, QUANT_X:
 
 
 @triton.jit
-def _gu_tiles(g_rows, k_in, n_ok, hidden, inter):
+def _gate_up_tiles(g_rows, k_in, n_ok, hidden, inter):
     ok = n_ok[:, None, None] & (k_in < hidden)[None, :, :]
     return (tl.load(g_rows + k_in[None, :, :], mask=ok, other=0.0),
             tl.load(g_rows + inter * hidden + k_in[None, :, :], mask=ok, other=0.0))
@@ -78,12 +78,12 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, ids_ptr, hidde
     s_base = ws_ptr + expert.to(tl.int64) * stride_we
     gs_rows = s_base + (offs_n // GROUP_N)[:, None] * stride_wn
     us_rows = s_base + ((inter + offs_n) // GROUP_N)[:, None] * stride_wn
-    g, u = _gu_tiles(g_rows, k_in, n_ok, hidden, inter)
+    g, u = _gate_up_tiles(g_rows, k_in, n_ok, hidden, inter)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, GROUPS * GROUP_K):
         # the next step's tiles go out before this step's arithmetic
-        g_next, u_next = _gu_tiles(g_rows, k0 + GROUPS * GROUP_K + k_in, n_ok, hidden, inter)
+        g_next, u_next = _gate_up_tiles(g_rows, k0 + GROUPS * GROUP_K + k_in, n_ok, hidden, inter)
         kb = k0 // GROUP_K + gs
         s_ok = n_ok[:, None] & (kb * GROUP_K < hidden)[None, :]
         g_s = tl.load(gs_rows + kb[None, :], mask=s_ok, other=0.0)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.gemm import FP8_MAX, group_scale, round_e4m3
+from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
 from moeserve.kernels.moe.configs import fp8_tile_problems
 
 FP8 = torch.float8_e4m3fn
@@ -21,9 +21,7 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
     per row per GROUP_K columns, amax / 448, as gemm.quantize_groups."""
     h3 = tl.reshape(h, (M, N // GROUP_K, GROUP_K))
     scale = group_scale(tl.max(tl.abs(h3), axis=2))
-    q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(h3, scale[:, :, None]), -FP8_MAX),
-                              FP8_MAX))
-    return tl.reshape(q, (M, N)), scale
+    return tl.reshape(e4m3_codes(h3, scale[:, :, None]), (M, N)), scale
 
 
 def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,

@@ -143,7 +143,8 @@ def topk_softmax(logits_ME: torch.Tensor, top_k: int, renormalize: bool, scale: 
         x, group, xq, xs = quantize or (logits_ME, 0, logits_ME, logits_ME)
         groups = triton.cdiv(x.shape[1], group) if quantize else 0
         assert not quantize or (rows == 1 and x.stride(-1) == xq.stride(-1) == 1
-                                and xq.shape == x.shape and xs.shape == (m, groups))
+                                and xs.stride(-1) == 1 and xq.shape == x.shape
+                                and xs.shape == (m, groups))
         _topk_softmax_kernel[(triton.cdiv(m, rows), 1 + groups)](
             logits_ME, ids, weights, logits_ME.stride(0), m, e, num_valid, scale, x, xq, xs,
             x.shape[1], x.stride(0), xq.stride(0), xs.stride(0), TOP_K=top_k, ROWS=rows,
