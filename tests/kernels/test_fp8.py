@@ -81,8 +81,9 @@ import torch
 from moeserve.kernels.fp8 import gemm, reference as R
 torch.manual_seed(0)
 dev = "{device}"
-for k, group in ((80, 16), (300, 128)):
-    x = (torch.randn(37, k) * 5).to(dev)
+# 37 rows: a program a row and group; 150: tiles of rows, the last one partly empty
+for rows, k, group in ((37, 80, 16), (37, 300, 128), (150, 300, 128)):
+    x = (torch.randn(rows, k) * 5).to(dev)
     x[3, :group] = 0
     q, s = gemm.quantize_groups(x, group)
     qr, sr = R.quantize_groups(x, group)

@@ -100,10 +100,9 @@ def _topk_softmax_kernel(Logits, Ids, Weights, stride_l, M, E, num_valid, scale,
     pdl_gate(PDL)
     if GROUP > 0:  # ROWS 1; the programs past the first of a row quantize its groups
         if tl.program_id(1) > 0:
-            row = tl.program_id(0).to(tl.int64)
-            g = tl.program_id(1) - 1
-            quantize_group(X + row * stride_x, XQ + row * stride_xq, XS + row * stride_xs + g,
-                           g, H, GROUP, BLOCK_G)
+            row = tl.program_id(0) + tl.arange(0, 1)
+            quantize_group(X, XQ, XS, row, row < M, tl.program_id(1) - 1, H, stride_x,
+                           stride_xq, stride_xs, 1, GROUP, BLOCK_G)
             return
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_E)
