@@ -157,11 +157,14 @@ def test_decode_tiles_narrow_until_the_weight_fills_the_device():
     pytest.importorskip("triton")
     from moeserve.kernels.fp8.gemm import gemm_tiles
 
-    assert gemm_tiles(1, 2048, 0) == (16, 64)  # no device to fill (the interpreter)
-    assert gemm_tiles(1, 2048, 264) == (16, 16)  # 128 programs: as narrow as it goes
-    assert gemm_tiles(4, 16384, 264) == (16, 32)  # 512 programs of 32 columns suffice
-    assert gemm_tiles(16, 32768, 264) == (16, 64)
-    assert gemm_tiles(64, 2048, 264) == (64, 16)  # 128 programs at most
-    assert gemm_tiles(256, 5120, 264) == (128, 32)  # 2 x 160 programs
-    assert gemm_tiles(8192, 2048, 264) == (128, 128)
-    assert gemm_tiles(17, 2048, 0) == (64, 64) and gemm_tiles(65, 2048, 0) == (128, 128)
+    # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages); 132 programs: an H100's SMs
+    assert gemm_tiles(1, 2048, 2048, 0) == (16, 64, 4)  # no device to fill (the interpreter)
+    assert gemm_tiles(1, 2048, 2048, 132) == (16, 16, 4)  # 128 programs: as narrow as it goes
+    assert gemm_tiles(8, 5120, 2048, 132) == (16, 32, 4)  # 160 programs of 32 columns suffice
+    assert gemm_tiles(16, 32768, 2048, 132) == (16, 64, 4)
+    assert gemm_tiles(32, 2048, 4096, 132) == (32, 16, 5)  # a long K: more stages
+    assert gemm_tiles(64, 2048, 4096, 132) == (64, 16, 5)
+    assert gemm_tiles(200, 5120, 2048, 132) == (64, 64, 4)  # decode rows: 64-row tiles
+    assert gemm_tiles(257, 5120, 2048, 132) == (128, 64, 3)  # past them 128
+    assert gemm_tiles(8192, 2048, 2048, 132) == (128, 128, 3)
+    assert gemm_tiles(17, 2048) == (32, 64, 4) and gemm_tiles(65, 2048) == (64, 64, 4)
