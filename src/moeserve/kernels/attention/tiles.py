@@ -5,8 +5,9 @@ any install.
 `AttentionTiles` is immutable; a backend holds one (the shipped `ATTENTION_TILES` unless it is
 given another), so tests and benchmarks try other choices with `dataclasses.replace` on a
 backend of their own, never by changing this module. The figures behind each entry (an H200,
-Qwen3-30B-A3B's and DeepSeek-V2-Lite's heads, bf16) are in benchmarks/RESULTS.md, sections
-"Decode attention", "Extend attention" and "Latent attention (MLA)".
+Qwen3-30B-A3B's and DeepSeek-V2-Lite's heads, bf16; the GQA decode tiles past 8 requests an
+H100) are in benchmarks/RESULTS.md, sections "Decode attention", "Extend attention" and
+"Latent attention (MLA)", or beside the entry.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ class AttentionTiles:
     # (largest batch, tiles) of the decode partial kernel, the first entry whose bound holds
     # the batch winning (a decode graph is captured per batch bucket, so the tiles follow
     # the batch, not the lengths): 3 stages hide the key loads of few long requests; BLOCK_N
-    # 128 gives each program more keys once the batch fills the SMs.
-    decode: tuple[tuple[int, DecodeTiles], ...] = ((8, (64, 4, 3)), (1 << 62, (128, 4, 2)))
+    # 128 up to 32 requests, whose programs each read a whole long request (H100, 32 x 8192
+    # keys: 185 us against 207 with 2 stages and 232 with 64-key blocks); past them 64-key
+    # blocks, two programs an SM (H100, 64 x 512: 28.2 against 32.0 us; 64 x 4096 186 against
+    # 202; 256 x 2048 level).
+    decode: tuple[tuple[int, DecodeTiles], ...] = ((8, (64, 4, 3)), (32, (128, 4, 3)),
+                                                   (1 << 62, (64, 4, 3)))
     # splits of a request's keys at most: only batches of 1-2 reach past 32, and the combine
     # skips the splits that saw no keys, so short contexts lose nothing by the bound
     max_splits: int = 64
