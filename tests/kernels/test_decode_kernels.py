@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from interpreter import run_interpreted
-from moeserve.kernels.fp8 import reference as fp8_ref
 from moeserve.layers.linear import ColumnParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
@@ -107,8 +106,7 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
     for rows in (1, 3, 5):
         wide = torch.randn(rows, d + 8, generator=gen).to(device, dtype)
         x, a = wide[:, 8:], torch.randn(rows, d, generator=gen).to(device, dtype)
-        out, total, none = add_rms_norm(x, a, norm.weight, norm.eps)
-        assert none is None
+        out, total = add_rms_norm(x, a, norm.weight, norm.eps)
         want_total = x + a
         assert torch.equal(total, want_total)
         x32 = want_total.float()
@@ -118,14 +116,6 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
         # the statistics may be summed in another order: a rounding apart at most
         ulps = (8 if dtype == torch.float32 else 2) * torch.finfo(dtype).eps
         assert ((out.double() - want.double()).abs() <= ulps * want.double().abs()).all()
-        # quantized for an fp8 projection in the same launch: the bits the quantizer gives the
-        # output (groups of 64 and 128: the last of 200 columns partly past D)
-        for group in (64, 128):
-            out_q, total_q, (codes, scales) = add_rms_norm(x, a, norm.weight, norm.eps, group)
-            assert torch.equal(out_q, out) and torch.equal(total_q, total)
-            want_codes, want_scales = fp8_ref.quantize_groups(out, group)
-            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), group
-            assert torch.equal(scales, want_scales), group
 
 
 def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,

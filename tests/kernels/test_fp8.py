@@ -111,10 +111,6 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
         got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
         ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
         assert float((got - ref).norm() / ref.norm()) < 1e-5, rows
-        # the rows given quantized (as the norm before quantizes them): the same bits
-        given = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows],
-                                quantized=gemm.quantize_groups(xx[:rows], block[1]))
-        assert torch.equal(given, got), rows
 # scales written outer-dim-major (as cuBLAS reads them): the same values
 xx = torch.randn(5, 256, device=dev)
 q, sc = gemm.quantize_groups(xx, 64)

@@ -29,7 +29,7 @@ def _chain(x, r, norm_w, w_qkv, w_router, w13, w2, top_k):
     from moeserve.kernels.skinny.gemm import skinny_linear
     from moeserve.kernels.moe.decode_moe import decode_experts
 
-    h, s, _ = add_rms_norm(x, r, norm_w, 1e-6)
+    h, s = add_rms_norm(x, r, norm_w, 1e-6)
     q = skinny_linear(h, w_qkv, tiles=(16, 128, 4))
     logits = skinny_linear(h, w_router, tiles=(16, 128, 4))
     ids, weights = topk_softmax(logits, top_k, True, 1.0, h.shape[0], h.dtype)

@@ -60,18 +60,15 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-           block: Optional[tuple[int, int]] = None,
-           quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+           block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
     kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
-    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels, which
-    read x's codes and scales from `quantized` when the kernel before made them
-    (quantize_group says when to)."""
+    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels."""
     if scale is not None:
         assert block is not None
         ops = K.fp8(x.device)
         if ops is not None:
-            return ops.fp8_linear(x, weight, scale, block, bias, residual, quantized)
+            return ops.fp8_linear(x, weight, scale, block, bias, residual)
         y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
         return y if residual is None else y + residual
     y = None
@@ -81,17 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             return y
     y = nn.functional.linear(x, weight, bias)
     return y if residual is None else y + residual
-
-
-def quantize_group(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
-                   block: Optional[tuple[int, int]]) -> Optional[int]:
-    """The group by which the kernel before an fp8 projection of x should quantize x for it
-    (linear's `quantized`), or None: a weight without fp8 scales, no FP8 kernels, groups a
-    GEMV step cannot hold, or rows that cuBLAS's GEMM takes (it quantizes them itself)."""
-    ops = None if scale is None else K.fp8(x.device)
-    if ops is None or not ops.gemv_takes(0, block):
-        return None
-    return block[1] if ops.takes_quantized(x, weight, scale, block) else None
 
 
 def quantize_rows(x_TK: torch.Tensor, group: int,
@@ -210,16 +196,9 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(self.out_locals), dtype=dtype),
                                  requires_grad=False) if bias else None
 
-    def forward(self, x_TI: torch.Tensor, quantized: Optional[tuple[torch.Tensor, ...]] = None
-                ) -> torch.Tensor:
-        """x's projections; `quantized`: x's fp8 codes and scales by input_group."""
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         return linear(x_TI, self.weight, self.bias, scale=self.weight_scale_inv,
-                      block=self.block, quantized=quantized)
-
-    def input_group(self, x_TI: torch.Tensor) -> Optional[int]:
-        """The group by which the kernel before should quantize x for this projection, or
-        None (quantize_group)."""
-        return quantize_group(x_TI, self.weight, self.weight_scale_inv, self.block)
+                      block=self.block)
 
     def split(self, y_TO: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """forward's output as one view per shard."""
@@ -268,17 +247,10 @@ class QKVParallelLinear(nn.Module):
         init_weight(self, out, hidden, dtype, quant)
         self.bias = empty_param(out, dtype=dtype) if bias else None
 
-    def forward(self, x_TH: torch.Tensor, quantized: Optional[tuple[torch.Tensor, ...]] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) of x; `quantized`: x's fp8 codes and scales by input_group."""
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x_TH, self.weight, self.bias, scale=self.weight_scale_inv,
-                     block=self.block, quantized=quantized)
+                     block=self.block)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-
-    def input_group(self, x_TH: torch.Tensor) -> Optional[int]:
-        """The group by which the norm before should quantize x for this projection, or None
-        (linear.quantize_group)."""
-        return quantize_group(x_TH, self.weight, self.weight_scale_inv, self.block)
 
     def load_weight(self, param_name: str, src: Any, shard: str) -> None:
         """shard "q", "k" or "v": the full q_proj / k_proj / v_proj tensor."""

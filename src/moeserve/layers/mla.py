@@ -168,17 +168,10 @@ class MLAttention(nn.Module):
                                          k_pe_TR[:, None, :].contiguous())
         return q_pe_TNR, k_pe_T1R[:, 0]
 
-    def input_group(self, x_TH: torch.Tensor) -> Optional[int]:
-        """The group by which the input norm should quantize its output for the fp8 q / kv_a
-        projection (in its own launch), or None."""
-        return self.q_kv_a.input_group(x_TH)
-
-    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor, fb: ForwardBatch,
-                h_quantized: Optional[tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
-        """h_quantized: h's fp8 codes and scales by input_group, where the norm made them."""
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         m, t, n = self.mla, h_TH.shape[0], self.heads_local
-        # views of one [T, Q + W] output
-        q, kv_TW = self.q_kv_a.split(self.q_kv_a(h_TH, h_quantized))
+        q, kv_TW = self.q_kv_a.split(self.q_kv_a(h_TH))  # views of one [T, Q + W] output
         if m.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_TNQ = q.view(t, n, m.qk_head_dim)

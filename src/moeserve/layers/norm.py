@@ -2,8 +2,7 @@
 
   RMSNorm         over the last dim: hidden states, and Qwen3-MoE's per-head q/k norm
                   (applied to [T, heads, head_dim], which needs nothing from other ranks);
-                  `add_forward` also adds the residual first (one launch on a GPU), and
-                  `add_forward_quantized` quantizes its output for an fp8 projection there
+                  `add_forward` also adds the residual first (one launch on a GPU)
   ShardedRMSNorm  over a projection split across the ranks of an axis: OLMoE's q/k norm over
                   the whole q (or k) projection. Each rank holds its slice of the weight; the
                   variance needs the sum of squares over the full width, so the ranks all-reduce
@@ -12,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,21 +46,14 @@ class RMSNorm(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual) for [R, D] rows; the sum is rounded to its dtype
         before the norm reads it, on every path."""
-        h, total, _ = self.add_forward_quantized(x, residual, None)
-        return h, total
-
-    def add_forward_quantized(self, x: torch.Tensor, residual: torch.Tensor,
-                              group: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """add_forward's pair and, with `group` on a GPU, the norm's output quantized per row
-        per group in the same launch (fp8 codes, float32 scales: what an fp8 projection of
-        it would quantize itself); None where it is not."""
         ops = K.elementwise(x.device)
-        if (ops is not None and x.dim() == 2 and x.shape == residual.shape
-                and x.stride(-1) == 1 and residual.stride(-1) == 1):
-            # one launch on a GPU (kernels/elementwise/fused.py)
-            return ops.add_rms_norm(x, residual, self.weight, self.eps, group)
+        out = (ops.add_rms_norm(x, residual, self.weight, self.eps)
+               if ops is not None and x.dim() == 2 and x.shape == residual.shape
+               and x.stride(-1) == 1 and residual.stride(-1) == 1 else None)
+        if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
+            return out
         total = x + residual
-        return self(total), total, None
+        return self(total), total
 
     def load_weight(self, param_name: str, src: Any) -> None:
         expect_shape(param_name, src, (self.dim,))

@@ -95,16 +95,10 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, qkv.heads_local, qkv.kv_heads_local, d, d ** -0.5,
                                    backend, opts.sliding_window)
 
-    def input_group(self, x_TH: torch.Tensor) -> Optional[int]:
-        """The group by which the input norm should quantize its output for the fp8 qkv
-        projection (in its own launch), or None."""
-        return self.qkv_proj.input_group(x_TH)
-
-    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor, fb: ForwardBatch,
-                h_quantized: Optional[tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
-        """h_quantized: h's fp8 codes and scales by input_group, where the norm made them."""
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         t, d = h_TH.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(h_TH, h_quantized)
+        q, k, v = self.qkv_proj(h_TH)
         if self.opts.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         n, kv = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local
@@ -204,13 +198,11 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x, None), or (y, r) with x = r + y left unsummed when the rows need no gather:
         the next layer's input norm (or the final norm) adds them in its own launch."""
-        hq = None
         if residual is None:
             h = self.input_layernorm(x_TH)
-        else:  # an fp8 first projection reads the rows as the norm's launch quantized them
-            h, x_TH, hq = self.input_layernorm.add_forward_quantized(
-                x_TH, residual, self.self_attn.input_group(x_TH))
-        a = self.self_attn(positions_T, h, fb, hq)
+        else:
+            h, x_TH = self.input_layernorm.add_forward(x_TH, residual)
+        a = self.self_attn(positions_T, h, fb)
         a = self.comm.reduce_attn_output(a, step)
         # r = local_rows(x) + a and its norm, in one launch on a GPU
         h, r = self.post_attention_layernorm.add_forward(self.comm.local_rows(x_TH, step), a)

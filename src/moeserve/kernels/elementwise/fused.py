@@ -4,9 +4,7 @@ kernels/ops.py): one launch where the torch formulation takes five to fifteen.
   rms_norm         RMSNorm over the last dim of [R, D] or [T, N, D] rows (strided views of a
                    fused projection are read in place); fp32 statistics, as transformers
   add_rms_norm     the residual add and the RMSNorm after it: (RMSNorm(x + r), x + r), the
-                   sum rounded to the model dtype before the norm reads it, as in torch; on
-                   request the norm's output quantized for an fp8 projection too (its codes
-                   and group scales, so that the projection launches no quantizer)
+                   sum rounded to the model dtype before the norm reads it, as in torch
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
                    Qwen3's per-head q/k RMSNorm before it when given its weights; a token's
@@ -37,7 +35,6 @@ import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
 
 
 def _pow2(n: int) -> int:
@@ -81,8 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, S, Q, QS, stride_x, stride_r, D, eps,
-                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -95,46 +92,26 @@ def _add_rms_norm_kernel(X, R, W, Y, S, Q, QS, stride_x, stride_r, D, eps,
     var = tl.sum(s * s, 0) / D
     y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty)
-    tl.store(Y + row * D + offs, out, mask=mask)
-    if GROUP > 0:  # the output as an fp8 projection's rows: quantize_groups' codes and scales
-        groups = tl.reshape(out.to(tl.float32), (BLOCK_D // GROUP, GROUP))
-        scale = group_scale(tl.max(tl.abs(groups), axis=1))
-        codes = e4m3_codes(groups, scale[:, None])
-        cols = tl.reshape(offs, (BLOCK_D // GROUP, GROUP))
-        tl.store(Q + row * D + cols, codes.to(Q.dtype.element_ty), mask=cols < D)
-        g = tl.arange(0, BLOCK_D // GROUP)
-        tl.store(QS + row * tl.cdiv(D, GROUP) + g, scale, mask=g * GROUP < D)
+    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
+             mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 quantize: Optional[int] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
-    """(RMSNorm(x + residual), x + residual, quantized) of [R, D] rows (last dim contiguous)
-    in one launch; all contiguous. With `quantize` (a power-of-two group, at least 16) the
-    norm's output is also quantized per row per group, as kernels/fp8/gemm.quantize_groups
-    would quantize it: quantized = (fp8 codes [R, D], float32 scales [R, ceil(D/group)]), for
-    the fp8 projection that reads it; else None."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) of [R, D] rows (last dim contiguous) in one
+    launch; both contiguous."""
     rows, d = x.shape
     assert residual.shape == x.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
     assert weight.shape == (d,)
     total = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x.shape, dtype=torch.result_type(total, weight), device=x.device)
-    quantized = None
-    if quantize:
-        assert quantize >= 16 and quantize & (quantize - 1) == 0, quantize
-        quantized = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-                     torch.empty(rows, triton.cdiv(d, quantize), dtype=torch.float32,
-                                 device=x.device))
     if rows:
-        block = max(_pow2(d), quantize or 1)
-        q, qs = quantized or (out, out)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, q, qs, x.stride(0),
+        block = _pow2(d)
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
                                       residual.stride(0), d, eps, BLOCK_D=block,
-                                      GROUP=quantize or 0,
                                       num_warps=max(1, min(8, block // 256)),
                                       **pdl_args(x.device))
-    return out, total, quantized
+    return out, total
 
 
 @triton.jit

@@ -152,16 +152,14 @@ def _quantized_groups(x):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
-                     stride_xsm, stride_wn, stride_wsn, stride_rm, stride_ym,
-                     GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUPS: tl.constexpr, QUANTIZED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr, PDL: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
+                     stride_wn, stride_wsn, stride_rm, stride_ym, GROUP_N: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # program (column block, row): BLOCK_N weight rows against one activation row, GROUPS
     # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles, each
     # step's products reduced at once (a [BLOCK_N] accumulator leaves the registers to the
-    # tiles in flight). QUANTIZED: x_ptr holds the row's fp8 codes, xs_ptr their scales (the
-    # kernel before quantized it); else x_ptr the row itself, quantized here
+    # tiles in flight)
     pid_n, row = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     gs = tl.arange(0, GROUPS)
@@ -174,7 +172,6 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, 
                 other=0.0)
     pdl_gate(PDL)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    xs_row = xs_ptr + row.to(tl.int64) * stride_xsm
     x = tl.load(x_row + k_in, mask=k_in < K, other=0.0)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, GROUPS * BLOCK_K):
@@ -186,11 +183,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, 
         w_next = tl.load(w_rows + nk[None, :, :],
                          mask=col_ok[:, None, None] & (nk < K)[None, :, :], other=0.0)
         x_next = tl.load(x_row + nk, mask=nk < K, other=0.0)
-        if QUANTIZED:
-            x_s = tl.load(xs_row + g, mask=g * BLOCK_K < K, other=0.0)
-            xq = x.to(tl.float32) * x_s[:, None]
-        else:
-            xq = _quantized_groups(x.to(tl.float32))
+        xq = _quantized_groups(x.to(tl.float32))
         y += tl.sum(tl.sum(w.to(tl.float32) * xq[None, :, :], axis=2) * w_s, axis=1)
         w, x = w_next, x_next
     if HAS_BIAS:
@@ -211,11 +204,9 @@ def gemv_takes(rows: int, block: tuple[int, int]) -> bool:
 
 def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
              block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-             residual: Optional[torch.Tensor] = None,
-             quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual) for a few rows in one launch, the activation
-    quantized per row per bk columns inside it, or read as `quantized` (its fp8 codes and
-    float32 scales, row-major); out in x's dtype."""
+    quantized per row per bk columns inside it; out in x's dtype."""
     m, k = x_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
@@ -226,16 +217,13 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
         return out
     res = residual if residual is not None else out
     assert res.stride(-1) == 1
-    xq, xs = quantized if quantized is not None else (x_MK, x_MK)
-    assert xq.shape == (m, k) and xq.stride(-1) == 1 and xs.stride(-1) == 1
     block_n, step = gemv_tiles(k, bk)
     grid = (triton.cdiv(n, block_n), m)
-    _fp8_gemv_kernel[grid](xq, xs, w_NK, w_scale, bias if bias is not None else out, res, out,
-                           n, k, xq.stride(0), xs.stride(0), w_NK.stride(0), w_scale.stride(0),
+    _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
+                           n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
                            res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=block_n,
-                           BLOCK_K=bk, GROUPS=step // bk, QUANTIZED=quantized is not None,
-                           HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                           num_warps=4, **pdl_args(x_MK.device))
+                           BLOCK_K=bk, GROUPS=step // bk, HAS_BIAS=bias is not None,
+                           HAS_RES=residual is not None, num_warps=4, **pdl_args(x_MK.device))
     return out
 
 
@@ -375,33 +363,23 @@ def _blockwise() -> Optional[tuple]:
 _BLOCKWISE = _blockwise()
 
 
-def takes_quantized(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
-                    block: tuple[int, int]) -> bool:
-    """Whether fp8_linear reads `quantized` rows (codes and row-major scales) rather than
-    quantizing x itself: everywhere but cuBLAS's path, whose scales are laid out otherwise."""
-    return not cublas_takes(x_TK, w_NK, w_scale, block)
-
-
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-               residual: Optional[torch.Tensor] = None,
-               quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns (or given so,
-    `quantized`: x's fp8 codes [T, K] and float32 scales [T, ceil(K/bk)], the bits
-    quantize_groups gives, e.g. from the norm before), then the block-scaled GEMM: cuBLAS's
-    where cublas_takes (which quantizes x itself), else this module's (up to GEMV_MAX_ROWS
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
+    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's (up to GEMV_MAX_ROWS
     rows: both in the GEMV's one launch); out in x's dtype."""
     x_TK = x.reshape(-1, x.shape[-1])
     if x_TK.stride(-1) != 1:
         x_TK = x_TK.contiguous()
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
     if gemv_takes(x_TK.shape[0], block):
-        y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res, quantized)
+        y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
     elif cublas_takes(x_TK, w_NK, w_scale, block):
         y = cublas_block_gemm(x_TK, w_NK, w_scale, bias)
         if res is not None:
             y += res
     else:
-        xq, xs = quantized if quantized is not None else quantize_groups(x_TK, block[1])
+        xq, xs = quantize_groups(x_TK, block[1])
         y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
     return y.view(*x.shape[:-1], w_NK.shape[0])
