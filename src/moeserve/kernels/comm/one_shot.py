@@ -51,7 +51,10 @@ may wrap).
 
 Elements move in vectors of VEC (16 bytes where every offset and address allows it, else
 fewer), each in one access; a rank picks its VEC alone, since chunks count bytes whatever the
-VEC. PUSH / COPY / STAGE / SUM / SYNC split the phases for Triton's interpreter, which runs
+VEC. Each launches with PDL (kernels/launch/pdl.py) where the device has it on: its gate
+comes first, before the epoch is read (the kernel before may be another collective), so the
+kernel's launch hides behind the tail of the one before, and the next one's behind this one.
+PUSH / COPY / STAGE / SUM / SYNC split the phases for Triton's interpreter, which runs
 one program at a time and cannot wait for a peer: the tests run every rank's first phase,
 then every rank's second, with the windows of all ranks in one process. On a GPU all are on.
 Legend: P ranks of the axis, G programs, VECS vectors a chunk; in the kernels lo / hi (this
@@ -65,6 +68,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.comm.layout import MAX_PROGRAMS
+from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 CHUNK_BYTES = 8192  # what one program moves per step of its loop; programs own whole chunks
 NUM_WARPS = 4
@@ -181,7 +185,8 @@ def _push(X, PEERS, lo, hi, at, P: tl.constexpr, VECS: tl.constexpr, VEC: tl.con
 @triton.jit(do_not_specialize=["lo", "hi", "total", "rank", "half"])
 def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, half, P: tl.constexpr,
                    VECS: tl.constexpr, VEC: tl.constexpr, PUSH: tl.constexpr,
-                   COPY: tl.constexpr, SYNC: tl.constexpr):
+                   COPY: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     T = OUT.dtype.element_ty
     epoch = _epoch(PADS, rank, P)
     at = (epoch & 1) * half  # this call's half of every window (elements)
@@ -197,7 +202,8 @@ def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, half, P: tl.constex
 @triton.jit(do_not_specialize=["total", "rank", "half"])
 def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
                        VECS: tl.constexpr, VEC: tl.constexpr, PUSH: tl.constexpr,
-                       SUM: tl.constexpr, SYNC: tl.constexpr):
+                       SUM: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     step = tl.num_programs(0) * VECS
     T = Y.dtype.element_ty
     epoch = _epoch(PADS, rank, P)
@@ -222,7 +228,8 @@ def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
 @triton.jit(do_not_specialize=["lo", "hi", "total", "rank"])
 def _reduce_kernel(Y, OUT, PEERS, PADS, lo, hi, total, rank, P: tl.constexpr,
                    VECS: tl.constexpr, VEC: tl.constexpr, STAGE: tl.constexpr,
-                   SUM: tl.constexpr, SYNC: tl.constexpr):
+                   SUM: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr):
+    pdl_gate(PDL)
     step = tl.num_programs(0) * VECS
     T = Y.dtype.element_ty
     if STAGE:
@@ -275,7 +282,7 @@ def gather(x: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
     _gather_kernel[(programs(total * e),)](
         src, out, peer_ptrs, signal_ptrs, lo // vec, (lo + n) // vec, total // vec, rank,
         half, P=p, VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, COPY=copy,
-        SYNC=sync, num_warps=NUM_WARPS)
+        SYNC=sync, num_warps=NUM_WARPS, **pdl_args(out.device))
 
 
 def all_reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
@@ -292,7 +299,7 @@ def all_reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
     _all_reduce_kernel[(programs(total * e),)](
         y, out, peer_ptrs, signal_ptrs, total // vec, rank, half, P=p,
         VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, SUM=add, SYNC=sync,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **pdl_args(out.device))
 
 
 def reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
@@ -309,4 +316,4 @@ def reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
     _reduce_kernel[(programs(total * e),)](
         y, dst, peer_ptrs, signal_ptrs, lo // vec, (lo + n) // vec, total // vec, rank,
         P=peer_ptrs.numel(), VECS=CHUNK_BYTES // e // vec, VEC=vec, STAGE=stage, SUM=add,
-        SYNC=sync, num_warps=NUM_WARPS)
+        SYNC=sync, num_warps=NUM_WARPS, **pdl_args(y.device))
