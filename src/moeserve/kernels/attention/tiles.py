@@ -27,10 +27,12 @@ class AttentionTiles:
     # the batch winning (a decode graph is captured per batch bucket, so the tiles follow
     # the batch, not the lengths): 3 stages hide the key loads of few long requests; BLOCK_N
     # 128 up to 32 requests, whose programs each read a whole long request (H100, 32 x 8192
-    # keys: 185 us against 207 with 2 stages and 232 with 64-key blocks); past them 64-key
-    # blocks, two programs an SM (H100, 64 x 512: 28.2 against 32.0 us; 64 x 4096 186 against
-    # 202; 256 x 2048 level).
-    decode: tuple[tuple[int, DecodeTiles], ...] = ((8, (64, 4, 3)), (32, (128, 4, 3)),
+    # keys: 207 us against 232 with 64-key blocks; 3 stages took 185, but three stages of
+    # 128-key K and V tiles are 192 KiB at head dim 128, more shared memory than some GPUs
+    # give a program, and were measured on H100 alone); past them 64-key
+    # blocks with 3 stages, two programs an SM (H100, 64 x 512: 28.2 against 32.0 us with
+    # (128, 4, 2); 64 x 4096 186 against 202; 256 x 2048 level).
+    decode: tuple[tuple[int, DecodeTiles], ...] = ((8, (64, 4, 3)), (32, (128, 4, 2)),
                                                    (1 << 62, (64, 4, 3)))
     # splits of a request's keys at most: only batches of 1-2 reach past 32, and the combine
     # skips the splits that saw no keys, so short contexts lose nothing by the bound
