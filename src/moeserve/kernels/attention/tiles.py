@@ -5,7 +5,7 @@ any install.
 `AttentionTiles` is immutable; a backend holds one (the shipped `ATTENTION_TILES` unless it is
 given another), so tests and benchmarks try other choices with `dataclasses.replace` on a
 backend of their own, never by changing this module. The figures behind each entry (an H200,
-Qwen3-30B-A3B's and DeepSeek-V2-Lite's heads, bf16; the GQA decode tiles past 8 requests an
+Qwen3-30B-A3B's and DeepSeek-V2-Lite's heads, bf16; the GQA decode tiles past 32 requests an
 H100) are in benchmarks/RESULTS.md, sections "Decode attention", "Extend attention" and
 "Latent attention (MLA)", or beside the entry.
 """
@@ -27,11 +27,10 @@ class AttentionTiles:
     # the batch winning (a decode graph is captured per batch bucket, so the tiles follow
     # the batch, not the lengths): 3 stages hide the key loads of few long requests; BLOCK_N
     # 128 up to 32 requests, whose programs each read a whole long request (H100, 32 x 8192
-    # keys: 207 us against 232 with 64-key blocks; 3 stages took 185, but three stages of
-    # 128-key K and V tiles are 192 KiB at head dim 128, more shared memory than some GPUs
-    # give a program, and were measured on H100 alone); past them 64-key
-    # blocks with 3 stages, two programs an SM (H100, 64 x 512: 28.2 against 32.0 us with
-    # (128, 4, 2); 64 x 4096 186 against 202; 256 x 2048 level).
+    # keys: 207 us against 232 with 64-key blocks; 3 stages took 185, but stage 192 KiB of
+    # K and V tiles at head dim 128, more shared memory than some GPUs give a program);
+    # past 32, 64-key blocks with 3 stages, two programs an SM (H100, against (128, 4, 2):
+    # 64 x 512 keys 28.2 against 32.0 us, 64 x 4096 186 against 202, 256 x 2048 level).
     decode: tuple[tuple[int, DecodeTiles], ...] = ((8, (64, 4, 3)), (32, (128, 4, 2)),
                                                    (1 << 62, (64, 4, 3)))
     # splits of a request's keys at most: only batches of 1-2 reach past 32, and the combine
