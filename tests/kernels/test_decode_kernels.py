@@ -466,12 +466,22 @@ def test_skinny_tiles_stay_within_the_register_budget():
 def test_linear_takes_the_skinny_kernels_only_where_they_were_measured_faster():
     from moeserve.kernels.skinny.tiles import beats_cublas, tiles_for
 
-    # FMA at 1 row, MMA to 16 (qkv); FMA to 2 rows, then MMA (o_proj); FMA to 16 (router)
+    # FMA at 1 row, MMA to 16 (qkv); FMA to 2 rows, then MMA (o_proj); FMA to 16, then MMA
+    # to 128 (router)
     for m, n, k, mma in [(1, 5120, 2048, False), (2, 5120, 2048, True),
                          (16, 5120, 2048, True), (2, 2048, 4096, False),
-                         (3, 2048, 4096, True), (4, 128, 2048, False), (16, 128, 2048, False)]:
+                         (3, 2048, 4096, True), (4, 128, 2048, False), (16, 128, 2048, False),
+                         (17, 128, 2048, True), (128, 64, 2048, True)]:
         assert beats_cublas(m, n, k) and tiles_for(m, n, k).mma == mma, (m, n, k)
-    assert not beats_cublas(0, 128, 2048) and not beats_cublas(17, 128, 2048)
+    assert not beats_cublas(0, 128, 2048) and not beats_cublas(129, 128, 2048)
     assert not beats_cublas(17, 5120, 2048)
-    # past the table's rows (DeepSeek's fp32 router logits, up to 64): FMA row groups
-    assert not tiles_for(64, 64, 2048).mma
+    # past the table's rows: FMA row groups
+    assert not tiles_for(129, 64, 2048).mma
+
+
+def test_the_warm_up_rows_reach_every_skinny_kernel_variant():
+    from moeserve.kernels.skinny.tiles import TILES, WARM_ROWS, tiles_for
+
+    for n, k in [(e[0], min(e[1], 4096)) for e in TILES]:
+        seen = {tiles_for(m, n, k) for m in WARM_ROWS}
+        assert seen >= {tiles_for(m, n, k) for m in range(1, 129)}, (n, k)

@@ -111,6 +111,18 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
         got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
         ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
         assert float((got - ref).norm() / ref.norm()) < 1e-5, rows
+# K split into parts (a GPU's decode tiles): each part stores its partial, the tile's last
+# part sums them and adds bias and residual; 5 groups of K in 2 and 4 parts (the last part
+# short, then empty), 20 rows in two row tiles; twice, as the tiles' counters carry over
+k = 5 * small[1]
+w = torch.randn(96, k, device=dev)
+wq, ws = R.quantize_blocks(w, small)
+xx, bias, res = torch.randn(20, k, device=dev), torch.randn(96, device=dev), torch.randn(20, 96, device=dev)
+xq, xs = gemm.quantize_groups(xx, small[1])
+ref = R.fp8_linear(xx, wq, ws, small, bias) + res
+for split in (2, 4, 2):
+    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res, tiles=(16, 32, 2, split))
+    assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
 # scales written outer-dim-major (as cuBLAS reads them): the same values
 xx = torch.randn(5, 256, device=dev)
 q, sc = gemm.quantize_groups(xx, 64)
@@ -153,18 +165,21 @@ def test_triton_fp8_kernels_on_the_gpu():
     exec(KERNEL_SCRIPT.replace("{device}", "cuda"), {})
 
 
-def test_decode_tiles_narrow_until_the_weight_fills_the_device():
+def test_decode_tiles_split_k_until_the_weight_fills_the_device():
     pytest.importorskip("triton")
     from moeserve.kernels.fp8.gemm import gemm_tiles
 
-    # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages); 132 programs: an H100's SMs
-    assert gemm_tiles(1, 2048, 2048, 0) == (16, 64, 4)  # no device to fill (the interpreter)
-    assert gemm_tiles(1, 2048, 2048, 132) == (16, 16, 4)  # 128 programs: as narrow as it goes
-    assert gemm_tiles(8, 5120, 2048, 132) == (16, 32, 4)  # 160 programs of 32 columns suffice
-    assert gemm_tiles(16, 32768, 2048, 132) == (16, 64, 4)
-    assert gemm_tiles(32, 2048, 4096, 132) == (32, 16, 5)  # a long K: more stages
-    assert gemm_tiles(64, 2048, 4096, 132) == (64, 16, 5)
-    assert gemm_tiles(200, 5120, 2048, 132) == (64, 64, 4)  # decode rows: 64-row tiles
-    assert gemm_tiles(257, 5120, 2048, 132) == (128, 64, 3)  # past them 128
-    assert gemm_tiles(8192, 2048, 2048, 132) == (128, 128, 3)
-    assert gemm_tiles(17, 2048) == (32, 64, 4) and gemm_tiles(65, 2048) == (64, 64, 4)
+    # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages, parts of K); 132 programs:
+    # an H100's SMs
+    assert gemm_tiles(1, 2048, 2048, 0) == (16, 32, 4, 1)  # no device to fill (the interpreter)
+    assert gemm_tiles(8, 2048, 4096, 132) == (16, 32, 5, 4)  # 64 tiles x 4 >= 198
+    assert gemm_tiles(8, 5120, 2048, 132) == (16, 32, 4, 2)  # 160 tiles x 2
+    assert gemm_tiles(16, 32768, 2048, 132) == (16, 32, 4, 1)  # 1024 tiles fill it unsplit
+    assert gemm_tiles(1, 128, 8192, 132) == (16, 32, 5, 8)  # 4 tiles: at most 8 parts
+    assert gemm_tiles(64, 2048, 4096, 132) == (64, 32, 5, 2)  # 64-row tiles: 7/8 an SM
+    assert gemm_tiles(64, 5120, 2048, 132) == (64, 32, 4, 1)
+    assert gemm_tiles(8, 2048, 384, 132) == (16, 32, 4, 1)  # 3 groups: no part under 2
+    assert gemm_tiles(200, 2048, 4096, 132) == (64, 64, 5, 1)  # decode rows: 64 x 64 tiles
+    assert gemm_tiles(200, 1024, 4096, 132) == (64, 64, 5, 2)
+    assert gemm_tiles(257, 5120, 2048, 132) == (128, 64, 3, 1)  # past them 128, unsplit
+    assert gemm_tiles(8192, 2048, 2048, 132) == (128, 128, 3, 1)

@@ -201,10 +201,11 @@ def test_layers_take_the_decode_kernels_on_cuda():
         router = Router(tiny_spec(kind), torch.bfloat16).cuda()
         router.weight.data = torch.randn(router.weight.shape, generator=gen).to(
             "cuda", torch.bfloat16)
-        x = torch.randn(2, router.hidden, generator=gen).to("cuda", torch.bfloat16)
-        want = (F.linear(x.float(), router.weight.float()) if fp32
-                else F.linear(x, router.weight).float())
-        assert rel_err(router.logits(x), want) < (1e-5 if fp32 else 1e-2)
+        for m in (2, 17, 64):  # FMA, then the MMA kernel's rows
+            x = torch.randn(m, router.hidden, generator=gen).to("cuda", torch.bfloat16)
+            want = (F.linear(x.float(), router.weight.float()) if fp32
+                    else F.linear(x, router.weight).float())
+            assert rel_err(router.logits(x), want) < (1e-5 if fp32 else 1e-2), (kind, m)
     norm = RMSNorm(2048, 1e-6, torch.bfloat16)
     norm.weight.data.uniform_(0.7, 1.3)
     x, a = torch.randn(3, 2048).bfloat16(), torch.randn(3, 2048).bfloat16()

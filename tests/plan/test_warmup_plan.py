@@ -76,14 +76,14 @@ def test_the_list_is_every_shape_the_plan_allows_and_nothing_else(name):
 
 
 def test_without_graphs_the_eager_rule_takes_the_kernels_that_differ():
-    """No prefill graphs (a CPU, or graphs off): rows 1..16 (each its skinny GEMM tiles), the
+    """No prefill graphs (a CPU, or graphs off): rows 1..17 (each its skinny GEMM tiles), the
     powers of two to 1024 (the rope's head blocks), the extend tile entries, the full extend;
     decode runs the default bucket rule eagerly. The list is there on a CPU; it is not run."""
     cpu = build_plan(EngineConfig(model=MODEL, device="cpu"))
     w = warmup_plan(cpu)
     assert w.skipped and "cpu" in w.skipped
     b = cpu.budget
-    want = sorted(set(range(1, 17)) | {32, 64, 128, 256, 512, 1024, 1025, b.extend})
+    want = sorted(set(range(1, 18)) | {32, 64, 128, 256, 512, 1024, 1025, b.extend})
     assert w.sizes("extend") == want
     assert w.sizes("decode", EAGER) == list(b.decode_batch_sizes)
     assert not w.sizes("moe") and not w.sizes("attention.sdpa") and not w.sizes("prefill")

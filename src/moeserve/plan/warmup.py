@@ -12,7 +12,7 @@ runs it eagerly first; "eager": a dummy forward or a direct call at startup):
   extend          eager prefills the buckets do not stand for: the plan's startup forward
                   (a full extend, the eager path above the buckets), one request per tile
                   entry of the extend attention, and without prefill graphs the counts
-                  whose kernels differ (1..16: skinny GEMM rows; powers of two: rope blocks)
+                  whose kernels differ (1..17: skinny GEMM rows; powers of two: rope blocks)
   moe             one row count per expert tile config a step of 1..the runner's rows takes
                   (prefill and decode configs alike; kernels/moe/configs.warm_up_sizes)
   attention.sdpa  each padded length a fresh long prompt takes through SDPA (cuDNN builds a
@@ -28,7 +28,7 @@ compiles per value of each constexpr and per class of each unmarked integer argu
 divisible by 16, other). The integer arguments that follow a step's size are marked
 `do_not_specialize` (align, the MoE GEMMs, the router, MLA's prep), are a grid dimension, or
 are strides that a fixed width keeps a multiple of 16; the skinny GEMM's row count is the
-exception, so rows 1..16 are variants of their own. So the key of a size is the constexpr
+exception, so rows 1..17 are variants of their own. So the key of a size is the constexpr
 choice of each table: the MoE tile config, the attention tile entry, the rope head blocks.
 Pure derivation: no torch device is touched.
 """
@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from moeserve.kernels.attention.tiles import ATTENTION_TILES
 from moeserve.kernels.moe.configs import warm_up_sizes
-from moeserve.kernels.skinny.tiles import MOST_ROWS
+from moeserve.kernels.skinny.tiles import WARM_ROWS
 from moeserve.plan.capacity import CapacityPlan, local_gpu_name
 from moeserve.plan.capture import default_decode_batch_sizes
 
@@ -114,7 +114,7 @@ def warmup_plan(plan: CapacityPlan, device_name: Optional[str] = None,
                 for n in b.prefill_token_sizes]
         eager: dict[int, str] = {}
     else:
-        eager = {n: f"{n} rows: skinny GEMM tiles" for n in range(1, MOST_ROWS + 1)}
+        eager = {n: f"{n} rows: skinny GEMM tiles" for n in WARM_ROWS}
         n = 32
         while n <= min(b.extend, ROPE_BLOCKS_MAX_TOKENS):
             eager[n] = f"{n} tokens: rope head blocks"

@@ -6,9 +6,9 @@ the dense projections (kernels/fp8/reference.py is the same arithmetic in torch)
 
 The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of the tile,
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
-float32. Decode-sized steps take tiles of 16 to 64 rows, prefills 128-row ones; the column
-tile is narrowed (down to 16) until the weight streams through about a program an SM
-(gemm_tiles).
+float32. Decode-sized steps take tiles of 16 to 64 rows, and split K into parts (each
+stores a float32 partial, the tile's last part to finish sums them in part order) until the
+weight streams through every SM; prefills take 128-row tiles (gemm_tiles).
 
 Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, in one launch
 with the quantizer inside it: each program streams BLOCK_N rows of the weight along K,
@@ -228,19 +228,23 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
 
 
 @triton.jit
-def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, M, N, K,
-                       stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_rm,
-                       GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                       PDL: tl.constexpr):
+def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, part_ptr, cnt_ptr,
+                       M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+                       stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # program (row tile, column tile, K part): the K part's scale groups of the tile; with
+    # SPLIT parts, each stores its float32 partial in PART [SPLIT, M, N], and the tile's last
+    # part to finish sums them in part order and runs the epilogue
     pdl_gate(PDL)  # the rows are the kernel before's output
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
+    span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K  # columns of K a part takes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * span, tl.minimum(K, part * span + span), BLOCK_K):
         kb = k0 // BLOCK_K
         k = k0 + ks
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
@@ -250,14 +254,30 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, M
         a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + kb, mask=col_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if HAS_RES:
-        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=mask)
+    at = rows[:, None] * N + cols[None, :]
+    last = True
+    if SPLIT > 1:
+        tl.store(part_ptr + part * M * N + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial comes before the release
+        tile = pid_m * tl.num_programs(1) + pid_n
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT - 1
+        tl.debug_barrier()  # every thread's loads come after the acquire
+        if last:  # (.cg: other SMs wrote the partials); the counter back to 0
+            tl.store(cnt_ptr + tile, 0)
+            acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + p * M * N + at, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -266,31 +286,69 @@ def _sm_count(device_index: int) -> int:
 
 
 DECODE_GEMM_ROWS = 256  # up to this many rows the GEMM takes decode tiles (at most 64 rows)
+MAX_SPLIT = 8  # the most parts a decode tile's K is split into
+MIN_PART_STEPS = 2  # scale groups each part takes at the least
 
 
-def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages) for m rows of an n-column output along k: the row tile
-    the power of two (16 to 64) that holds m, up to DECODE_GEMM_ROWS rows, 128-row tiles
-    past it; the column tile the widest (128 or 64 down to 16) that still gives at least
-    `programs` programs; more stages in flight along a long K. Measured on H100 with cold
-    weights (Qwen3-30B-A3B's 5120 x 2048 and 2048 x 4096 projections, 8 to 200 rows): tiles
-    of 128 rows took up to 1.7x as long as 64-row ones at 128 and 200 rows, and a program an
-    SM with 4-5 stages beat two with 3 (2048 x 4096 at 8 rows: 9.6 against 12.8 us)."""
-    block_m = (max(16, triton.next_power_of_2(m)) if m <= 64 else
-               64 if m <= DECODE_GEMM_ROWS else 128)
-    stages = 3 if block_m == 128 else 5 if k >= 4096 else 4
-    widths = (128, 64, 32, 16) if block_m == 128 else (64, 32, 16)
-    for block_n in widths:
-        if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) >= programs:
-            return block_m, block_n, stages
-    return block_m, widths[-1], stages
+def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
+               block_k: int = 128) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages, SPLIT) for m rows of an n-column output along k (scale
+    groups of block_k), on a device of `programs` SMs.
+
+    Up to DECODE_GEMM_ROWS rows (decode steps) the row tile is the power of two (16 to 64)
+    that holds m, the column tile 32 wide (64 past 64 rows), and K is split into the fewest
+    parts (a power of two up to MAX_SPLIT, each MIN_PART_STEPS groups or more) that give
+    3/2 a program an SM for tiles of up to 32 rows, 7/8 for 64-row ones (whose partials
+    cost twice the bytes). A weight this small streams at the memory's rate only from every
+    SM at once, and a column tile narrowed instead would have each program read all of the
+    rows' K (from L2) for a sliver of the weight. Measured on H100 with 24 cold weights in a
+    CUDA graph: 2048 x 4096 at 8 rows 10.1 -> 6.4 us
+    (4 parts), at 64 rows 10.3 -> 8.9 (2), at 200 rows 20.2 -> 15.1; 6144 x 4096 at 8 rows
+    13.8 -> 12.3; 5120 x 2048 at 64 rows level (8.8, unsplit). Past DECODE_GEMM_ROWS rows
+    128 x 128 tiles (down to 16 columns to fill the device), unsplit. More stages in flight
+    along a long K."""
+    if m > DECODE_GEMM_ROWS:
+        for block_n in (128, 64, 32, 16):
+            if triton.cdiv(m, 128) * triton.cdiv(n, block_n) >= programs:
+                break
+        return 128, block_n, 3, 1
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 32 if m <= 64 else 64
+    want = programs * 3 // 2 if block_m <= 32 else programs * 7 // 8
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while (tiles * split < want and split < MAX_SPLIT
+           and steps >= 2 * split * MIN_PART_STEPS):
+        split *= 2
+    return block_m, block_n, 5 if k >= 4096 else 4, split
+
+
+_COUNTERS = {}  # device index -> the split tiles' int32 counters
+MAX_SPLIT_TILES = 4096  # tiles a split launch may have (its counters)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's tile counters for split-K launches: zeros, and each launch's tiles count
+    their parts up and their last part sets them back to 0. Launches on one device must not run at once
+    (the engine's step runs on one stream). Made on first use, which must precede any graph
+    capture (the warm-up runs every GEMM shape eagerly)."""
+    key = device.index if device.type == "cuda" else -1
+    cnt = _COUNTERS.get(key)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the fp8 GEMM's split-K counters are made on first use, which "
+                               "must come before graph capture: run the GEMM eagerly first")
+        cnt = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return cnt
 
 
 def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
-               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
-    """fp8 rows (with per-group scales) x fp8 weight (with block scales)^T, in out_dtype."""
+               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+               tiles: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """fp8 rows (with per-group scales) x fp8 weight (with block scales)^T, in out_dtype;
+    `tiles` (gemm_tiles' answer) for the table's."""
     m, k = xq_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
@@ -302,16 +360,22 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
         return out
     assert w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1 and xq_MK.stride(-1) == 1
     programs = _sm_count(xq_MK.device.index or 0) if xq_MK.is_cuda else 0
-    block_m, block_n, stages = gemm_tiles(m, n, k, programs)
+    block_m, block_n, stages, split = tiles or gemm_tiles(m, n, k, programs, bk)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    if grid[0] * grid[1] > MAX_SPLIT_TILES:
+        grid, split = grid[:2] + (1,), 1
     res = residual if residual is not None else out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    part, cnt = out, out
+    if split > 1:  # the parts' float32 partials, the tiles' counters
+        part = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+        cnt = _counters(out.device)
     _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
-                             bias if bias is not None else out, res, m, n, k,
+                             bias if bias is not None else out, res, part, cnt, m, n, k,
                              xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
                              w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
-                             BLOCK_N=block_n, BLOCK_K=bk, HAS_BIAS=bias is not None,
-                             HAS_RES=residual is not None, num_stages=stages,
-                             **pdl_args(xq_MK.device))
+                             BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split,
+                             HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                             num_stages=stages, **pdl_args(xq_MK.device))
     return out
 
 
