@@ -56,6 +56,16 @@ class SpyCollectives(SymmetricCollectives):
         torch.distributed.all_reduce(x, group=self.axis.group)
         return x
 
+    def all_reduce_add_rms_norm(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-reduce, then RMSNorm.add_forward's torch arithmetic."""
+        self.calls.append(("all_reduce_add_rms_norm", y.numel() * y.element_size()))
+        torch.distributed.all_reduce(y, group=self.axis.group)
+        total = x + y
+        t32 = total.float()
+        normed = (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(total.dtype)
+        return weight * normed, total
+
     def all_gather(self, x_R: torch.Tensor, sizes: list[int], out_N: torch.Tensor) -> None:
         self.calls.append(("all_gather", out_N.numel() * out_N.element_size()))
         out_N.copy_(C.all_gather_uneven(x_R, sizes, self.axis))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_cases import rel_err
+from moeserve.kernels.elementwise.fused import add_rms_norm
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
 from moeserve.parallel.symm_comm import SymmetricCollectives
@@ -20,6 +21,7 @@ from moeserve.parallel.symmetric import symmetric_empty
 from moeserve.testing.graphs import captured
 
 WINDOW = 64 << 10  # collectives above this run on NCCL, also in the chains below
+EPS = 1e-6
 DTYPES = ("float32", "bfloat16", "float16")
 WIDTHS = (40, 1024)  # elements a row
 
@@ -86,6 +88,12 @@ def _run(rank: int, world: int) -> list[dict]:
                 # a view that starts 6 bytes into its storage: narrower accesses, same sums
                 odd = torch.cat([ys[rank].view(-1)[:3], ys[rank].view(-1)])[3:]
                 odd = C.all_reduce(odd.view(n, width), axis, symm=symm)
+                # the all-reduce with the add and norm after it: add_rms_norm's bits
+                res = _inputs(case + 900, 0, n, width, dtype)
+                w = _inputs(case + 901, 0, 1, width, dtype)[0].abs() + 0.5
+                fused = symm.all_reduce_add_rms_norm(ys[rank].clone(), res, w, EPS) \
+                    if took and n else None
+                apart = add_rms_norm(res, ar_ref, w, EPS) if n else None
                 out.append(dict(
                     case=name, dtype=dtype_name, width=width, rank=rank, symmetric=took,
                     gather_equal=torch.equal(ag, torch.cat(xs)) and torch.equal(ag, ag_nccl),
@@ -96,7 +104,9 @@ def _run(rank: int, world: int) -> list[dict]:
                     ar_ref_equal=torch.equal(ar, ar_ref) and torch.equal(odd, ar_ref),
                     ar_nccl_equal=torch.equal(ar, ar_nccl),
                     ar_rel_err=rel_err(ar.float(), ar_nccl.float()),
-                    ar_same_everywhere=_same_on_every_rank(ar, axis)))
+                    ar_same_everywhere=_same_on_every_rank(ar, axis),
+                    norm_equal=fused is None or all(torch.equal(f, a)
+                                                    for f, a in zip(fused, apart))))
     out += _chains(rank, world, axis, symm)
     return out
 
@@ -114,12 +124,24 @@ def _chain(x: torch.Tensor, z0: torch.Tensor, z: torch.Tensor, sizes: list[int],
             s = C.reduce_scatter_uneven(a * (i + 1), sizes, axis, symm=symm)
             h = s * (1.0 / (axis.size * (i + 1)))
             z.copy_(z0)
+            got += _reduce_add_norm(z[: len(a)].clone(), a, axis, symm)
+            z.copy_(z0)
             got.append(C.all_reduce(z[: len(a)], axis, symm=symm).clone())
             got.append(C.all_gather_uneven(z[: big[axis.rank]].contiguous(), big, axis,
                                            symm=symm))
         got.append(h)
         return got
     return run
+
+
+def _reduce_add_norm(y: torch.Tensor, x: torch.Tensor, axis: Axis,
+                     symm: Any) -> list[torch.Tensor]:
+    """RMSNorm(x + y summed over the axis) and that sum: one launch on the window where it
+    takes y, else NCCL's all-reduce and add_rms_norm."""
+    w = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
+    if symm is not None and symm.takes(y.numel() * y.element_size(), y.dtype):
+        return list(symm.all_reduce_add_rms_norm(y, x, w, EPS))
+    return list(add_rms_norm(x, C.all_reduce(y, axis), w, EPS))
 
 
 def _chains(rank: int, world: int, axis: Axis, symm: Any) -> list[dict]:

@@ -136,6 +136,35 @@ for p, n, dtype in [(2, 3, torch.float16), (3, 400, torch.float32)]:
                          ranks.nbytes, push=False, sync=False)
         assert all(torch.equal(y, want) for y in ys), (p, call)
         assert all(ranks.epoch(r) == (call + 1, 0) for r in range(p))
+
+# the all-reduce with the residual add and RMSNorm after it: each rank's rows in its slot of
+# every window's half (as the all-reduce), then the sum rounded to the dtype, plus x (the
+# sum stored bit for bit as add_rms_norm's), normalised; 40 rows: programs of two rows
+for p, n, d, dtype in [(2, 3, 48, torch.float16), (3, 40, 20, torch.float32)]:
+    ranks = Ranks(p, n * d * 4)
+    e = torch.tensor([], dtype=dtype).element_size()
+    w = torch.rand(d) + 0.5
+    for call in range(2):
+        ys = [torch.randn(n, d).to(dtype) for _ in range(p)]
+        x = torch.randn(n, d).to(dtype)
+        total = (x.float() + rank_order_sum(ys).to(dtype).float()).to(dtype)
+        t32 = total.float()
+        normed = (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        want = (w * normed.float()).to(dtype)
+        for win in ranks.wins:
+            win.fill_(7)
+        for r in range(p):
+            O.all_reduce_add_norm(ys[r], x, w.to(dtype), 1e-6, ranks.peers, ranks.pads, r,
+                                  ranks.nbytes, add=False, sync=False)
+        half = 0 if call % 2 else ranks.nbytes // 2
+        for win in range(p):
+            assert not ranks.touched_outside(win, half, half + p * n * d * e), (p, call, win)
+        for r in range(p):
+            out, s = O.all_reduce_add_norm(ys[r], x, w.to(dtype), 1e-6, ranks.peers,
+                                           ranks.pads, r, ranks.nbytes, push=False, sync=False)
+            assert torch.equal(s, total), (p, call, r)
+            assert torch.allclose(out.float(), want.float(), rtol=1e-3, atol=1e-3), (p, call)
+        assert all(ranks.epoch(r) == (call + 1, 0) for r in range(p))
 print("interpreter ok")
 """
 

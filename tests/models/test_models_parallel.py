@@ -22,15 +22,34 @@ LAYOUTS = {
     "ep2-dense-replicated": {"ep_size": 2, "moe_dense_tp_size": 1},
     "dp2-attention": {"dp_size": 2, "enable_dp_attention": True},
 }
+ONE_SHOT = "tp2-one-shot-windows"  # tp2 with each axis's window emulated on gloo
 
 
-def _world(rank: int, world: int, layout_kw: dict, cases: list, dummy_ref) -> list:
+def _spy_windows(calls: list) -> None:
+    """Every axis of more than one rank gets a one-shot window of 64 KiB, emulated on gloo
+    (collective_ranks.SpyCollectives): the layers take the paths a GPU's window gives them,
+    fused norms included, and `calls` records them."""
+    from types import SimpleNamespace
+
+    from collective_ranks import SpyCollectives
+    from moeserve.batch.buffers import CommWindows
+
+    window = SimpleNamespace(local=torch.empty(4 * (64 << 10), dtype=torch.uint8))
+    CommWindows.collectives = lambda self, name, axis: (
+        None if axis.size == 1 else SpyCollectives(window, axis, calls))
+
+
+def _world(rank: int, world: int, layout_kw: dict, cases: list, dummy_ref,
+           one_shot: bool = False) -> list:
     from moeserve.parallel.groups import init_parallel_state
     from moeserve.parallel.layout import ParallelLayout
     from moeserve.batch.forward_batch import ForwardMode
     from moeserve.testing.tiny_models import (TinyRunner, compare_three_ways, load_tiny,
                                               rel_err, tiny_config)
 
+    calls: list = []
+    if one_shot:
+        _spy_windows(calls)
     state = None
     results = []
     for name, folder, ref in cases:
@@ -58,6 +77,8 @@ def _world(rank: int, world: int, layout_kw: dict, cases: list, dummy_ref) -> li
         model, plan = load_tiny(cfg, state)
         got = TinyRunner(model, state, plan).forward(ForwardMode.EXTEND, PROMPTS, range(4))
         results.append(("dummy preset:tiny", ("all tokens", rel_err(got, dummy_ref))))
+    if one_shot:
+        results.append(("collectives", sorted({c[0] for c in calls})))
     return results
 
 
@@ -82,6 +103,19 @@ def _dummy_reference() -> torch.Tensor:
     logits = TinyRunner(model, state, plan).forward(ForwardMode.EXTEND, PROMPTS, range(4))
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     return logits
+
+
+def test_with_one_shot_windows_the_norms_take_the_block_sums(checkpoints):
+    """tp2 with a one-shot window on each axis (emulated on gloo): the attention's all-reduce
+    and each MoE / dense block's sum are left to the norm after them (one launch on a GPU),
+    with the same logits as transformers."""
+    for rank, results in enumerate(run_ranks(_world, 2, {}, checkpoints, None, True,
+                                             timeout=300)):
+        *models, (what, calls) = results
+        assert what == "collectives" and "all_reduce_add_rms_norm" in calls, calls
+        assert len(models) == len(checkpoints)
+        for name, (where, err) in models:
+            assert err <= TOL, f"{ONE_SHOT} rank {rank} {name}: {where} relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

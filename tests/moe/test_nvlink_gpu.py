@@ -21,11 +21,14 @@ WORLDS = [pytest.param(w, marks=pytest.mark.gpu(w), id=f"{w}gpus") for w in (2, 
 
 
 def _greedy_layouts() -> dict[str, dict]:
-    """tp2 ep2 nvlink with and without DP attention; on 4 GPUs every ep (1, 2, 4) of the
+    """tp2 ep2 on the gather path (replicated rows: the block sums left to the norms after
+    them, on the one-shot windows) and over nvlink with and without DP attention; on 4 GPUs
+    every ep (1, 2, 4) of the
     gather path and tp4 ep4 over all_to_all and nvlink, each with and without DP attention
     (dp 4). preset:tiny has 4 heads, 2 KV heads (replicated at attn_tp 4), 8 experts and an
     expert intermediate of 32: all of these divide."""
-    out = {"tp2 ep2 nvlink": dict(tp_size=2, ep_size=2, moe_a2a_backend="nvlink"),
+    out = {"tp2 ep2": dict(tp_size=2, ep_size=2, moe_a2a_backend="none"),
+           "tp2 ep2 nvlink": dict(tp_size=2, ep_size=2, moe_a2a_backend="nvlink"),
            "tp2 dp2 ep2 nvlink": dict(tp_size=2, ep_size=2, dp_size=2,
                                       enable_dp_attention=True, moe_a2a_backend="nvlink")}
     for ep, a2a in [(1, "none"), (2, "none"), (4, "none"), (4, "all_to_all"), (4, "nvlink")]:

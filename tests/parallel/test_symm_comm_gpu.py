@@ -3,9 +3,10 @@ the all-gather equal to NCCL's and to the concatenation at every size, a rank wi
 included; the reduce-scatter and the all-reduce (of an unaligned view too) equal to the fp32
 sum in rank order rounded once, the same bits on every rank, bit for bit equal to NCCL in fp32
 on 2 GPUs (a sum of two is one rounding either way) and within 1e-2 relative in bf16 and
-fp16; chains of collectives back to back on one window, with
-NCCL ones between, equal to NCCL alone (no race), and a CUDA-graph replay of a chain equal to an
-eager run; the plan's windows allocated with its bytes and opened once per axis."""
+fp16; the all-reduce fused with the residual add and RMSNorm after it equal to the
+all-reduce and then add_rms_norm, bit for bit; chains of collectives back to back on one
+window, with NCCL ones between, equal to NCCL alone (no race), and a CUDA-graph replay of a
+chain equal to an eager run; the plan's windows allocated with its bytes and opened once per axis."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_one_shot_collectives_equal_nccl(world):
         assert r["rs_rel_err"] <= tol and r["ar_rel_err"] <= tol, where
         if r["symmetric"]:
             assert r["rs_ref_equal"] and r["ar_ref_equal"], where
-            assert r["ar_same_everywhere"], where
+            assert r["ar_same_everywhere"] and r["norm_equal"], where
             if r["dtype"] == "float32" and world == 2:
                 assert r["rs_nccl_equal"] and r["ar_nccl_equal"], where
     chains = [r for r in records if r["case"] == "chain"]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moeserve.layers.attention import AttentionBackend, PagedAttention
+from moeserve.layers.communicator import Unreduced, add_norm
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
@@ -197,19 +198,20 @@ class DecoderLayer(nn.Module):
                 step: Any, residual: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x, None), or (y, r) with x = r + y left unsummed when the rows need no gather:
-        the next layer's input norm (or the final norm) adds them in its own launch."""
+        the next layer's input norm (or the final norm) adds them in its own launch; y may
+        be Unreduced (layers/communicator.py), which that norm's launch also all-reduces."""
         if residual is None:
             h = self.input_layernorm(x_TH)
-        else:
-            h, x_TH = self.input_layernorm.add_forward(x_TH, residual)
+        else:  # x_TH may be the block before's Unreduced partial sums
+            h, x_TH = add_norm(self.input_layernorm, x_TH, residual)
         a = self.self_attn(positions_T, h, fb)
-        a = self.comm.reduce_attn_output(a, step)
-        # r = local_rows(x) + a and its norm, in one launch on a GPU
-        h, r = self.post_attention_layernorm.add_forward(self.comm.local_rows(x_TH, step), a)
-        y = self.mlp(h, step)
+        # r = local_rows(x) + the reduced a, and its norm: one launch on a GPU (with the
+        # all-reduce where the one-shot window takes it)
+        h, r = self.comm.reduce_attn_add_norm(a, x_TH, self.post_attention_layernorm, step)
         if self.comm.scattered:
-            return self.comm.gather_rows(r + y, step), None
-        return y, r  # gather_rows is the identity here
+            return self.comm.gather_rows(r + self.mlp(h, step), step), None
+        # gather_rows is the identity here, and the block may leave its sum to the next norm
+        return self.mlp(h, step, unreduced_ok=True), r
 
 
 # config.json's `architectures` name -> the model class (models/build.py imports them all)
@@ -318,6 +320,8 @@ class MoECausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x_TH, residual = layer(positions_T, x_TH, fb, step, residual)
+        if isinstance(x_TH, Unreduced):  # the final norm reads selected rows: sum them all
+            x_TH = x_TH.reduce()
         return x_TH, residual
 
     def logits(self, x_TH: torch.Tensor, residual: Optional[torch.Tensor],

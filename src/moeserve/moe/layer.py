@@ -88,7 +88,10 @@ class MoELayer(nn.Module):
         self.dispatcher.bind(buffers)
         self.experts.bind_workspace(buffers.experts)
 
-    def forward(self, x_MH: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def forward(self, x_MH: torch.Tensor, step: StepContext, unreduced_ok: bool = False):
+        """The layer's output rows; unreduced_ok: the caller takes an Unreduced
+        (layers/communicator.py) where the dispatcher's combine leaves its sum to the norm
+        after it and no shared expert is added past the combine."""
         if x_MH.shape[0] != step.num_rows(self.scattered):
             raise ValueError(f"MoE layer {self.layer_id} got {x_MH.shape[0]} rows, the step gives "
                              f"this rank {step.num_rows(self.scattered)}")
@@ -105,8 +108,9 @@ class MoELayer(nn.Module):
         y_NH = self.experts(x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK, x_scale)
         if self.shared_on_dispatched:
             y_NH = self._add_shared(y_NH, tokens.x_NH)
-        y_MH = self.dispatcher.combine(y_NH, handle)
-        if self.shared_expert is not None and not self.shared_on_dispatched:
+        late_shared = self.shared_expert is not None and not self.shared_on_dispatched
+        y_MH = self.dispatcher.combine(y_NH, handle, unreduced_ok and not late_shared)
+        if late_shared:
             y_MH = self._add_shared(y_MH, x_MH)
         return y_MH
 

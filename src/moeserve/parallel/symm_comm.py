@@ -4,6 +4,7 @@ call by call, between these and NCCL).
     symm = SymmetricCollectives.open(window, axis)  # at startup, before any capture; collective
     symm.takes(nbytes, dtype)                       # whether a collective of nbytes runs here
     symm.all_reduce(x)                              # in place
+    symm.all_reduce_add_rms_norm(y, x, w, eps)      # (RMSNorm(x + sum y), x + sum y)
     symm.all_gather(x_R, sizes, out_N)              # every rank's rows, in rank order
     symm.reduce_scatter(y_N, sizes, out_R)          # this rank's rows, summed over the ranks
 
@@ -19,6 +20,9 @@ and stores the peers' memory directly beats NCCL's protocol, above it NCCL's ban
     all-reduce      kernels/comm/one_shot.all_reduce: each rank stores x into its slot of
                     every window, signals, waits for every peer's signal, sums the slots of
                     its own window in fp32 in rank order into x (the same bits on every rank)
+    all-reduce + add + RMSNorm  kernels/comm/one_shot.all_reduce_add_norm: the all-reduce
+                    whose SUM phase also adds the residual and normalises (a decoder layer's
+                    reduction of partial sums and the norm after it, one launch)
     all-gather      kernels/comm/one_shot.gather: each rank stores its rows into every window
                     at their offset in the concatenation (no padding), signals, waits, copies
                     its window out
@@ -110,6 +114,17 @@ class SymmetricCollectives:
         one_shot.all_reduce(flat, flat, self.window.peer_ptrs, self.window.signal_ptrs,
                             self.axis.rank, self.window_nbytes)
         return x
+
+    def all_reduce_add_rms_norm(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + a), x + a), a = y [R, D] summed over the axis: all_reduce, then
+        layers/norm.RMSNorm.add_forward's kernel, in one launch (the same bits)."""
+        from moeserve.kernels.comm import one_shot
+
+        assert y.dim() == 2 and self.takes(y.numel() * y.element_size(), y.dtype)
+        return one_shot.all_reduce_add_norm(y, x, weight, eps, self.window.peer_ptrs,
+                                            self.window.signal_ptrs, self.axis.rank,
+                                            self.window_nbytes)
 
     def all_gather(self, x_R: torch.Tensor, sizes: Sequence[int], out_N: torch.Tensor) -> None:
         """out_N = every rank's rows in rank order (x_R: this rank's sizes[rank] rows)."""

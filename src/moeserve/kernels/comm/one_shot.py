@@ -14,6 +14,10 @@ program b of each peer is all that orders the chunks it touches, and no barrier 
     all_reduce  PUSH: this rank's whole tensor into slot [rank] of every rank's window;
                 signal; SUM: every slot of this rank's window, added in fp32 in rank order
                 (the same bits on every rank and every run), into OUT
+    all_reduce_add_norm  the all-reduce of [R, D] rows, each program owning whole rows
+                (rows b, b + G, ...: the same on every rank), then in its SUM phase the
+                residual add and RMSNorm after it (elementwise/fused.add_rms_norm's
+                arithmetic): one launch for the three, the sum never stored
     reduce      (the reduce-scatter) STAGE: this rank's full contribution into its own
                 window; barrier; SUM: elements [lo, hi) from every rank's window, in fp32 in
                 rank order, into OUT; barrier
@@ -225,6 +229,48 @@ def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
         _keep_epoch(PADS, rank, epoch, P)
 
 
+@triton.jit(do_not_specialize=["rows", "rank", "half"])
+def _all_reduce_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, rank, half, eps,
+                            P: tl.constexpr, BLOCK_D: tl.constexpr, PUSH: tl.constexpr,
+                            SUM: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr):
+    # program b: rows b, b + G, ... of the [rows, D] tensors (Y contiguous); Y's rows summed
+    # over the ranks (rounded to Y's dtype, as the all-reduce stores them), plus X's rows into
+    # S (rounded, as add_rms_norm), and RMSNorm(S) times W into OUT
+    pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
+    T = Y.dtype.element_ty
+    epoch = _epoch(PADS, rank, P)
+    at = (epoch & 1) * half  # this call's half of every window (elements)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    g = tl.num_programs(0)
+    if PUSH:  # into slot [rank] of this call's half
+        for row in range(tl.program_id(0), rows, g):
+            v = tl.load(Y + row * D + offs, mask=mask)
+            for p in tl.static_range(P):
+                tl.store(_window(PEERS, p, T) + at + (rank * rows + row) * D + offs, v,
+                         mask=mask)
+    if SYNC:
+        _signal_peers(PADS, rank, epoch, P)
+    if SUM:  # (.cg: the peers wrote the window)
+        mine = _window(PEERS, rank, T) + at
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        for row in range(tl.program_id(0), rows, g):
+            acc = tl.load(mine + row * D + offs, mask=mask, other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
+            for q in tl.static_range(1, P):  # rank order
+                acc += tl.load(mine + (q * rows + row) * D + offs, mask=mask, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+            x = tl.load(X + row * stride_x + offs, mask=mask,
+                        other=0.0).to(tl.float32)
+            s = (x + acc.to(T).to(tl.float32)).to(S.dtype.element_ty)
+            tl.store(S + row * D + offs, s, mask=mask)
+            s = s.to(tl.float32)
+            y = (s * tl.rsqrt(tl.sum(s * s, 0) / D + eps)).to(S.dtype.element_ty)
+            tl.store(OUT + row * D + offs,
+                     (w * y.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
+        _keep_epoch(PADS, rank, epoch, P)
+
+
 @triton.jit(do_not_specialize=["lo", "hi", "total", "rank"])
 def _reduce_kernel(Y, OUT, PEERS, PADS, lo, hi, total, rank, P: tl.constexpr,
                    VECS: tl.constexpr, VEC: tl.constexpr, STAGE: tl.constexpr,
@@ -300,6 +346,32 @@ def all_reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
         y, out, peer_ptrs, signal_ptrs, total // vec, rank, half, P=p,
         VECS=CHUNK_BYTES // e // vec, VEC=vec, PUSH=push, SUM=add, SYNC=sync,
         num_warps=NUM_WARPS, **pdl_args(out.device))
+
+
+def all_reduce_add_norm(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        peer_ptrs: torch.Tensor, signal_ptrs: torch.Tensor, rank: int,
+                        window_nbytes: int, *, push: bool = True, add: bool = True,
+                        sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + a) x weight, x + a) for a = y [R, D] (contiguous, a float dtype) summed
+    over the ranks in fp32 in rank order and rounded to y's dtype: the all-reduce, then
+    elementwise/fused.add_rms_norm, bit for bit, in one launch. x: [R, D] rows of y's dtype,
+    last dim contiguous. Every window has window_nbytes >= window_bytes(y's bytes, P)."""
+    rows, d = y.shape
+    e = y.element_size()
+    assert y.is_contiguous() and x.shape == y.shape and x.dtype == y.dtype
+    assert x.stride(-1) == 1 and weight.shape == (d,) and y.numel() * e < 2**31
+    assert rows * x.stride(0) < 2**31
+    p = peer_ptrs.numel()
+    half = _half(window_nbytes, p, y.numel(), e)
+    total = torch.empty_like(y)
+    out = torch.empty(y.shape, dtype=torch.result_type(total, weight), device=y.device)
+    if rows:
+        block = triton.next_power_of_2(d)
+        _all_reduce_norm_kernel[(min(MAX_PROGRAMS, rows),)](
+            y, x, weight, out, total, peer_ptrs, signal_ptrs, rows, d, x.stride(0), rank,
+            half, eps, P=p, BLOCK_D=block, PUSH=push, SUM=add, SYNC=sync,
+            num_warps=max(1, min(8, block // 256)), **pdl_args(y.device))
+    return out, total
 
 
 def reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,

@@ -113,7 +113,8 @@ class AllToAllDispatcher(ExchangeDispatcher):
                                self.dtype, self.scale_group)
         return tokens, AllToAllHandle(num_tokens=m, capacity=r, source_S=source_S)
 
-    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle,
+                unreduced_ok: bool = False) -> torch.Tensor:
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
         hb = self.hidden * self.dtype.itemsize

@@ -73,8 +73,11 @@ class Dispatcher(ABC):
         """The tokens this rank's experts must see, and the handle for combine."""
 
     @abstractmethod
-    def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
-        """The experts' weighted outputs back in the caller's layout: [M, H]."""
+    def combine(self, y_NH: torch.Tensor, handle: Any, unreduced_ok: bool = False):
+        """The experts' weighted outputs back in the caller's layout: [M, H].
+        unreduced_ok: the caller also takes them as an Unreduced (layers/communicator.py),
+        partial sums that the norm after the block all-reduces; a dispatcher whose combine
+        ends in such an all-reduce may return one, the others return the rows."""
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")

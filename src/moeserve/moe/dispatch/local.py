@@ -38,6 +38,7 @@ class LocalDispatcher(Dispatcher):
                                   topk_weights_NK=topk_weights_MK)
         return tokens, LocalHandle(num_tokens=x_MH.shape[0])
 
-    def combine(self, y_NH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
+    def combine(self, y_NH: torch.Tensor, handle: LocalHandle,
+                unreduced_ok: bool = False) -> torch.Tensor:
         assert y_NH.shape[0] == handle.num_tokens
         return y_NH

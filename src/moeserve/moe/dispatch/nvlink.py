@@ -149,7 +149,8 @@ class NVLinkDispatcher(ExchangeDispatcher):
         return tokens, PeerHandle(num_tokens=m, capacity=r, slots_MP=slots_MP,
                                   ids_NK=recv_ids_NK)
 
-    def combine(self, y_NH: torch.Tensor, handle: PeerHandle) -> torch.Tensor:
+    def combine(self, y_NH: torch.Tensor, handle: PeerHandle,
+                unreduced_ok: bool = False) -> torch.Tensor:
         assert self.buffers is not None
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
