@@ -118,6 +118,29 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
         assert ((out.double() - want.double()).abs() <= ulps * want.double().abs()).all()
 
 
+def check_topk_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
+    """The MoE block's top-k sum done in the next norm's launch: the bits of topk_sum and
+    then add_rms_norm; pairs of other ranks' experts and of -1 count as zeros."""
+    from moeserve.kernels.elementwise.fused import add_rms_norm, topk_add_rms_norm
+    from moeserve.kernels.moe.fused_moe import topk_sum
+
+    gen = torch.Generator().manual_seed(2)
+    w = (1 + 0.3 * torch.rand(d, generator=gen)).to(device, dtype)
+    for n, k in ((1, 8), (5, 2), (3, 1)):
+        ids = torch.randint(-1, 8, (n, k), generator=gen, dtype=torch.int32).to(device)
+        y = torch.randn(n * k, d, generator=gen).to(device, dtype)
+        res = torch.randn(n, d + 8, generator=gen).to(device, dtype)[:, 8:]
+        out, total = topk_add_rms_norm(y, ids, 2, 3, res, w, 1e-6)  # experts 2..4 are here
+        summed = topk_sum(y, ids, 2, 3)
+        pairs = (y * ((ids >= 2) & (ids < 5)).view(-1, 1).to(dtype)).view(n, k, d).float()
+        acc = pairs[:, 0]
+        for j in range(1, k):  # in k order, in fp32
+            acc = acc + pairs[:, j]
+        assert torch.equal(summed, acc.to(dtype))
+        want_out, want_total = add_rms_norm(summed, res, w, 1e-6)
+        assert torch.equal(total, want_total) and torch.equal(out, want_out), (n, k)
+
+
 def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,
                            d: int = 16, blocks=(1, 2, 3, 8, None)) -> None:
     """Any split of the heads gives the one-program-per-token result (blocks=1), with and
@@ -358,7 +381,7 @@ import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
                                 check_rope_store_kv, check_shared_gate_add,
                                 check_router_topk, check_skinny_linear, check_topk_softmax,
-                                check_unpack_decode_inputs)
+                                check_topk_add_rms_norm, check_unpack_decode_inputs)
 
 check_unpack_decode_inputs("cpu")
 check_topk_softmax("cpu")
@@ -368,6 +391,7 @@ for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwi
     check_act_and_mul("cpu", dtype)
     check_shared_gate_add("cpu", dtype)
     check_add_rms_norm("cpu", dtype)
+    check_topk_add_rms_norm("cpu", dtype)
     check_rope_head_blocks("cpu", dtype)
     check_rope_store_kv("cpu", dtype)
 print("interpreter ok")
@@ -377,7 +401,8 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm, act-and-mul, gated shared-expert add, head-block
+    """The skinny linear, add + RMSNorm (also of a top-k sum), act-and-mul, gated
+    shared-expert add, head-block
     rope, rope + KV store, top-k softmax, router GEMM + top-k and decode-graph unpack
     kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""
     run_interpreted(_INTERPRETER_SCRIPT, timeout=180)

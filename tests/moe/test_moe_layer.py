@@ -234,7 +234,8 @@ def test_wrong_components_are_refused_with_the_flag():
 def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
     """bf16 layer on the triton runner (at 1-3 rows the GEMV kernels) against the same bf16
     layer on the reference runner: the same router code, so the same experts; only the expert
-    arithmetic differs."""
+    arithmetic differs. With pending_ok its top-k sum goes to the norm after it (29 rows, no
+    shared experts), with the same bits."""
     spec, plan, state = _single(kind)
     weights = full_weights(spec, seed=47)
     layers = {}
@@ -247,6 +248,22 @@ def test_triton_layer_matches_reference_layer_on_gpu(kind, n):
     y, want = (layers[r](x, exchange_step(n, state, plan)) for r in ("triton", "reference"))
     assert y.dtype == torch.bfloat16
     assert rel_err(y.float(), want.float()) < 1e-2
+    # the block's last sum left to the norm after it (at 29 rows the top-k pass is the
+    # norm's launch): the bits of the sum and then add_forward
+    from moeserve.kernels.moe.fused_moe import leaves_topk_sum
+    from moeserve.layers.norm import RMSNorm
+    from moeserve.layers.pending import TopkRows, add_norm
+
+    pending = layers["triton"](x, exchange_step(n, state, plan), pending_ok=True)
+    cfg = layers["triton"].experts.config_for(n, x.device)
+    assert isinstance(pending, TopkRows) == (leaves_topk_sum(cfg)
+                                             and not spec.num_shared_experts)
+    assert isinstance(pending, TopkRows) or n < 29 or spec.num_shared_experts
+    norm = RMSNorm(spec.hidden_size, 1e-6, torch.bfloat16).cuda()
+    norm.weight.data.uniform_(0.5, 1.5)
+    res = torch.randn_like(x)
+    got, want = add_norm(norm, pending, res), norm.add_forward(y, res)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_fp8_router_quantizes_only_rows_that_reach_the_experts_as_they_are():

@@ -35,7 +35,6 @@ the plan's comm.symm.<axis> window (`bind`, or the `symm` argument: parallel/sym
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,34 +44,12 @@ from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import ParallelState
 from moeserve.parallel.symm_comm import SymmetricCollectives
 from moeserve.batch.step import StepContext
+from moeserve.layers.pending import Unreduced
 from moeserve.plan.budget import layer_scatters
 
-__all__ = ["LayerCommunicator", "Unreduced", "add_norm", "gather_world_rows",
-           "gathers_world_rows", "layer_scatters", "reduce_world_rows", "rows_distinct",
-           "world_buffer", "world_collectives"]
+__all__ = ["LayerCommunicator", "gather_world_rows", "gathers_world_rows", "layer_scatters",
+           "reduce_world_rows", "rows_distinct", "world_buffer", "world_collectives"]
 
-
-@dataclass(frozen=True)
-class Unreduced:
-    """A block's output left as this rank's partial sums over an axis, for the norm after it
-    to all-reduce in its own launch (SymmetricCollectives.all_reduce_add_rms_norm): what a
-    block returns, when its caller allows, where its rows are the same on every rank and the
-    axis's one-shot window takes them. Every rank decides alike (the same rows, width and
-    dtype), so all of them fuse, or none."""
-    partial: torch.Tensor  # [R, H], contiguous
-    symm: SymmetricCollectives
-
-    def reduce(self) -> torch.Tensor:
-        """The sum, on its own (in place)."""
-        return self.symm.all_reduce(self.partial)
-
-
-def add_norm(norm, x, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual) for RMSNorm `norm`: one launch on a GPU, which also
-    all-reduces x first where x is Unreduced."""
-    if isinstance(x, Unreduced):
-        return x.symm.all_reduce_add_rms_norm(x.partial, residual, norm.weight, norm.eps)
-    return norm.add_forward(x, residual)
 
 
 class LayerCommunicator:
@@ -178,14 +155,14 @@ def gather_world_rows(x_MH: torch.Tensor, step: StepContext, state: ParallelStat
 
 def reduce_world_rows(y_NH: torch.Tensor, step: StepContext, state: ParallelState,
                       scattered: bool, symm: Optional[SymmetricCollectives] = None,
-                      unreduced_ok: bool = False):
+                      pending_ok: bool = False):
     """Sum partial sums over the world and keep this rank's rows (inverse of
-    gather_world_rows). unreduced_ok: the caller takes an Unreduced (for the norm after it)
+    gather_world_rows). pending_ok: the caller takes an Unreduced (layers/pending.py)
     where every rank holds the same rows and the world's one-shot window takes them."""
     if state.world.size == 1:
         return y_NH
     if not rows_distinct(state, scattered):
-        if (unreduced_ok and symm is not None and y_NH.dim() == 2 and y_NH.numel()
+        if (pending_ok and symm is not None and y_NH.dim() == 2 and y_NH.numel()
                 and symm.takes(y_NH.numel() * y_NH.element_size(), y_NH.dtype)):
             return Unreduced(y_NH.contiguous(), symm)
         return C.all_reduce(y_NH, state.world, symm)

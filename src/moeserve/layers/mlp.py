@@ -125,16 +125,16 @@ class DenseMLP(nn.Module):
             h = self.act(gate_up[:, : self.i_local]) * gate_up[:, self.i_local:]
         return self.down(h, residual=add_to)
 
-    def forward(self, x_MH: torch.Tensor, step: StepContext, unreduced_ok: bool = False):
+    def forward(self, x_MH: torch.Tensor, step: StepContext, pending_ok: bool = False):
         """A dense layer's block on this rank's rows (see the module doc for the layouts);
-        unreduced_ok: the caller takes the partial sums as an Unreduced where
+        pending_ok: the caller takes the partial sums as an Unreduced where
         reduce_world_rows may leave them so."""
         if self.tp_size == 1:
             return self.partial(x_MH)
         x_NH = gather_world_rows(x_MH, step, self.state, self.scattered, self.gather_buffer,
                                  self.symm)
         return reduce_world_rows(self.partial(x_NH), step, self.state, self.scattered,
-                                 self.symm, unreduced_ok)
+                                 self.symm, pending_ok)
 
     # --- weights (names relative to the module, e.g. "mlp.") ------------------------------
     def checkpoint_names(self) -> list[str]:

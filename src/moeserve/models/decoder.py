@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from moeserve.layers.attention import AttentionBackend, PagedAttention
-from moeserve.layers.communicator import Unreduced, add_norm
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
+from moeserve.layers.pending import add_norm, settle
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config.spec import ModelSpec, ModelSpecError
 from moeserve.parallel.groups import ParallelState
@@ -199,10 +199,10 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x, None), or (y, r) with x = r + y left unsummed when the rows need no gather:
         the next layer's input norm (or the final norm) adds them in its own launch; y may
-        be Unreduced (layers/communicator.py), which that norm's launch also all-reduces."""
+        be a Pending sum (layers/pending.py) that this launch also does."""
         if residual is None:
             h = self.input_layernorm(x_TH)
-        else:  # x_TH may be the block before's Unreduced partial sums
+        else:  # x_TH may be a sum the block before left to this norm (layers/pending.py)
             h, x_TH = add_norm(self.input_layernorm, x_TH, residual)
         a = self.self_attn(positions_T, h, fb)
         # r = local_rows(x) + the reduced a, and its norm: one launch on a GPU (with the
@@ -211,7 +211,7 @@ class DecoderLayer(nn.Module):
         if self.comm.scattered:
             return self.comm.gather_rows(r + self.mlp(h, step), step), None
         # gather_rows is the identity here, and the block may leave its sum to the next norm
-        return self.mlp(h, step, unreduced_ok=True), r
+        return self.mlp(h, step, pending_ok=True), r
 
 
 # config.json's `architectures` name -> the model class (models/build.py imports them all)
@@ -320,9 +320,8 @@ class MoECausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x_TH, residual = layer(positions_T, x_TH, fb, step, residual)
-        if isinstance(x_TH, Unreduced):  # the final norm reads selected rows: sum them all
-            x_TH = x_TH.reduce()
-        return x_TH, residual
+        # the final norm reads selected rows: a sum the last block left is done here
+        return settle(x_TH), residual
 
     def logits(self, x_TH: torch.Tensor, residual: Optional[torch.Tensor],
                fb: ForwardBatch, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -88,10 +88,11 @@ class MoELayer(nn.Module):
         self.dispatcher.bind(buffers)
         self.experts.bind_workspace(buffers.experts)
 
-    def forward(self, x_MH: torch.Tensor, step: StepContext, unreduced_ok: bool = False):
-        """The layer's output rows; unreduced_ok: the caller takes an Unreduced
-        (layers/communicator.py) where the dispatcher's combine leaves its sum to the norm
-        after it and no shared expert is added past the combine."""
+    def forward(self, x_MH: torch.Tensor, step: StepContext, pending_ok: bool = False):
+        """The layer's output rows; pending_ok: the caller also takes a Pending sum
+        (layers/pending.py) that the norm after the block does: the experts' top-k sum where
+        the combine hands their output back as it is, or the combine's all-reduce, where no
+        shared expert is added after them."""
         if x_MH.shape[0] != step.num_rows(self.scattered):
             raise ValueError(f"MoE layer {self.layer_id} got {x_MH.shape[0]} rows, the step gives "
                              f"this rank {step.num_rows(self.scattered)}")
@@ -105,11 +106,14 @@ class MoELayer(nn.Module):
         if x_scale is not None and self.experts.quant is None:  # kept unquantized
             x_NH = fp8.dequantize_groups(x_NH, x_scale, self.dispatcher.scale_group, x_MH.dtype)
             x_scale = None
-        y_NH = self.experts(x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK, x_scale)
+        topk_rows_ok = (pending_ok and self.shared_expert is None
+                        and self.dispatcher.combine_passes)
+        y_NH = self.experts(x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK, x_scale,
+                            pending_ok=topk_rows_ok)
         if self.shared_on_dispatched:
             y_NH = self._add_shared(y_NH, tokens.x_NH)
         late_shared = self.shared_expert is not None and not self.shared_on_dispatched
-        y_MH = self.dispatcher.combine(y_NH, handle, unreduced_ok and not late_shared)
+        y_MH = self.dispatcher.combine(y_NH, handle, pending_ok and not late_shared)
         if late_shared:
             y_MH = self._add_shared(y_MH, x_MH)
         return y_MH

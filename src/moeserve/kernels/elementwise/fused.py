@@ -5,6 +5,8 @@ kernels/ops.py): one launch where the torch formulation takes five to fifteen.
                    fused projection are read in place); fp32 statistics, as transformers
   add_rms_norm     the residual add and the RMSNorm after it: (RMSNorm(x + r), x + r), the
                    sum rounded to the model dtype before the norm reads it, as in torch
+  topk_add_rms_norm  the same, x the top-k sum of the experts' pair rows (the MoE block's
+                   last pass, left to this launch: layers/pending.TopkRows)
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
                    Qwen3's per-head q/k RMSNorm before it when given its weights; a token's
@@ -111,6 +113,57 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                       residual.stride(0), d, eps, BLOCK_D=block,
                                       num_warps=max(1, min(8, block // 256)),
                                       **pdl_args(x.device))
+    return out, total
+
+
+@triton.jit(do_not_specialize=["first_expert", "num_local"])
+def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, num_local, eps,
+                              TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    # row n: its TOP_K pair rows of Y summed in fp32 in k order, those of other ranks'
+    # experts as zeros, rounded to Y's dtype (moe/fused_moe.topk_sum); plus X's row (rounded),
+    # stored; its RMSNorm times W (add_rms_norm)
+    pdl_gate(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        local = tl.load(IDS + row * TOP_K + k) - first_expert
+        mine = (local >= 0) & (local < num_local)  # -1 is never mine: first_expert >= 0
+        acc += tl.load(Y + (row * TOP_K + k) * D + offs, mask=mask & mine,
+                       other=0.0).to(tl.float32)
+    y = acc.to(Y.dtype.element_ty).to(tl.float32)
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (y + x).to(S.dtype.element_ty)
+    tl.store(S + row * D + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    var = tl.sum(s * s, 0) / D
+    h = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(OUT + row * D + offs, (w.to(tl.float32) * h.to(tl.float32)).to(OUT.dtype.element_ty),
+             mask=mask)
+
+
+def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
+                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(y, residual) for y the top-k sum of y_PH [N * k, H] (contiguous: pair
+    (n, j) at row n k + j; topk_ids [N, k] int32, the pairs of experts outside
+    [first_expert, first_expert + num_local) counted as zeros): the sum's bits as
+    moe/fused_moe.topk_sum rounds it, in the norm's launch."""
+    n, k = topk_ids.shape
+    d = y_PH.shape[1]
+    assert y_PH.shape == (n * k, d) and y_PH.is_contiguous() and topk_ids.is_contiguous()
+    assert residual.shape == (n, d) and residual.stride(-1) == 1 and weight.shape == (d,)
+    total = torch.empty(n, d, dtype=torch.result_type(y_PH, residual), device=y_PH.device)
+    out = torch.empty(n, d, dtype=torch.result_type(total, weight), device=y_PH.device)
+    if n:
+        block = _pow2(d)
+        _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, out, total,
+                                        residual.stride(0), d, first_expert, num_local, eps,
+                                        TOP_K=k, BLOCK_D=block,
+                                        num_warps=max(1, min(8, block // 256)),
+                                        **pdl_args(y_PH.device))
     return out, total
 
 

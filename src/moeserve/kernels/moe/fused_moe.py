@@ -349,13 +349,21 @@ def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tens
     return out
 
 
+def leaves_topk_sum(config: dict[str, Any]) -> bool:
+    """Whether a tile config's path sums the top-k in a pass of its own (topk_sum), which a
+    caller may take over (fused_experts' sum_topk): not the decode GEMVs, nor a down
+    projection that sums with atomics."""
+    return "decode" not in config and not config["down"].get("ATOMIC_SUM")
+
+
 def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
                   first_expert: int, act: str, config: dict[str, Any],
-                  ws: Optional[Workspace] = None) -> torch.Tensor:
+                  ws: Optional[Workspace] = None, sum_topk: bool = True) -> torch.Tensor:
     """sum_k w_k expert_k(x) over the pairs whose expert is in [first_expert, first + E);
     the intermediates in `ws` when given (the output is always a new tensor: it leaves the
-    layer)."""
+    layer). sum_topk=False where leaves_topk_sum(config): the pairs' weighted rows
+    [N * k, H] instead, for the caller to sum as topk_sum would (in ws's down buffer)."""
     num_local = w13.shape[0]
     n, k = topk_ids_NK.shape
     x_NH = x_NH.contiguous()
@@ -369,4 +377,4 @@ def fused_experts(x_NH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if config["down"].get("ATOMIC_SUM"):
         return down_summed(h, w2, blocks, weights, n, k, config["down"])
     y = down(h, w2, blocks, weights, n * k, config["down"], ws and ws.down)
-    return topk_sum(y, ids, first_expert, num_local)
+    return topk_sum(y, ids, first_expert, num_local) if sum_topk else y

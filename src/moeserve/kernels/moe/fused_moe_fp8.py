@@ -226,9 +226,10 @@ def fused_experts_fp8(x_NH: torch.Tensor, x_scale: Optional[torch.Tensor], w13: 
                       topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
                       first_expert: int, act: str, block: tuple[int, int],
                       config: dict[str, Any], out_dtype: torch.dtype,
-                      ws: Optional[Workspace] = None) -> torch.Tensor:
+                      ws: Optional[Workspace] = None, sum_topk: bool = True) -> torch.Tensor:
     """sum_k w_k expert_k(x) over this rank's pairs, W8A8: x in out_dtype (quantized here), or
-    fp8 with its [N, ceil(H/G)] scales x_scale; the output in out_dtype."""
+    fp8 with its [N, ceil(H/G)] scales x_scale; the output in out_dtype. sum_topk=False
+    where fused_moe.leaves_topk_sum(config): the pairs' rows [N * k, H], unsummed."""
     num_local = w13.shape[0]
     n, k = topk_ids_NK.shape
     ids = topk_ids_NK.to(torch.int32).contiguous()
@@ -249,4 +250,4 @@ def fused_experts_fp8(x_NH: torch.Tensor, x_scale: Optional[torch.Tensor], w13: 
         return down(h, hs, w2, w2_s, blocks, weights, out, k, config["down"], block, True)
     y = take(ws and ws.down, n * k, "down", hidden, dtype=out_dtype, device=xq.device)
     down(h, hs, w2, w2_s, blocks, weights, y, 1, config["down"], block, False)
-    return topk_sum(y, ids, first_expert, num_local)
+    return topk_sum(y, ids, first_expert, num_local) if sum_topk else y

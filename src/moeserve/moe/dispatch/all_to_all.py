@@ -114,7 +114,7 @@ class AllToAllDispatcher(ExchangeDispatcher):
         return tokens, AllToAllHandle(num_tokens=m, capacity=r, source_S=source_S)
 
     def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle,
-                unreduced_ok: bool = False) -> torch.Tensor:
+                pending_ok: bool = False) -> torch.Tensor:
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
         hb = self.hidden * self.dtype.itemsize

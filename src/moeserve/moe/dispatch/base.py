@@ -51,6 +51,7 @@ class Dispatcher(ABC):
     graph_safe: ClassVar[bool] = False
     # True when dispatch hands the experts the caller's rows themselves (x_NH is x_MH)
     passes_rows: ClassVar[bool] = False
+    combine_passes: ClassVar[bool] = False  # combine hands the experts' output back as it is
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:
@@ -73,11 +74,12 @@ class Dispatcher(ABC):
         """The tokens this rank's experts must see, and the handle for combine."""
 
     @abstractmethod
-    def combine(self, y_NH: torch.Tensor, handle: Any, unreduced_ok: bool = False):
+    def combine(self, y_NH: torch.Tensor, handle: Any, pending_ok: bool = False):
         """The experts' weighted outputs back in the caller's layout: [M, H].
-        unreduced_ok: the caller also takes them as an Unreduced (layers/communicator.py),
-        partial sums that the norm after the block all-reduces; a dispatcher whose combine
-        ends in such an all-reduce may return one, the others return the rows."""
+        pending_ok: the caller also takes a Pending sum (layers/pending.py) for the norm
+        after the block: a dispatcher whose combine ends in an all-reduce may return an
+        Unreduced, one that passes y_NH back as it is (combine_passes) passes a TopkRows;
+        the others return the rows."""
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")

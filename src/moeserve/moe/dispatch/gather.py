@@ -6,7 +6,7 @@ the world axis. Ranks hold distinct rows under DP attention (scattered across at
 attn_tp > 1): the dispatch all-gathers them with the step's uneven per-rank sizes (zero-token
 ranks included) and combine reduce-scatters. With one DP rank every rank already holds the same
 rows: no gather, and combine is an all-reduce (left, where the caller allows and the window
-takes it, to the norm after the block: layers/communicator.Unreduced). Partial sums of the
+takes it, to the norm after the block: layers/pending.Unreduced). Partial sums of the
 moe_tp shards ride the same reduction. The all-gather receives the packed rows (hidden, ids, weights) into the plan's
 dp_gather.rows; this layer has read them before the next block gathers into it. On the GPUs
 of one node both run one-shot on the world's window up to --symm-comm-max-bytes.
@@ -63,8 +63,8 @@ class GatherDispatcher(Dispatcher):
                                  self.state, self.scattered, self.gather_buffer, self.symm)
         return unpack_tokens(rows, x_MH.shape[1], topk_ids_MK.shape[1], x_MH.dtype), handle
 
-    def combine(self, y_NH: torch.Tensor, handle: GatherHandle, unreduced_ok: bool = False):
+    def combine(self, y_NH: torch.Tensor, handle: GatherHandle, pending_ok: bool = False):
         y_MH = reduce_world_rows(y_NH, handle.step, self.state, self.scattered, self.symm,
-                                 unreduced_ok)
+                                 pending_ok)
         assert getattr(y_MH, "partial", y_MH).shape[0] == handle.num_tokens
         return y_MH

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.layers.pending import TopkRows
 from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, Dispatcher
 from moeserve.batch.step import StepContext
 from moeserve.config.spec import ModelSpec
@@ -23,6 +24,7 @@ class LocalDispatcher(Dispatcher):
     reduces_partial_sums = True
     graph_safe = True  # shapes come from the step only
     passes_rows = True
+    combine_passes = True
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:
@@ -38,7 +40,6 @@ class LocalDispatcher(Dispatcher):
                                   topk_weights_NK=topk_weights_MK)
         return tokens, LocalHandle(num_tokens=x_MH.shape[0])
 
-    def combine(self, y_NH: torch.Tensor, handle: LocalHandle,
-                unreduced_ok: bool = False) -> torch.Tensor:
-        assert y_NH.shape[0] == handle.num_tokens
+    def combine(self, y_NH, handle: LocalHandle, pending_ok: bool = False):
+        assert isinstance(y_NH, TopkRows) or y_NH.shape[0] == handle.num_tokens
         return y_NH

@@ -150,7 +150,7 @@ class NVLinkDispatcher(ExchangeDispatcher):
                                   ids_NK=recv_ids_NK)
 
     def combine(self, y_NH: torch.Tensor, handle: PeerHandle,
-                unreduced_ok: bool = False) -> torch.Tensor:
+                pending_ok: bool = False) -> torch.Tensor:
         assert self.buffers is not None
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
         assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype

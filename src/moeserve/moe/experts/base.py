@@ -107,9 +107,11 @@ class Experts(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        ...
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+                pending_ok: bool = False):
+        """sum_k w_k expert_k(x) [N, H] over this rank's pairs; pending_ok: the caller also
+        takes a TopkRows (layers/pending.py), the pairs' rows whose sum the norm after the
+        block does, which a runner with a top-k pass of its own may return."""
 
     def bind_workspace(self, workspace: Optional[Workspace]) -> None:
         """The plan's moe.runner.* buffers, which the plan records only for the runner that

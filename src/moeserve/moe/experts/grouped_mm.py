@@ -27,8 +27,8 @@ class GroupedMMExperts(Experts):
     graph_safe = True  # no host synchronisation: CUDA graphs capture it
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+                pending_ok: bool = False) -> torch.Tensor:
         assert x_scale is None, "this runner takes rows in the model's dtype"
         n, k = topk_ids_NK.shape
         if n == 0:

@@ -46,8 +46,8 @@ class ReferenceExperts(Experts):
             self.graph_safe = False  # the fp8 path finds each expert's rows on the host
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+                pending_ok: bool = False) -> torch.Tensor:
         if self.quant is not None:
             return self.forward_fp8(x_NH, topk_ids_NK, topk_weights_NK, x_scale)
         assert x_scale is None, "unquantized experts take rows in the model's dtype"

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from moeserve.layers.mlp import KERNEL_ACTS
+from moeserve.layers.pending import TopkRows
 from moeserve.config.quant import QuantSpec
 from moeserve.config.spec import ModelSpec
 from moeserve.moe.experts.base import EXPERT_RUNNERS, Experts
@@ -95,8 +96,8 @@ class TritonFusedExperts(Experts):
         return sizes
 
     def forward(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
-                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                topk_weights_NK: torch.Tensor, x_scale: Optional[torch.Tensor] = None,
+                pending_ok: bool = False):
         assert x_scale is None or self.quant is not None, \
             "unquantized experts take rows in the model's dtype"
         if not x_NH.is_cuda and not interpreting():
@@ -106,14 +107,21 @@ class TritonFusedExperts(Experts):
             dtype = x_NH.dtype if self.quant is None else self.dtype
             return torch.zeros(0, self.hidden, dtype=dtype, device=x_NH.device)
         cfg = self.config_for(x_NH.shape[0], x_NH.device)
+        from moeserve.kernels.moe.fused_moe import fused_experts, leaves_topk_sum
+
+        rows = pending_ok and leaves_topk_sum(cfg)  # the top-k sum left to the caller's norm
         if self.quant is not None:
             from moeserve.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 
-            return fused_experts_fp8(x_NH, x_scale, self.w13, self.w13_scale_inv, self.w2,
-                                     self.w2_scale_inv, topk_ids_NK, topk_weights_NK,
-                                     self.first_expert, self.kernel_act, self.quant.block, cfg,
-                                     self.dtype, self.workspace)
-        from moeserve.kernels.moe.fused_moe import fused_experts
-
-        return fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
-                             self.first_expert, self.kernel_act, cfg, self.workspace)
+            y = fused_experts_fp8(x_NH, x_scale, self.w13, self.w13_scale_inv, self.w2,
+                                  self.w2_scale_inv, topk_ids_NK, topk_weights_NK,
+                                  self.first_expert, self.kernel_act, self.quant.block, cfg,
+                                  self.dtype, self.workspace, sum_topk=not rows)
+        else:
+            y = fused_experts(x_NH, self.w13, self.w2, topk_ids_NK, topk_weights_NK,
+                              self.first_expert, self.kernel_act, cfg, self.workspace,
+                              sum_topk=not rows)
+        if not rows:
+            return y
+        return TopkRows(y, topk_ids_NK.to(torch.int32).contiguous(), self.first_expert,
+                        self.num_local)
