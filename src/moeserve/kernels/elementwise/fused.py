@@ -128,10 +128,12 @@ def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, n
     mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
+        # the row is loaded whatever its expert (every pair has one), so that its load need
+        # not wait for the id's; a pair of another rank's expert then counts as 0
+        v = tl.load(Y + (row * TOP_K + k) * D + offs, mask=mask, other=0.0).to(tl.float32)
         local = tl.load(IDS + row * TOP_K + k) - first_expert
         mine = (local >= 0) & (local < num_local)  # -1 is never mine: first_expert >= 0
-        acc += tl.load(Y + (row * TOP_K + k) * D + offs, mask=mask & mine,
-                       other=0.0).to(tl.float32)
+        acc += tl.where(mine, v, 0.0)
     y = acc.to(Y.dtype.element_ty).to(tl.float32)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     s = (y + x).to(S.dtype.element_ty)
