@@ -44,14 +44,14 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
 
 
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
-    """Decode tiles by the fp8 rules (a K step whole groups, down's one group; the products
-    reduced a step) whose weight tiles take 8..64 fp8 values a thread."""
+    """Decode tiles by the fp8 rules (a K step whole groups; the products reduced a step)
+    whose weight tiles take 8..64 fp8 values a thread."""
     if gemm == "gate_up":
         space = itertools.product((4, 8, 16, 32), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
     else:
         tk = 1 << (top_k - 1).bit_length()
-        space = itertools.product((2, 4, 8, 16), (GROUP,), (4, 8))
+        space = itertools.product((1, 2, 4, 8, 16), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: tk * bn * bk  # noqa: E731
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
             if 8 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]

@@ -169,20 +169,18 @@ def load_tuned(num_local: int, hidden: int, inter: int, dtype: str, device_name:
 
 
 def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
-                      decode: bool = False, one_group: bool = False) -> list[str]:
+                      decode: bool = False) -> list[str]:
     """What breaks the fp8 rules in one kernel's tiles: BLOCK_K must divide the scale group
     (one scale a K step), or (decode: the decode kernels, which quantize whole groups a step)
-    be a power-of-two multiple of it (one_group: the group itself), with BLOCK_N a power of
-    two; a tile that quantizes its output (whole_groups) holds whole groups (BLOCK_N a
-    multiple of the group); no PAIRED or WS, nor a decode PREFETCH."""
+    be a power-of-two multiple of it, with BLOCK_N a power of two; a tile that quantizes its
+    output (whole_groups) holds whole groups (BLOCK_N a multiple of the group); no PAIRED or
+    WS, nor a decode PREFETCH."""
     bad = []
     n, k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if decode:
         groups = k // group if k % group == 0 else 0
-        if groups < 1 or groups & (groups - 1) or (one_group and groups != 1):
-            what = "the" if one_group else "a power-of-two multiple of the"
-            what += " scale group"
-            bad.append(f"BLOCK_K {k} is not {what} {group}")
+        if groups < 1 or groups & (groups - 1):
+            bad.append(f"BLOCK_K {k} is not a power-of-two multiple of the scale group {group}")
         if n < 1 or n & (n - 1):
             bad.append(f"BLOCK_N {n} is not a power of two")
     elif group % k:
@@ -197,13 +195,11 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
 
 def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
     """The fp8 kernels' constraints (fp8_tiles.check_tiles checks them again at launch)."""
-    kernels = [("gate_up", cfg["gate_up"], True, False, False),
-               ("down", cfg["down"], False, False, False)]
-    kernels += [(f"decode.{g}", cfg["decode"][g], False, True, g == "down")
-                for g in cfg.get("decode", ())]
+    kernels = [("gate_up", cfg["gate_up"], True, False), ("down", cfg["down"], False, False)]
+    kernels += [(f"decode.{g}", cfg["decode"][g], False, True) for g in cfg.get("decode", ())]
     bad = [f"{name}.{p}" if p[0].isupper() else f"{name} {p}"
-           for name, c, whole, decode, one in kernels
-           for p in fp8_tile_problems(c, group, whole, decode, one)]
+           for name, c, whole, decode in kernels
+           for p in fp8_tile_problems(c, group, whole, decode)]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")

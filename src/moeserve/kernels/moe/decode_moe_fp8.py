@@ -9,8 +9,8 @@ fused_moe_fp8.py).
                 g += sum_k w13q[e, n, k] * (xq xs)[tok, k] * w13_s[e, n // bn, k // G]
               (u the same over the up half); h = act(g) * u in float32, [P, I]
     down      one program per (row, BLOCK_N columns of H), the tiles of all the row's experts
-              at once, a scale group of I a step: each pair's group of h quantized in the
-              kernel (the codes and scale quantize_groups gives it), then
+              at once, BLOCK_K columns of I (whole scale groups) a step: each pair's groups of
+              h quantized in the kernel (the codes and scales quantize_groups gives them), then
                 acc[j] += sum_k w2q[e_j, n, k] * (hq hs)[j, k] w_j * w2_s[e_j, n // bn, kb]
               the top-k sum in registers in a fixed order, one rounding at the store
 
@@ -99,8 +99,9 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, ids_ptr, hidde
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter,
                         top_k, first_expert, num_local, stride_we, stride_wn,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
-                        GROUP_K: tl.constexpr, PDL: tl.constexpr):
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                        GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr):
+    # [TOP_K, BLOCK_N, GROUPS, GROUP_K] weight tiles a step: GROUPS scale groups of I
     row = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOP_K)
     pair = row * top_k + offs_j
@@ -109,24 +110,33 @@ def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hi
                                      num_local, True)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    ks = tl.arange(0, GROUP_K)
-    w_ptrs = (w2_ptr + ((expert[:, None] * hidden + offs_n[None, :]) * inter)[:, :, None]
-              + ks[None, None, :])
-    w_ok = mine[:, None, None] & n_ok[None, :, None]
-    w = tl.load(w_ptrs, mask=w_ok & (ks < inter)[None, None, :], other=0.0)
+    gs = tl.arange(0, GROUPS)
+    ks = gs[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, G] of a step
+    step = GROUPS * GROUP_K
+    w_ptrs = (w2_ptr + ((expert[:, None] * hidden + offs_n[None, :]) * inter)[:, :, None, None]
+              + ks[None, None, :, :])
+    w_ok = mine[:, None, None, None] & n_ok[None, :, None, None]
+    w = tl.load(w_ptrs, mask=w_ok & (ks < inter)[None, None, :, :], other=0.0)
     pdl_gate(PDL)
-    h_ptrs = h_ptr + pair[:, None] * inter + ks[None, :]
-    s_ptrs = ws_ptr + expert[:, None] * stride_we + (offs_n // GROUP_N)[None, :] * stride_wn
-    s_ok = mine[:, None] & n_ok[None, :]
+    h_ptrs = h_ptr + pair[:, None, None] * inter + ks[None, :, :]
+    s_ptrs = (ws_ptr + expert[:, None, None] * stride_we
+              + (offs_n // GROUP_N)[None, :, None] * stride_wn)
+    s_ok = mine[:, None, None] & n_ok[None, :, None]
     acc = tl.zeros([TOP_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, GROUP_K):
-        nk = k0 + GROUP_K + ks
-        w_next = tl.load(w_ptrs + k0 + GROUP_K, mask=w_ok & (nk < inter)[None, None, :],
+    for k0 in range(0, inter, step):
+        nk = k0 + step + ks
+        w_next = tl.load(w_ptrs + k0 + step, mask=w_ok & (nk < inter)[None, None, :, :],
                          other=0.0)
-        h = tl.load(h_ptrs + k0, mask=mine[:, None] & (k0 + ks < inter)[None, :], other=0.0)
-        hw = _quantized_groups(h) * weight[:, None]  # quantize_groups' codes x scales
-        w_s = tl.load(s_ptrs + k0 // GROUP_K, mask=s_ok, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * hw[:, None, :], axis=2) * w_s
+        h = tl.load(h_ptrs + k0, mask=mine[:, None, None] & (k0 + ks < inter)[None, :, :],
+                    other=0.0)
+        # quantize_groups' codes x scales of each pair's groups, times its top-k weight
+        hq = tl.reshape(_quantized_groups(tl.reshape(h, [TOP_K * GROUPS, GROUP_K])),
+                        [TOP_K, GROUPS, GROUP_K])
+        hw = hq * weight[:, None, None]
+        kb = k0 // GROUP_K + gs
+        w_s = tl.load(s_ptrs + kb[None, None, :],
+                      mask=s_ok & (kb * GROUP_K < inter)[None, None, :], other=0.0)
+        acc += tl.sum(tl.sum(w.to(tl.float32) * hw[:, None, :, :], axis=3) * w_s, axis=2)
         w = w_next
     y = tl.sum(acc, 0)
     tl.store(out_ptr + row * hidden + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -161,14 +171,15 @@ def decode_down_fp8(h: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                     first_expert: int, block: tuple[int, int], cfg: dict[str, Any],
                     out_dtype: torch.dtype) -> torch.Tensor:
     num_local, hidden, inter = w2.shape
-    check_tiles(cfg, block[1], "decode down", whole_groups=False, decode=True, one_group=True)
+    check_tiles(cfg, block[1], "decode down", whole_groups=False, decode=True)
     out = torch.empty(num_rows, hidden, dtype=out_dtype, device=h.device)
     if num_rows:
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h, w2, w2_s, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, w2_s.stride(0), w2_s.stride(1),
                                   TOP_K=triton.next_power_of_2(top_k), BLOCK_N=cfg["BLOCK_N"],
-                                  GROUP_N=block[0], GROUP_K=block[1],
+                                  GROUPS=cfg["BLOCK_K"] // block[1], GROUP_N=block[0],
+                                  GROUP_K=block[1],
                                   num_warps=cfg["num_warps"], **pdl_args(h.device))
     return out
 

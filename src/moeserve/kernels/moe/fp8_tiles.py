@@ -25,9 +25,9 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
 
 
 def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,
-                decode: bool = False, one_group: bool = False) -> None:
+                decode: bool = False) -> None:
     """The fp8 tile rules (configs.fp8_tile_problems), at launch."""
-    bad = fp8_tile_problems(cfg, group, whole_groups, decode, one_group)
+    bad = fp8_tile_problems(cfg, group, whole_groups, decode)
     if bad:
         raise ValueError(f"fp8 MoE tile config for {what}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")
