@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.comm.layout import MAX_PROGRAMS
+from moeserve.kernels.elementwise.fused import store_sum_and_norm
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 CHUNK_BYTES = 8192  # what one program moves per step of its loop; programs own whole chunks
@@ -139,6 +140,17 @@ def _signal_peers(PADS, rank, epoch, P: tl.constexpr):
             while tl.atomic_add(mine + slot + p, 0, sem="acquire", scope="sys") - epoch < 0:
                 pass
     tl.debug_barrier()  # every thread's loads come after the acquire
+
+
+@triton.jit
+def _slots_sum(mine, offs, live, slot, P: tl.constexpr):
+    """The P slots (`slot` elements apart) of this rank's window at offs, added in fp32 in
+    rank order (.cg: the peers wrote them)."""
+    acc = tl.load(mine + offs, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for q in tl.static_range(1, P):
+        acc += tl.load(mine + q * slot + offs, mask=live, other=0.0,
+                       cache_modifier=".cg").to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -216,15 +228,12 @@ def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
         _push(Y, PEERS, 0, total, at + rank * total * VEC, P, VECS, VEC)
     if SYNC:
         _signal_peers(PADS, rank, epoch, P)
-    if SUM:  # (.cg: the peers wrote the window)
+    if SUM:
         mine = _window(PEERS, rank, T) + at
         for s in range(tl.program_id(0) * VECS, total, step):
             vecs, offs = _chunk(s, VECS, VEC)
             live = (vecs < total)[:, None]
-            acc = tl.load(mine + offs, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
-            for q in tl.static_range(1, P):  # rank order
-                acc += tl.load(mine + q * total * VEC + offs, mask=live, other=0.0,
-                               cache_modifier=".cg").to(tl.float32)
+            acc = _slots_sum(mine, offs, live, total * VEC, P)
             tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=live)
         _keep_epoch(PADS, rank, epoch, P)
 
@@ -251,23 +260,12 @@ def _all_reduce_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, ran
                          mask=mask)
     if SYNC:
         _signal_peers(PADS, rank, epoch, P)
-    if SUM:  # (.cg: the peers wrote the window)
+    if SUM:
         mine = _window(PEERS, rank, T) + at
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         for row in range(tl.program_id(0), rows, g):
-            acc = tl.load(mine + row * D + offs, mask=mask, other=0.0,
-                          cache_modifier=".cg").to(tl.float32)
-            for q in tl.static_range(1, P):  # rank order
-                acc += tl.load(mine + (q * rows + row) * D + offs, mask=mask, other=0.0,
-                               cache_modifier=".cg").to(tl.float32)
-            x = tl.load(X + row * stride_x + offs, mask=mask,
-                        other=0.0).to(tl.float32)
-            s = (x + acc.to(T).to(tl.float32)).to(S.dtype.element_ty)
-            tl.store(S + row * D + offs, s, mask=mask)
-            s = s.to(tl.float32)
-            y = (s * tl.rsqrt(tl.sum(s * s, 0) / D + eps)).to(S.dtype.element_ty)
-            tl.store(OUT + row * D + offs,
-                     (w * y.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
+            a = _slots_sum(mine + row * D, offs, mask, rows * D, P).to(T).to(tl.float32)
+            x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            store_sum_and_norm(x + a, S, OUT, W, row, D, offs, mask, eps)
         _keep_epoch(PADS, rank, epoch, P)
 
 

@@ -80,6 +80,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def store_sum_and_norm(t, S, Y, W, row, D, offs, mask, eps):
+    """Row `row` of [R, D] S and Y: the float32 sum t rounded to S's dtype (as torch's add
+    rounds it) into S, and its RMSNorm times W into Y, normalised in S's dtype, then times
+    the weight (transformers' order): add_rms_norm's arithmetic, for every kernel that ends
+    in it."""
+    s = t.to(S.dtype.element_ty)
+    tl.store(S + row * D + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    var = tl.sum(s * s, 0) / D
+    y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
                          PDL: tl.constexpr):
     pdl_gate(PDL)
@@ -88,14 +104,7 @@ def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.
     mask = offs < D
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (x + r).to(S.dtype.element_ty)  # the sum in the model dtype, as torch's add rounds it
-    tl.store(S + row * D + offs, s, mask=mask)
-    s = s.to(tl.float32)
-    var = tl.sum(s * s, 0) / D
-    y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
-    w = tl.load(W + offs, mask=mask, other=0.0)
-    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
-             mask=mask)
+    store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -136,14 +145,7 @@ def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, n
         acc += tl.where(mine, v, 0.0)
     y = acc.to(Y.dtype.element_ty).to(tl.float32)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (y + x).to(S.dtype.element_ty)
-    tl.store(S + row * D + offs, s, mask=mask)
-    s = s.to(tl.float32)
-    var = tl.sum(s * s, 0) / D
-    h = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
-    w = tl.load(W + offs, mask=mask, other=0.0)
-    tl.store(OUT + row * D + offs, (w.to(tl.float32) * h.to(tl.float32)).to(OUT.dtype.element_ty),
-             mask=mask)
+    store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
 
 
 def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
