@@ -51,7 +51,6 @@ __all__ = ["LayerCommunicator", "gather_world_rows", "gathers_world_rows", "laye
            "reduce_world_rows", "rows_distinct", "world_buffer", "world_collectives"]
 
 
-
 class LayerCommunicator:
     """The comm ops of one decoder layer; build one per layer with moe=(layer is a MoE layer)."""
 

@@ -44,7 +44,9 @@ class Unreduced:
 class TopkRows:
     """The experts' weighted rows y [N * k, H] of pairs (token, k), in pair order; a pair
     whose expert is outside [first_expert, first_expert + num_local) counts as zero (as
-    kernels/moe/fused_moe.topk_sum sums them)."""
+    kernels/moe/fused_moe.topk_sum sums them). The rows may be the plan's moe.runner.down
+    buffer, which every MoE layer writes: the norm right after the block reads them before
+    the next MoE layer runs."""
     rows: torch.Tensor
     topk_ids: torch.Tensor  # [N, k] int32
     first_expert: int
