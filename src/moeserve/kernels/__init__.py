@@ -5,7 +5,8 @@
     mla/          latent attention (DeepSeek) over the paged latent cache, absorbed form
     moe/          expert align, fused expert GEMMs and decode GEMVs, router top-k, tile tables
     elementwise/  RMSNorm, add + RMSNorm, rope (+ KV store), act-and-mul, gated add, unpack
-    skinny/       1-16 row projections (FMA GEMV, tensor-core MMA) and where they beat cuBLAS
+    skinny/       1-16 row projections, routers to 128 (FMA GEMV, tensor-core MMA), where they
+                  beat cuBLAS
 
 A leaf: kernels know tensors, pointers and tile tables, never the engine's config or its
 layers. The subpackages import Triton; the tile tables (`*/tiles.py`, `moe/configs.py`,

@@ -5,7 +5,7 @@ layer runs its torch formulation of the same function.
     elementwise  RMSNorm, add + RMSNorm, rope (+ KV store), KV store, act-and-mul, gated add,
                  a decode graph's input unpack              (kernels/elementwise/fused.py)
     router       softmax top-k; logits GEMM + top-k         (kernels/moe/router.py)
-    skinny       1-16 row projections                       (kernels/skinny/gemm.py)
+    skinny       1-16 row projections, routers to 128       (kernels/skinny/gemm.py)
     mla          latent attention's norm + rope + cache store (kernels/mla/kernels.py)
     fp8          W8A8 block-scaled projections, activation quantizer (kernels/fp8/gemm.py)
 """
