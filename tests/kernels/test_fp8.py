@@ -117,11 +117,13 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
 k = 5 * small[1]
 w = torch.randn(96, k, device=dev)
 wq, ws = R.quantize_blocks(w, small)
-xx, bias, res = torch.randn(20, k, device=dev), torch.randn(96, device=dev), torch.randn(20, 96, device=dev)
+xx, bias = torch.randn(20, k, device=dev), torch.randn(96, device=dev)
+res = torch.randn(20, 96, device=dev)
 xq, xs = gemm.quantize_groups(xx, small[1])
 ref = R.fp8_linear(xx, wq, ws, small, bias) + res
 for split in (2, 4, 2):
-    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res, tiles=(16, 32, 2, split))
+    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
+                          tiles=(16, 32, 2, split))
     assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
 # scales written outer-dim-major (as cuBLAS reads them): the same values
 xx = torch.randn(5, 256, device=dev)

@@ -6,7 +6,8 @@ on 2 GPUs (a sum of two is one rounding either way) and within 1e-2 relative in 
 fp16; the all-reduce fused with the residual add and RMSNorm after it equal to the
 all-reduce and then add_rms_norm, bit for bit; chains of collectives back to back on one
 window, with NCCL ones between, equal to NCCL alone (no race), and a CUDA-graph replay of a
-chain equal to an eager run; the plan's windows allocated with its bytes and opened once per axis."""
+chain equal to an eager run; the plan's windows allocated with its bytes and opened once per
+axis."""
 
 from __future__ import annotations
 

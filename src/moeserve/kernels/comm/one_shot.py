@@ -36,9 +36,10 @@ from this rank's window), and it stages in the first half, which the pushing col
 only a call later. The pushing collectives leave a peer reading only its own window, which a
 barrier of the next reduce-scatter waits for.
 
-Window layout (bytes, `window_bytes(max, P)`, kernels/comm/layout.py): two halves of P x max each. The gather's
-tensor (at most max) sits at the start of a half, the all-reduce's P slots of its tensor one
-after another, the reduce-scatter's staged tensor at the start of the window.
+Window layout (bytes, `window_bytes(max, P)`, kernels/comm/layout.py): two halves of P x max
+each. The gather's tensor (at most max) sits at the start of a half, the all-reduce's P slots
+of its tensor one after another (the all-reduce + norm's too), the reduce-scatter's staged
+tensor at the start of the window.
 
 The barrier is torch's blockwise signal-pad protocol: program b sets slot [b P + rank] of each
 peer's pad from 0 to 1 (release, system scope: this program's earlier stores, every thread's,
@@ -109,6 +110,14 @@ def _epoch(PADS, rank, P: tl.constexpr):
     """This pushing call's epoch: one past the last one's (this rank's count of them)."""
     mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
     return tl.load(mine + _FLAGS * P + rank) + 1
+
+
+@triton.jit
+def _this_call(PADS, rank, half, P: tl.constexpr):
+    """A pushing call's epoch and where its half of every window starts (elements): by the
+    epoch's parity."""
+    epoch = _epoch(PADS, rank, P)
+    return epoch, (epoch & 1) * half
 
 
 @triton.jit
@@ -204,8 +213,7 @@ def _gather_kernel(X, OUT, PEERS, PADS, lo, hi, total, rank, half, P: tl.constex
                    COPY: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     T = OUT.dtype.element_ty
-    epoch = _epoch(PADS, rank, P)
-    at = (epoch & 1) * half  # this call's half of every window (elements)
+    epoch, at = _this_call(PADS, rank, half, P)
     if PUSH:
         _push(X, PEERS, lo, hi, at, P, VECS, VEC)
     if SYNC:
@@ -222,8 +230,7 @@ def _all_reduce_kernel(Y, OUT, PEERS, PADS, total, rank, half, P: tl.constexpr,
     pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     step = tl.num_programs(0) * VECS
     T = Y.dtype.element_ty
-    epoch = _epoch(PADS, rank, P)
-    at = (epoch & 1) * half  # this call's half of every window (elements)
+    epoch, at = _this_call(PADS, rank, half, P)
     if PUSH:  # into slot [rank] of this call's half
         _push(Y, PEERS, 0, total, at + rank * total * VEC, P, VECS, VEC)
     if SYNC:
@@ -247,8 +254,7 @@ def _all_reduce_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, ran
     # S (rounded, as add_rms_norm), and RMSNorm(S) times W into OUT
     pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     T = Y.dtype.element_ty
-    epoch = _epoch(PADS, rank, P)
-    at = (epoch & 1) * half  # this call's half of every window (elements)
+    epoch, at = _this_call(PADS, rank, half, P)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     g = tl.num_programs(0)

@@ -302,9 +302,9 @@ def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
     cost twice the bytes). A weight this small streams at the memory's rate only from every
     SM at once, and a column tile narrowed instead would have each program read all of the
     rows' K (from L2) for a sliver of the weight. Measured on H100 with 24 cold weights in a
-    CUDA graph: 2048 x 4096 at 8 rows 10.1 -> 6.4 us
-    (4 parts), at 64 rows 10.3 -> 8.9 (2), at 200 rows 20.2 -> 15.1; 6144 x 4096 at 8 rows
-    13.8 -> 12.3; 5120 x 2048 at 64 rows level (8.8, unsplit). Past DECODE_GEMM_ROWS rows
+    CUDA graph: 2048 x 4096 at 8 rows 10.1 -> 6.4 us (4 parts), at 64 rows 10.3 -> 8.9 (2),
+    at 200 rows 20.2 -> 15.1; 6144 x 4096 at 8 rows 13.8 -> 12.3; 5120 x 2048 at 64 rows
+    level (8.8, unsplit). Past DECODE_GEMM_ROWS rows
     128 x 128 tiles (down to 16 columns to fill the device), unsplit. More stages in flight
     along a long K."""
     if m > DECODE_GEMM_ROWS:
@@ -330,9 +330,9 @@ MAX_SPLIT_TILES = 4096  # tiles a split launch may have (its counters)
 
 def _counters(device: torch.device) -> torch.Tensor:
     """The device's tile counters for split-K launches: zeros, and each launch's tiles count
-    their parts up and their last part sets them back to 0. Launches on one device must not run at once
-    (the engine's step runs on one stream). Made on first use, which must precede any graph
-    capture (the warm-up runs every GEMM shape eagerly)."""
+    their parts up and their last part sets them back to 0. Launches on one device must not
+    run at once (the engine's step runs on one stream). Made on first use, which must precede
+    any graph capture (the warm-up runs every GEMM shape eagerly)."""
     key = device.index if device.type == "cuda" else -1
     cnt = _COUNTERS.get(key)
     if cnt is None:

@@ -70,8 +70,8 @@ def tiles_for(m: int, n: int, k: int, tiles: Optional[tuple[int, ...]] = None) -
     """The kernel and tiles for an [m, k] x [n, k]^T product: `tiles` when given ((BLOCK_N,
     BLOCK_K, num_warps) for the FMA kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages) for the
     MMA kernel), else the table's: the FMA kernel up to its FMA rows, the MMA kernel up to its
-    MMA rows, the FMA kernel in row groups past them. BLOCK_K
-    is cut to K, and for the FMA kernel to the register budget."""
+    MMA rows, the FMA kernel in row groups past them. BLOCK_K is cut to K, and for the FMA
+    kernel to the register budget."""
     if tiles is None:
         _, _, fma_rows, fma, mma_rows, mma = _entry(n, k)
         tiles = mma if fma_rows < m <= mma_rows else fma

@@ -7,9 +7,10 @@ attn_tp > 1): the dispatch all-gathers them with the step's uneven per-rank size
 ranks included) and combine reduce-scatters. With one DP rank every rank already holds the same
 rows: no gather, and combine is an all-reduce (left, where the caller allows and the window
 takes it, to the norm after the block: layers/pending.Unreduced). Partial sums of the
-moe_tp shards ride the same reduction. The all-gather receives the packed rows (hidden, ids, weights) into the plan's
-dp_gather.rows; this layer has read them before the next block gathers into it. On the GPUs
-of one node both run one-shot on the world's window up to --symm-comm-max-bytes.
+moe_tp shards ride the same reduction. The all-gather receives the packed rows (hidden, ids,
+weights) into the plan's dp_gather.rows; this layer has read them before the next block
+gathers into it. On the GPUs of one node both run one-shot on the world's window up to
+--symm-comm-max-bytes.
 """
 
 from __future__ import annotations
