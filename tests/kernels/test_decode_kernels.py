@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from functools import partial
 
 import pytest
 import torch
@@ -140,32 +139,6 @@ def check_topk_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> No
         assert torch.equal(summed, acc.to(dtype))
         want_out, want_total = add_rms_norm(summed, res, w, 1e-6)
         assert torch.equal(total, want_total) and torch.equal(out, want_out), (n, k)
-
-
-def check_norm_codes(device: str, dtype: torch.dtype) -> None:
-    """Both add + norm kernels with the fp8 codes of their output: the output and the sum as
-    without them, the codes and scales those of the quantizer (kernels/fp8/gemm.py) run on
-    the stored output; 4, 2 and 1 groups a row; widths no group divides get no codes."""
-    from moeserve.kernels.elementwise.fused import add_rms_norm, norm_codes, topk_add_rms_norm
-    from moeserve.kernels.fp8.gemm import quantize_groups
-
-    gen = torch.Generator().manual_seed(5)
-    for d, group in ((256, 64), (256, 128), (96, 32), (192, 64)):
-        w = (1 + 0.3 * torch.rand(d, generator=gen)).to(device, dtype)
-        x, r = (torch.randn(3, d, generator=gen).to(device, dtype) for _ in range(2))
-        y = torch.randn(6, d, generator=gen).to(device, dtype)
-        ids = torch.tensor([[0, 1], [1, -1], [0, 0]], dtype=torch.int32, device=device)
-        for norm in (partial(add_rms_norm, x, r, w, 1e-6),
-                     partial(topk_add_rms_norm, y, ids, 0, 2, r, w, 1e-6)):
-            codes = norm_codes(r, group)
-            out, total = norm(codes=codes)
-            want_out, want_total = norm()
-            assert torch.equal(out, want_out) and torch.equal(total, want_total)
-            q, s = quantize_groups(want_out, group)
-            assert torch.equal(codes[0].view(torch.uint8), q.view(torch.uint8)), (d, group)
-            assert torch.equal(codes[1], s), (d, group)
-    assert norm_codes(torch.empty(2, 200, device=device), 128) is None
-    assert norm_codes(torch.empty(2, 192, device=device), 96) is None
 
 
 def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,
@@ -406,7 +379,7 @@ def check_router_topk(device: str, dtype: torch.dtype) -> None:
 _INTERPRETER_SCRIPT = r"""
 import torch
 from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_rope_head_blocks,
-                                check_rope_store_kv, check_shared_gate_add, check_norm_codes,
+                                check_rope_store_kv, check_shared_gate_add,
                                 check_router_topk, check_skinny_linear, check_topk_softmax,
                                 check_topk_add_rms_norm, check_unpack_decode_inputs)
 
@@ -419,7 +392,6 @@ for dtype in (torch.float32, torch.float16):  # no bf16: numpy rounds it otherwi
     check_shared_gate_add("cpu", dtype)
     check_add_rms_norm("cpu", dtype)
     check_topk_add_rms_norm("cpu", dtype)
-    check_norm_codes("cpu", dtype)
     check_rope_head_blocks("cpu", dtype)
     check_rope_store_kv("cpu", dtype)
 print("interpreter ok")
@@ -429,8 +401,7 @@ print("interpreter ok")
 @pytest.mark.timeout(200)
 @needs_triton
 def test_decode_kernels_under_the_interpreter():
-    """The skinny linear, add + RMSNorm (also of a top-k sum, also with fp8 codes),
-    act-and-mul, gated
+    """The skinny linear, add + RMSNorm (also of a top-k sum), act-and-mul, gated
     shared-expert add, head-block
     rope, rope + KV store, top-k softmax, router GEMM + top-k and decode-graph unpack
     kernels on the CPU (TRITON_INTERPRET=1: numpy semantics)."""

@@ -107,12 +107,6 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
             got = gemm.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             ref = R.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             assert float((got - ref).norm() / ref.norm()) < 1e-2
-        # codes the kernel before stored (a norm's): the GEMM reads them; the GEMV, which
-        # quantizes its rows itself, leaves them
-        assert gemm.codes_apart(xx, wq, ws, block) == (m > 2)
-        codes = gemm.quantize_groups(xx, block[1])
-        assert torch.equal(gemm.fp8_linear(xx, wq, ws, block, codes=codes),
-                           gemm.fp8_linear(xx, wq, ws, block)), (n, k, m)
     for rows in (1, 9):  # the GEMV's epilogue and the GEMM's
         got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
         ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
@@ -171,62 +165,6 @@ def test_triton_fp8_kernels_under_the_interpreter():
 @pytest.mark.gpu
 def test_triton_fp8_kernels_on_the_gpu():
     exec(KERNEL_SCRIPT.replace("{device}", "cuda"), {})
-
-
-# The layers' side: the add + norm before an fp8 projection stores its output's codes where the
-# projection would quantize the rows in a launch of their own, and the projection reads them
-LAYER_SCRIPT = r"""
-import torch
-from moeserve.config.quant import QuantSpec
-from moeserve.kernels.fp8 import gemm, reference as R
-from moeserve.kernels.launch.choice import KernelSet, use_kernels
-from moeserve.layers.linear import QKVParallelLinear, QuantizedRows, codes_group
-from moeserve.layers.norm import RMSNorm
-from moeserve.layers.pending import TopkRows, add_norm
-from moeserve.parallel.groups import single_process_state
-
-torch.manual_seed(0)
-quant = QuantSpec(32, 64, from_checkpoint=False)
-qkv = QKVParallelLinear(256, 32, 4, 2, bias=False, axis=single_process_state().attn_tp,
-                        dtype=torch.float32, quant=quant)
-wq, ws = R.quantize_blocks(torch.randn(qkv.weight.shape), quant.block)
-qkv.weight.data.copy_(wq)
-qkv.weight_scale_inv.data.copy_(ws)
-norm = RMSNorm(256, 1e-6, torch.float32)
-norm.weight.data.uniform_(0.7, 1.3)
-x, r = torch.randn(5, 256), torch.randn(5, 256)
-calls = []
-quantize = gemm.quantize_groups
-gemm.quantize_groups = lambda *a, **k: calls.append(1) or quantize(*a, **k)
-assert codes_group(qkv, r) is None  # no kernels on the CPU: the torch formulation
-h, _ = add_norm(norm, x, r, 64)
-assert not isinstance(h, QuantizedRows)
-with use_kernels(KernelSet(device="cpu", triton=True, pdl=False, reason="interpreter")):
-    assert codes_group(qkv, r) == 64 and codes_group(qkv, r[:2]) is None  # 2 rows: the GEMV
-    h, total = add_norm(norm, x, r, 64)
-    assert isinstance(h, QuantizedRows) and torch.equal(total, x + r)
-    calls.clear()
-    got = qkv(h)
-    assert not calls  # the projection read the norm's codes
-    want = qkv(h.x)
-    assert calls and all(torch.equal(a, b) for a, b in zip(got, want))
-    # the MoE block's top-k sum left to the norm: the same codes
-    ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
-    y = torch.randn(10, 256)
-    h2, total2 = add_norm(norm, TopkRows(y, ids, 0, 2), r, 64)
-    assert isinstance(h2, QuantizedRows)
-    assert torch.equal(qkv(h2)[0], qkv(h2.x)[0])
-    # no codes where the group does not divide the rows: the projection quantizes
-    assert not isinstance(add_norm(norm, x, r, 96)[0], QuantizedRows)
-print("interpreter ok")
-"""
-
-
-def test_norm_codes_feed_the_fp8_projection_under_the_interpreter():
-    """The input norm stores the fp8 codes of its output for the qkv projection, which then
-    makes no quantizer launch and gives the same bits (TRITON_INTERPRET=1)."""
-    pytest.importorskip("triton")
-    run_interpreted(LAYER_SCRIPT)
 
 
 def test_decode_tiles_split_k_until_the_weight_fills_the_device():

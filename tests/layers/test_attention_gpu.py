@@ -15,10 +15,7 @@ import torch
 
 from moeserve.batch.buffers import AttentionPartials
 from moeserve.kernels.attention.tiles import ATTENTION_TILES
-from moeserve.batch.forward_batch import ForwardMode
-from moeserve.kernels.fp8.gemm import quantize_groups
 from moeserve.layers.attention import PagedAttention
-from moeserve.layers.linear import QuantizedRows
 from moeserve.layers.attention_triton import TritonAttentionBackend
 from moeserve.layers.backends import create_attention_backend
 from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
@@ -33,12 +30,11 @@ TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d: int,
              window, lens, split, seed: int = 0, partials: tuple = (),
-             tiles=ATTENTION_TILES, codes: bool = False) -> list[float]:
+             tiles=ATTENTION_TILES) -> list[float]:
     """Errors of the triton backend (with `tiles`) against torch for: prompts, chunks after a
     prefix, and three decode steps, all requests of a forward batched together; with
     `partials` (part_o, part_lse), the decode partials come from them, as from the plan's
-    buffers. `codes`: the decode steps also store their output's fp8 codes (a head a group),
-    which must be the quantizer's of that output."""
+    buffers."""
     gen = torch.Generator().manual_seed(seed)
     layers = 2
     total = sum(lens) + 8
@@ -54,22 +50,12 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
     seqs = [tuple(torch.randn(s, h, d, generator=gen).to(device, dtype) for h in (n, kh, kh))
             for s in lens]
 
-    coded = []
-
     def attend(fb, parts):
         q, k, v = parts
-        got = fast(q, k, v, fb, codes_group=d if codes else None)  # writes the K/V, attends
-        if isinstance(got, QuantizedRows):
-            want = quantize_groups(got.x, d)
-            assert torch.equal(got.codes.view(torch.uint8), want[0].view(torch.uint8))
-            assert torch.equal(got.scales, want[1])
-            coded.append(fb.mode)
-            got = got.x.view(q.shape)
+        got = fast(q, k, v, fb)  # writes the new K/V, then attends
         return got, ref.forward(q, fast, fb)
 
-    errors = compare_phases(lens, split, req_rows, rows, pool, seqs, attend)
-    assert coded == ([ForwardMode.DECODE] * 3 if codes else []), coded
-    return errors
+    return compare_phases(lens, split, req_rows, rows, pool, seqs, attend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -95,18 +81,6 @@ def test_one_split_decode_writes_the_output_itself(monkeypatch, dtype):
                       [33, 0, 140, 64, 1], tiles=one)
     assert max(errors) < TOL[dtype], errors
     replay_decode(one)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_stores_the_codes_of_its_output(dtype):
-    """The decode kernels store their output's fp8 codes for the output projection (a head
-    a scale group): after the combine (split keys) and from the decode kernel itself (one
-    split), the quantizer's bits."""
-    lens, split = [70, 4, 203, 129, 9], [33, 0, 140, 64, 1]
-    for tiles in (ATTENTION_TILES, dataclasses.replace(ATTENTION_TILES, max_splits=1)):
-        errors = run_case("cuda", dtype, 16, 32, 4, 128, None, lens, split, tiles=tiles,
-                          codes=True)
-        assert max(errors) < TOL[dtype], errors
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

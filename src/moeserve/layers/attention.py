@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from itertools import accumulate
-from typing import ClassVar, Optional, Sequence, Union
+from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from moeserve.batch.buffers import AttentionPartials
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 from moeserve.batch.kv_cache import KVWrite
 from moeserve.config.registry import Registry
-from moeserve.layers.linear import QuantizedRows
 
 # False: the rope never stores K/V, PagedAttention.forward always does (a switch for tests)
 FUSE_ROPE_KV_STORE = True
@@ -49,14 +48,6 @@ class AttentionBackend(ABC):
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
                 fb: ForwardBatch) -> torch.Tensor:
         """Attention output [T, N, D] of the new tokens, whose K/V are already in the pool."""
-
-    def output_codes(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
-                     group: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Empty (fp8 codes [T, N D], float32 scales [T, N / group]) for forward(codes=...)
-        to store its output's codes in, quantized per `group` as kernels/fp8/gemm's
-        quantizer would for the output projection, where this backend's kernels do so for
-        this step; None where they do not (the backends without a `codes` argument)."""
-        return None
 
     def warm_up(self, layer: "PagedAttention", max_extend: int, dtype: torch.dtype,
                 device: torch.device) -> list[int]:
@@ -134,18 +125,10 @@ class PagedAttention(nn.Module):
         return None if make is None else make(self.layer_id, fb.out_cache_loc, v_TKD)
 
     def forward(self, q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                fb: ForwardBatch, kv_stored: bool = False, codes_group: Optional[int] = None
-                ) -> Union[torch.Tensor, QuantizedRows]:
-        """[T, N, D]. kv_stored: the new K/V are in the pool already (the rope took kv_write).
-        codes_group: the output projection's fp8 group (layers/linear.codes_group); where the
-        backend stores the codes of the output (output_codes), QuantizedRows of [T, N D]."""
+                fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: the new K/V are in the pool already (the rope took kv_write)."""
         if q_TND.shape[0] and not kv_stored:
             fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
         if fb.attention_hook is not None:  # a prefill graph's capture cuts the forward here
             return fb.attention_hook(q_TND, self, fb)
-        codes = (None if codes_group is None
-                 else self.backend.output_codes(q_TND, self, fb, codes_group))
-        if codes is None:
-            return self.backend.forward(q_TND, self, fb)
-        o_TND = self.backend.forward(q_TND, self, fb, codes=codes)
-        return QuantizedRows(o_TND.view(o_TND.shape[0], -1), *codes)
+        return self.backend.forward(q_TND, self, fb)

@@ -63,7 +63,6 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
 
 
 Partials = tuple[torch.Tensor, torch.Tensor]  # the plan's attn.decode.part_o / part_lse
-Codes = tuple[torch.Tensor, torch.Tensor]  # fp8 codes [T, N D], float32 scales [T, N]
 
 
 def decode_splits(tiles: AttentionTiles, batch_size: int, groups: int, device: torch.device,
@@ -159,23 +158,10 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._partials, self.tiles)
         return self._meta
 
-    def output_codes(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
-                     group: int) -> Optional[Codes]:
-        """Decode steps store their output's fp8 codes when a head is one scale group (a
-        head dim that is a power of two): empty codes [T, N D] and scales [T, N] to pass
-        to forward."""
-        t, n, d = q_TND.shape
-        if fb.mode is not ForwardMode.DECODE or group != d or d & (d - 1) or t == 0:
-            return None
-        return (torch.empty(t, n * d, dtype=torch.float8_e4m3fn, device=q_TND.device),
-                torch.empty(t, n, dtype=torch.float32, device=q_TND.device))
-
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
-                out: Optional[torch.Tensor] = None,
-                codes: Optional[Codes] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out` [T, N, D]: where to write (a prefill graph's static buffer); rows of no
-        request are left as they are. `codes` (output_codes' tensors): the decode kernels
-        store the output's fp8 codes there too."""
+        request are left as they are."""
         from moeserve.kernels.attention import kernels as K
         from moeserve.kernels.launch.pdl import pdl_args
 
@@ -205,26 +191,22 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                       else (meta.part_o, meta.part_lse))
             block_n, warps, stages = tiles.decode_tiles(bs)
             pdl = {**pdl_args(q_TND.device), "EARLY": bs <= tiles.early_place_max_batch}
-            assert codes is None or block_d == d, "codes take a head a scale group"
-            qc, qs = codes if codes is not None else (out_TND, out_TND)  # (stand-ins)
-            code_args = dict(stride_ct=qc.stride(0) if codes else 0,
-                             stride_cst=qs.stride(0) if codes else 0, CODES=codes is not None)
             K.decode_partial_kernel[(bs, layer.num_kv_heads, meta.splits)](
                 q_TND, k_cache, v_cache, table, fb.req_pool_indices, fb.seq_lens, po, pl,
-                out_TND, qc, qs, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),
+                out_TND, q_TND.stride(0), q_TND.stride(1), k_cache.stride(0),
                 k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-                out_TND.stride(0), out_TND.stride(1), scale_log2=scale, window=window,
-                num_splits=meta.splits, GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d,
-                BLOCK_D=block_d, BLOCK_N=block_n, IEEE=ieee, DIRECT=direct, num_warps=warps,
-                num_stages=stages, **code_args, **pdl)
+                out_TND.stride(0), out_TND.stride(1), scale, window, meta.splits,
+                GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
+                BLOCK_N=block_n, IEEE=ieee, DIRECT=direct, num_warps=warps,
+                num_stages=stages, **pdl)
             if direct:
                 return out_TND
             K.decode_combine_kernel[(bs, n)](
-                po, pl, out_TND, qc, qs, po.stride(0), po.stride(1), po.stride(2),
-                pl.stride(0), pl.stride(1), out_TND.stride(0), out_TND.stride(1),
-                num_splits=meta.splits, HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_S=_pow2(tiles.max_splits, 2), num_warps=4, **code_args, **pdl)
+                po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(tiles.max_splits, 2),
+                num_warps=4, **pdl)
             return out_TND
         if meta.max_extend == 0:
             return out_TND

@@ -21,8 +21,7 @@ torch formulation. A shard or a stacked part that splits a scale block fails at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,54 +58,17 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return None if ops is None else ops.skinny_linear(x, weight, bias, out_dtype, residual=residual)
 
 
-@dataclass(frozen=True)
-class QuantizedRows:
-    """Rows x [T, K] beside their fp8 codes [T, K] and float32 scales [T, K / group], the
-    bits the quantizer would make of them, stored by the kernel that made x (an add + norm)
-    for the fp8 projection it feeds, which then reads them instead of quantizing x in a
-    launch of its own (`codes_group` says when a projection would)."""
-    x: torch.Tensor
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-
-Rows = Union[torch.Tensor, QuantizedRows]
-
-
-def plain(x: Rows) -> torch.Tensor:
-    """The rows themselves."""
-    return x.x if isinstance(x, QuantizedRows) else x
-
-
-def codes_group(layer: nn.Module, like: torch.Tensor) -> Optional[int]:
-    """The column group of the fp8 codes that `layer` (a projection of this module) would
-    quantize its input into in a launch of its own, for as many rows as `like` has (its
-    first dim), of its dtype on its device; None where it would not (a float weight, the
-    torch formulation, a GEMV that quantizes in its launch)."""
-    if layer.weight_scale_inv is None:
-        return None
-    ops = K.fp8(like.device)
-    if ops is None or not ops.codes_apart(like, layer.weight, layer.weight_scale_inv,
-                                          layer.block):
-        return None
-    return layer.block[1]
-
-
-def linear(x: Rows, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
            block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
     kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
-    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels, which
-    take QuantizedRows' codes as they are."""
-    codes = None
-    if isinstance(x, QuantizedRows):
-        x, codes = x.x, (x.codes, x.scales)
+    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels."""
     if scale is not None:
         assert block is not None
         ops = K.fp8(x.device)
         if ops is not None:
-            return ops.fp8_linear(x, weight, scale, block, bias, residual, codes)
+            return ops.fp8_linear(x, weight, scale, block, bias, residual)
         y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
         return y if residual is None else y + residual
     y = None
@@ -285,7 +247,7 @@ class QKVParallelLinear(nn.Module):
         init_weight(self, out, hidden, dtype, quant)
         self.bias = empty_param(out, dtype=dtype) if bias else None
 
-    def forward(self, x_TH: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x_TH, self.weight, self.bias, scale=self.weight_scale_inv,
                      block=self.block)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -47,7 +47,7 @@ from moeserve.config.registry import Registry
 from moeserve.layers.attention import AttentionBackend, causal_softmax
 from moeserve.kernels import ops as K
 from moeserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                    RowParallelLinear, Rows, codes_group, plain)
+                                    RowParallelLinear)
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config.quant import QuantSpec
@@ -168,16 +168,10 @@ class MLAttention(nn.Module):
                                          k_pe_TR[:, None, :].contiguous())
         return q_pe_TNR, k_pe_T1R[:, 0]
 
-    def codes_group(self, h_TH: torch.Tensor) -> Optional[int]:
-        """The group of fp8 codes q_kv_a takes for rows like h_TH from the norm before it
-        (layers/linear.codes_group), or None."""
-        return codes_group(self.q_kv_a, h_TH)
-
-    def forward(self, positions_T: torch.Tensor, rows: Rows,
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        h_TH = plain(rows)
         m, t, n = self.mla, h_TH.shape[0], self.heads_local
-        q, kv_TW = self.q_kv_a.split(self.q_kv_a(rows))  # views of one [T, Q + W] output
+        q, kv_TW = self.q_kv_a.split(self.q_kv_a(h_TH))  # views of one [T, Q + W] output
         if m.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_TNQ = q.view(t, n, m.qk_head_dim)

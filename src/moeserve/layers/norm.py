@@ -11,28 +11,15 @@
 
 from __future__ import annotations
 
-from functools import partial
-from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from moeserve.kernels import ops as K
-from moeserve.layers.linear import QuantizedRows, Rows
 from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
-
-
-def with_codes(ops: ModuleType, rows_RD: torch.Tensor, group: Optional[int],
-               norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-               ) -> tuple[Rows, torch.Tensor]:
-    """norm(codes=...)'s (out, sum), out as QuantizedRows when `group` asks for the codes of
-    rows like rows_RD and the kernels (`ops`, kernels/elementwise/fused.py) can store them."""
-    codes = None if group is None else ops.norm_codes(rows_RD, group)
-    out, total = norm(codes=codes)
-    return (out if codes is None else QuantizedRows(out, *codes)), total
 
 
 def _rms(x: torch.Tensor, variance: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -55,17 +42,16 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         return _rms(x32, x32.pow(2).mean(-1, keepdim=True), self.eps, self.weight, x.dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    codes_group: Optional[int] = None) -> tuple[Rows, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual) for [R, D] rows; the sum is rounded to its dtype
-        before the norm reads it, on every path. codes_group: the norm's output as
-        QuantizedRows of that group where its kernel stores them (with_codes)."""
+        before the norm reads it, on every path."""
         ops = K.elementwise(x.device)
-        if (ops is not None and x.dim() == 2 and x.shape == residual.shape
-                and x.stride(-1) == 1 and residual.stride(-1) == 1):
-            # one launch on a GPU (kernels/elementwise/fused.py)
-            return with_codes(ops, residual, codes_group, partial(
-                ops.add_rms_norm, x, residual, self.weight, self.eps))
+        out = (ops.add_rms_norm(x, residual, self.weight, self.eps)
+               if ops is not None and x.dim() == 2 and x.shape == residual.shape
+               and x.stride(-1) == 1 and residual.stride(-1) == 1 else None)
+        if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
+            return out
         total = x + residual
         return self(total), total
 

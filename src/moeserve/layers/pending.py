@@ -19,14 +19,11 @@ norm selects).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
 from moeserve.kernels import ops as K
-from moeserve.layers.linear import Rows
-from moeserve.layers.norm import with_codes
 
 
 @dataclass(frozen=True)
@@ -39,9 +36,7 @@ class Unreduced:
     def settle(self) -> torch.Tensor:
         return self.symm.all_reduce(self.partial)
 
-    def add_norm(self, norm, residual: torch.Tensor, codes_group: Optional[int] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # (the one-shot kernel stores no codes: the projection quantizes its rows itself)
+    def add_norm(self, norm, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.symm.all_reduce_add_rms_norm(self.partial, residual, norm.weight, norm.eps)
 
 
@@ -62,27 +57,24 @@ class TopkRows:
 
         return topk_sum(self.rows, self.topk_ids, self.first_expert, self.num_local)
 
-    def add_norm(self, norm, residual: torch.Tensor, codes_group: Optional[int] = None
-                 ) -> tuple[Rows, torch.Tensor]:
+    def add_norm(self, norm, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops = K.elementwise(residual.device)
         if ops is None or residual.stride(-1) != 1:
-            return norm.add_forward(self.settle(), residual, codes_group)
-        return with_codes(ops, residual, codes_group, partial(
-            ops.topk_add_rms_norm, self.rows, self.topk_ids, self.first_expert,
-            self.num_local, residual, norm.weight, norm.eps))
+            return norm.add_forward(self.settle(), residual)
+        return ops.topk_add_rms_norm(self.rows, self.topk_ids, self.first_expert,
+                                     self.num_local, residual, norm.weight, norm.eps)
 
 
 Pending = Union[Unreduced, TopkRows]
 
 
-def add_norm(norm, x: Union[torch.Tensor, Pending], residual: torch.Tensor,
-             codes_group: Optional[int] = None) -> tuple[Rows, torch.Tensor]:
+def add_norm(norm, x: Union[torch.Tensor, Pending], residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) for RMSNorm `norm`, x a tensor or a Pending sum:
-    one launch on a GPU; the norm's output as QuantizedRows where codes_group asks for them
-    and the launch stores them (layers/norm.with_codes)."""
+    one launch on a GPU."""
     if isinstance(x, (Unreduced, TopkRows)):
-        return x.add_norm(norm, residual, codes_group)
-    return norm.add_forward(x, residual, codes_group)
+        return x.add_norm(norm, residual)
+    return norm.add_forward(x, residual)
 
 
 def settle(x: Union[torch.Tensor, Pending]) -> torch.Tensor:

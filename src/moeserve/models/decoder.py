@@ -25,8 +25,7 @@ from torch import nn
 
 from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from moeserve.layers.linear import (QKVParallelLinear, QuantizedRows, RowParallelLinear, Rows,
-                                    codes_group, plain)
+from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
 from moeserve.layers.pending import add_norm, settle
 from moeserve.layers.rotary import RotaryEmbedding
@@ -97,14 +96,9 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, qkv.heads_local, qkv.kv_heads_local, d, d ** -0.5,
                                    backend, opts.sliding_window)
 
-    def codes_group(self, h_TH: torch.Tensor) -> Optional[int]:
-        """The group of fp8 codes the qkv projection takes for rows like h_TH from the norm
-        before it (layers/linear.codes_group), or None."""
-        return codes_group(self.qkv_proj, h_TH)
-
-    def forward(self, positions_T: torch.Tensor, h_TH: Rows,
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        t, d = plain(h_TH).shape[0], self.head_dim
+        t, d = h_TH.shape[0], self.head_dim
         q, k, v = self.qkv_proj(h_TH)
         if self.opts.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -122,10 +116,8 @@ class DecoderAttention(nn.Module):
         # on a GPU the rope kernel also writes k and v into the KV cache (one launch less)
         kv_write = self.attn.kv_write(v_TKD, fb)
         q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
-        # with the output's fp8 codes where the decode kernels store them for o_proj
-        o = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None,
-                      codes_group=codes_group(self.o_proj, q_TND))
-        return self.o_proj(o if isinstance(o, QuantizedRows) else o.reshape(t, n * d))
+        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None)
+        return self.o_proj(o_TND.reshape(t, n * d))
 
     # --- weights (names relative to "self_attn.") ----------------------------------------
     def checkpoint_names(self) -> list[str]:
@@ -211,8 +203,7 @@ class DecoderLayer(nn.Module):
         if residual is None:
             h = self.input_layernorm(x_TH)
         else:  # x_TH may be a sum the block before left to this norm (layers/pending.py)
-            h, x_TH = add_norm(self.input_layernorm, x_TH, residual,
-                               self.self_attn.codes_group(residual))
+            h, x_TH = add_norm(self.input_layernorm, x_TH, residual)
         a = self.self_attn(positions_T, h, fb)
         # r = local_rows(x) + the reduced a, and its norm: one launch on a GPU (with the
         # all-reduce where the one-shot window takes it)

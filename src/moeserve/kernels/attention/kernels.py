@@ -30,7 +30,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.gemm import store_group_codes
 from moeserve.kernels.launch.pdl import pdl_gate
 
 NEG_INIT = tl.constexpr(-1.0e20)  # a global a kernel reads must be a constexpr
@@ -134,32 +133,18 @@ def store_decode(PartO, PartLse, Out, b, split, heads, h_mask, offs_d, d_mask, m
 
 
 @triton.jit
-def store_head_codes(out, Codes, CodeScales, b, heads, h_mask, offs_d, stride_ct, stride_cst,
-                     HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """The fp8 codes and scales of heads' outputs out [heads, HEAD_DIM] (float32) as stored
-    in DTYPE, a head a scale group: row b of Codes [T, N HEAD_DIM] and CodeScales [T, N], as
-    kernels/fp8/gemm.quantize_groups would make them for the output projection."""
-    d_mask = offs_d < HEAD_DIM
-    store_group_codes(out.to(DTYPE).to(tl.float32),
-                      Codes + b.to(tl.int64) * stride_ct + heads[:, None] * HEAD_DIM
-                      + offs_d[None, :], h_mask[:, None] & d_mask[None, :],
-                      CodeScales + b.to(tl.int64) * stride_cst + heads, h_mask)
-
-
-@triton.jit
 def decode_partial_kernel(
-        Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out, Codes, CodeScales,
+        Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt, stride_xh,
-        stride_ct, stride_cst, scale_log2, window, num_splits,
+        scale_log2, window, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        DIRECT: tl.constexpr, CODES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        DIRECT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """DIRECT (one split, num_splits == 1): the program's normalised output is the
     attention's, written to Out in its dtype (what the combine would make of one split) and
-    no partial is stored; with CODES also its fp8 codes (store_head_codes; BLOCK_D is
-    HEAD_DIM). EARLY: the next kernel may be placed before this one waits at its gate
-    (kernels/launch/pdl.py; nothing is read before it)."""
+    no partial is stored. EARLY: the next kernel may be placed before this one waits at its
+    gate (kernels/launch/pdl.py; nothing is read before it)."""
     pdl_gate(PDL, EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -190,19 +175,14 @@ def decode_partial_kernel(
     store_decode(PartO, PartLse, Out, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt,
                  stride_xh, DIRECT)
-    if DIRECT and CODES:  # the output as store_decode divides it
-        store_head_codes(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], Codes, CodeScales, b,
-                         heads, g_mask, offs_d, stride_ct, stride_cst, HEAD_DIM,
-                         Out.dtype.element_ty)
 
 
 @triton.jit
 def decode_combine_kernel(
-        PartO, PartLse, Out, Codes, CodeScales, stride_ob, stride_oh, stride_os, stride_lb,
-        stride_lh, stride_xt, stride_xh, stride_ct, stride_cst, num_splits,
+        PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        stride_xt, stride_xh, num_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        CODES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    # CODES: the output's fp8 codes too (store_head_codes; BLOCK_D is HEAD_DIM)
+        EARLY: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL, EARLY)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -220,10 +200,6 @@ def decode_combine_kernel(
     out = tl.sum(o * w[:, None], 0)
     tl.store(Out + b * stride_xt + h * stride_xh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_mask)
-    if CODES:
-        heads = h + tl.arange(0, 1)
-        store_head_codes(out[None, :], Codes, CodeScales, b, heads, heads >= 0, offs_d,
-                         stride_ct, stride_cst, HEAD_DIM, Out.dtype.element_ty)
 
 
 @triton.jit

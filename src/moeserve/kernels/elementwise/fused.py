@@ -37,7 +37,6 @@ import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import store_group_codes
 
 
 def _pow2(n: int) -> int:
@@ -85,57 +84,19 @@ def store_sum_and_norm(t, S, Y, W, row, D, offs, mask, eps):
     """Row `row` of [R, D] S and Y: the float32 sum t rounded to S's dtype (as torch's add
     rounds it) into S, and its RMSNorm times W into Y, normalised in S's dtype, then times
     the weight (transformers' order): add_rms_norm's arithmetic, for every kernel that ends
-    in it. Returns the row stored in Y (zeros outside `mask`)."""
+    in it."""
     s = t.to(S.dtype.element_ty)
     tl.store(S + row * D + offs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(s * s, 0) / D
     y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty)
-    tl.store(Y + row * D + offs, out, mask=mask)
-    return out
+    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def store_row_codes(y, Q, QS, row, D, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row `row` of the fp8 codes Q [R, D] and float32 scales QS [R, D / GROUP] of y
-    [BLOCK_D] (zeros past D), quantized per GROUP columns as kernels/fp8/gemm.quantize_groups
-    quantizes the stored row (GROUP, a power of two, divides D)."""
-    GROUPS: tl.constexpr = BLOCK_D // GROUP
-    g = tl.arange(0, GROUPS)
-    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    store_group_codes(tl.reshape(y.to(tl.float32), (GROUPS, GROUP)), Q + row * D + cols,
-                      cols < D, QS + row * tl.cdiv(D, GROUP) + g, g * GROUP < D)
-
-
-def norm_codes(rows_RD: torch.Tensor, group: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Empty (codes [R, D], scales [R, D / group]) for the norms below to store the fp8
-    codes of their output rows in, like rows_RD; None where they cannot (group not a power
-    of two dividing D)."""
-    r, d = rows_RD.shape
-    if group & (group - 1) or d % group:
-        return None
-    return (torch.empty(r, d, dtype=torch.float8_e4m3fn, device=rows_RD.device),
-            torch.empty(r, triton.cdiv(d, group), dtype=torch.float32, device=rows_RD.device))
-
-
-def _codes_args(codes: Optional[tuple[torch.Tensor, torch.Tensor]], d: int, out: torch.Tensor
-                ) -> dict:
-    """The norm kernels' code-store arguments: Q, QS and GROUP (1 and the output itself when
-    no codes are asked)."""
-    if codes is None:
-        return {"Q": out, "QS": out, "GROUP": 1, "CODES": False}
-    q, s = codes
-    group = d // s.shape[1]
-    assert q.shape == out.shape and q.is_contiguous() and s.is_contiguous()
-    assert s.shape == (out.shape[0], d // group) and d % group == 0 and group & (group - 1) == 0
-    return {"Q": q, "QS": s, "GROUP": group, "CODES": True}
-
-
-@triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, S, Q, QS, stride_x, stride_r, D, eps,
-                         BLOCK_D: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr,
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
                          PDL: tl.constexpr):
     pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -143,17 +104,13 @@ def _add_rms_norm_kernel(X, R, W, Y, S, Q, QS, stride_x, stride_r, D, eps,
     mask = offs < D
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    y = store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
-    if CODES:
-        store_row_codes(y, Q, QS, row, D, GROUP, BLOCK_D)
+    store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) of [R, D] rows (last dim contiguous) in one
-    launch; both contiguous. `codes` (norm_codes' tensors): the norm's fp8 codes and scales
-    stored there too."""
+    launch; both contiguous."""
     rows, d = x.shape
     assert residual.shape == x.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
     assert weight.shape == (d,)
@@ -161,17 +118,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(x.shape, dtype=torch.result_type(total, weight), device=x.device)
     if rows:
         block = _pow2(d)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, stride_x=x.stride(0),
-                                      stride_r=residual.stride(0), D=d, eps=eps,
-                                      BLOCK_D=block, num_warps=max(1, min(8, block // 256)),
-                                      **_codes_args(codes, d, out), **pdl_args(x.device))
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
+                                      residual.stride(0), d, eps, BLOCK_D=block,
+                                      num_warps=max(1, min(8, block // 256)),
+                                      **pdl_args(x.device))
     return out, total
 
 
 @triton.jit(do_not_specialize=["first_expert", "num_local"])
-def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, Q, QS, stride_x, D, first_expert,
-                              num_local, eps, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                              GROUP: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
+def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, num_local, eps,
+                              TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # row n: its TOP_K pair rows of Y summed in fp32 in k order, those of other ranks'
     # experts as zeros, rounded to Y's dtype (moe/fused_moe.topk_sum); plus X's row (rounded),
     # stored; its RMSNorm times W (add_rms_norm)
@@ -189,20 +145,16 @@ def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, Q, QS, stride_x, D, first_ex
         acc += tl.where(mine, v, 0.0)
     y = acc.to(Y.dtype.element_ty).to(tl.float32)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    out = store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
-    if CODES:
-        store_row_codes(out, Q, QS, row, D, GROUP, BLOCK_D)
+    store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
 
 
 def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(y, residual) for y the top-k sum of y_PH [N * k, H] (contiguous: pair
     (n, j) at row n k + j; topk_ids [N, k] int32, the pairs of experts outside
     [first_expert, first_expert + num_local) counted as zeros): the sum's bits as
-    moe/fused_moe.topk_sum rounds it, in the norm's launch (with the norm's fp8 `codes`, as
-    add_rms_norm)."""
+    moe/fused_moe.topk_sum rounds it, in the norm's launch."""
     n, k = topk_ids.shape
     d = y_PH.shape[1]
     assert y_PH.shape == (n * k, d) and y_PH.is_contiguous() and topk_ids.is_contiguous()
@@ -212,11 +164,10 @@ def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: 
     if n:
         block = _pow2(d)
         _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, out, total,
-                                        stride_x=residual.stride(0), D=d,
-                                        first_expert=first_expert, num_local=num_local,
-                                        eps=eps, TOP_K=k, BLOCK_D=block,
+                                        residual.stride(0), d, first_expert, num_local, eps,
+                                        TOP_K=k, BLOCK_D=block,
                                         num_warps=max(1, min(8, block // 256)),
-                                        **_codes_args(codes, d, out), **pdl_args(y_PH.device))
+                                        **pdl_args(y_PH.device))
     return out, total
 
 

@@ -83,19 +83,11 @@ def quantize_group(x_ptr, q_ptr, s_ptr, rows, row_ok, g, K, stride_x, stride_q, 
     mask = row_ok[:, None] & ((offs < GROUP) & (cols < K))[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    store_group_codes(x, q_ptr + r[:, None] * stride_q + cols[None, :], mask,
-                      s_ptr + r * stride_s + g * stride_sg, row_ok)
-
-
-@triton.jit
-def store_group_codes(x, q_ptrs, mask, s_ptrs, s_mask):
-    """x [R, GROUP] float32, a scale group a row (zeros outside the values): its e4m3 codes
-    at q_ptrs and each row's scale at s_ptrs, the quantizer's bits. The kernels that make an
-    fp8 projection's input store it so (the norms, the decode attention), and the
-    quantizer's launch is left out."""
     scale = group_scale(tl.max(tl.abs(x), axis=1))
-    tl.store(q_ptrs, e4m3_codes(x, scale[:, None]).to(q_ptrs.dtype.element_ty), mask=mask)
-    tl.store(s_ptrs, scale, mask=s_mask)
+    q = e4m3_codes(x, scale[:, None])
+    tl.store(q_ptr + r[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(s_ptr + r * stride_s + g * stride_sg, scale, mask=row_ok)
 
 
 @triton.jit
@@ -401,14 +393,9 @@ def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on a
     GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's contiguous
     scales then serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
-    return _cublas_rows(x_TK.shape[0], x_TK, w_NK, w_scale, block)
-
-
-def _cublas_rows(m: int, like: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
-                 block: tuple[int, int]) -> bool:
-    """cublas_takes for m rows of like's dtype on like's device."""
-    return (like.is_cuda and _BLOCKWISE is not None and block == (128, 128)
-            and like.dtype in (torch.bfloat16, torch.float16) and w_NK.shape[1] % 512 == 0
+    m, k = x_TK.shape
+    return (x_TK.is_cuda and _BLOCKWISE is not None and block == (128, 128)
+            and x_TK.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0
             and w_NK.shape[0] % 128 == 0 and w_scale.is_contiguous()
             and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
 
@@ -440,26 +427,12 @@ def _blockwise() -> Optional[tuple]:
 _BLOCKWISE = _blockwise()
 
 
-def codes_apart(like: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
-                block: tuple[int, int]) -> bool:
-    """Whether fp8_linear quantizes the input rows in a launch of its own (before this
-    module's GEMM) for as many rows as `like` has (its first dim), of its dtype on its device:
-    then the kernel that makes them may store their codes and scales instead
-    (store_group_codes), and fp8_linear takes them as `codes`."""
-    m = like.shape[0] if like.dim() else 0
-    return (m > 0 and not gemv_takes(m, block)
-            and not _cublas_rows(m, like, w_NK, w_scale, block))
-
-
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-               residual: Optional[torch.Tensor] = None,
-               codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
     block-scaled GEMM: cuBLAS's where cublas_takes, else this module's (up to GEMV_MAX_ROWS
-    rows: both in the GEMV's one launch); out in x's dtype. `codes`: x's (fp8 [T, K], float32
-    scales [T, K / bk]) as quantize_groups makes them, stored by the kernel that made x,
-    which this module's GEMM then reads (the other paths quantize x themselves)."""
+    rows: both in the GEMV's one launch); out in x's dtype."""
     x_TK = x.reshape(-1, x.shape[-1])
     if x_TK.stride(-1) != 1:
         x_TK = x_TK.contiguous()
@@ -471,6 +444,6 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
         if res is not None:
             y += res
     else:
-        xq, xs = codes if codes is not None else quantize_groups(x_TK, block[1])
+        xq, xs = quantize_groups(x_TK, block[1])
         y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
     return y.view(*x.shape[:-1], w_NK.shape[0])

@@ -127,7 +127,7 @@ def _default(device: str) -> KernelSet:
 
 
 def kernels_for(device: "torch.device") -> KernelSet:
-    if device.type != "cuda":  # a set installed for the CPU: tests under Triton's interpreter
-        return _installed.get(device.type) or _default(device.type)
+    if device.type != "cuda":
+        return _default(device.type)
     name = f"cuda:{_index(device)}"
     return _installed.get(name) or _default(name)
