@@ -1,7 +1,6 @@
 """Programmatic dependent launch (kernels/launch/pdl.py): where it is on, and that a chain of decode
-kernels launched with it (and with their weights prefetched into L2 before their gates,
-kernels/launch/prefetch.py), captured in a CUDA graph, gives bit for bit what the same chain
-gives launched the plain way."""
+kernels launched with it, captured in a CUDA graph, gives bit for bit what the same chain gives
+launched the plain way."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import torch
 
 pytest.importorskip("triton")
 from moeserve.kernels.launch.pdl import pdl_args  # noqa: E402
-from moeserve.kernels.launch.prefetch import prefetch_args, prefetch_lines  # noqa: E402
 from moeserve.kernels.launch.choice import KernelSet, select_kernels, use_kernels  # noqa: E402
 
 
@@ -21,23 +19,6 @@ def test_off_on_the_cpu_and_under_the_flag():
     off = KernelSet(device="cuda:0", triton=True, pdl=False, reason="--disable-pdl")
     with use_kernels(off):  # no GPU query when the rank's set says off
         assert pdl_args(torch.device("cuda", 0)) == {"PDL": False}
-        # no program is placed early without PDL: nothing to prefetch before a gate
-        assert prefetch_args(torch.device("cuda", 0)) == {"PREFETCH": False}
-    assert prefetch_args(torch.device("cpu")) == {"PREFETCH": False}  # (no PTX to run)
-
-
-def test_prefetch_spans_whole_lines_of_a_row():
-    assert prefetch_lines(2048, 1) == 16  # an fp8 row of Qwen3's hidden size: 16 lines
-    assert prefetch_lines(4096, 2) == 64  # a bf16 row of 4096
-    assert prefetch_lines(768, 1) == 8  # 6 lines, rounded up to a power of two
-    assert prefetch_lines(1, 1) == 1
-
-
-def _ptx(fn) -> list[str]:
-    """The PTX of every variant of the Triton kernel `fn` compiled on this device."""
-    caches = fn.device_caches[torch.cuda.current_device()]
-    compiled = next(c for c in caches if isinstance(c, dict))
-    return [k.asm["ptx"] for k in compiled.values()]
 
 
 def _chain(x, r, norm_w, w_qkv, w_router, w13, w2, top_k):
@@ -137,13 +118,6 @@ def test_a_graph_of_pdl_fp8_launches_equals_plain_launches(rows):
     ids = torch.rand(rows, experts, generator=g, device="cuda").topk(top_k, 1).indices
     weights = torch.rand(rows, top_k, generator=g, device="cuda")
     _graph_equals_plain(lambda xx: _fp8_chain(xx, *ws, ids.to(torch.int32), weights), x)
-    # the PDL variants prefetched their weights into L2 before the gate (the plain ones not)
-    from moeserve.kernels.fp8 import gemm
-
-    gemm_kernel = gemm._fp8_gemv_kernel if rows == 1 else gemm._block_gemm_kernel
-    ptx = _ptx(gemm_kernel)
-    assert any("prefetch.global.L2" in p for p in ptx)
-    assert not all("prefetch.global.L2" in p for p in ptx)
 
 
 def test_cuda_versions_read_as_the_driver_numbers_them():

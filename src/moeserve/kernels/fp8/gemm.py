@@ -38,13 +38,11 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
-from moeserve.kernels.launch.prefetch import prefetch_args, prefetch_lines, prefetch_rows
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # reference.INV_FP8_MAX
 MIN_GPU_BLOCK_K = 32  # the K of an fp8 tl.dot on the GPU
-CPU = torch.device("cpu")
 
 
 @triton.jit
@@ -157,8 +155,7 @@ def _quantized_groups(x):
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
                      stride_wn, stride_wsn, stride_rm, stride_ym, GROUP_N: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LINES: tl.constexpr,
-                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # program (column block, row): BLOCK_N weight rows against one activation row, GROUPS
     # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles, each
     # step's products reduced at once (a [BLOCK_N] accumulator leaves the registers to the
@@ -173,8 +170,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, strid
     # the first weight tile before the gate: no kernel writes weights
     w = tl.load(w_rows + k_in[None, :, :], mask=col_ok[:, None, None] & (k_in < K)[None, :, :],
                 other=0.0)
-    if PREFETCH:  # and the rest of the rows into L2 (kernels/launch/prefetch.py)
-        prefetch_rows(w_ptr + cols.to(tl.int64) * stride_wn, col_ok, K, LINES)
     pdl_gate(PDL)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     x = tl.load(x_row + k_in, mask=k_in < K, other=0.0)
@@ -228,8 +223,7 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                            n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
                            res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=block_n,
                            BLOCK_K=bk, GROUPS=step // bk, HAS_BIAS=bias is not None,
-                           HAS_RES=residual is not None, LINES=prefetch_lines(k, 1),
-                           num_warps=4, **prefetch_args(x_MK.device), **pdl_args(x_MK.device))
+                           HAS_RES=residual is not None, num_warps=4, **pdl_args(x_MK.device))
     return out
 
 
@@ -238,21 +232,17 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, p
                        M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                        stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LINES: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # program (row tile, column tile, K part): the K part's scale groups of the tile; with
     # SPLIT parts, each stores its float32 partial in PART [SPLIT, M, N], and the tile's last
     # part to finish sums them in part order and runs the epilogue
+    pdl_gate(PDL)  # the rows are the kernel before's output
     pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K  # columns of K a part takes
-    if PREFETCH:  # the part's weight slice into L2 before the gate (kernels/launch/prefetch.py)
-        prefetch_rows(b_ptr + cols.to(tl.int64) * stride_bn + part * span, col_ok,
-                      tl.minimum(span, K - part * span), LINES)
-    pdl_gate(PDL)  # the rows are the kernel before's output
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(part * span, tl.minimum(K, part * span + span), BLOCK_K):
         kb = k0 // BLOCK_K
@@ -385,10 +375,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                              w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                             LINES=prefetch_lines(triton.cdiv(triton.cdiv(k, bk), split) * bk, 1),
-                             num_stages=stages, **pdl_args(xq_MK.device),
-                             # (a prefill tile's slice would crowd L2 out)
-                             **prefetch_args(xq_MK.device if m <= DECODE_GEMM_ROWS else CPU))
+                             num_stages=stages, **pdl_args(xq_MK.device))
     return out
 
 

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
-from moeserve.kernels.launch.prefetch import prefetch_args, prefetch_lines, prefetch_rows
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
 from moeserve.kernels.moe.align_torch import take
 
@@ -151,7 +150,7 @@ def _down_product(acc, w, h, weight):
 def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
                         first_expert, num_local, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EARLY: tl.constexpr,
-                        LINES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                        PDL: tl.constexpr):
     """Each K chunk loads the tiles of all the row's experts at once ([TOP_K, BLOCK_N,
     BLOCK_K]): top_k times the bytes in flight of a loop over the experts, a third of the
     round trips at Qwen3's I = 768.
@@ -161,8 +160,7 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
     router's top-k, two kernels back: gate_up's programs pass their gate only once it has
     finished, and this kernel is placed only after all of them have, so its writes are
     visible; they are read from L2 (.cg), never from a stale L1 line. h, gate_up's output,
-    is read after the gate. With PREFETCH (and EARLY) the rest of the rows go into L2 there
-    too (kernels/launch/prefetch.py)."""
+    is read after the gate."""
     if not EARLY:
         pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -181,11 +179,6 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
     if EARLY:  # the first chunk's tiles before the gate; then each K step loads the next
         # chunk's tiles before it forms the products of the ones it holds (two in flight)
         w = _w_tile(w_ptrs, w_ok, offs_k, inter, EVEN_K)
-        if PREFETCH:
-            rows = (expert[:, None] * hidden + offs_n[None, :]).to(tl.int64) * inter
-            prefetch_rows(tl.reshape(w2_ptr + rows, [TOP_K * BLOCK_N]),
-                          tl.reshape(mine[:, None] & n_ok[None, :], [TOP_K * BLOCK_N]), inter,
-                          LINES)
         pdl_gate(PDL)
         for k0 in range(BLOCK_K, inter, BLOCK_K):
             w_next = _w_tile(w_ptrs + k0, w_ok, offs_k, inter - k0, EVEN_K)
@@ -251,9 +244,7 @@ def decode_down(h_PI: torch.Tensor, w2: torch.Tensor, ids_P: torch.Tensor,
                  <= EARLY_TILE_PER_THREAD * 32 * cfg["num_warps"])
         _decode_down_kernel[grid](h_PI, w2, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, TOP_K=top, EARLY=early,
-                                  LINES=prefetch_lines(inter, w2.element_size()),
-                                  **_opts(cfg, inter), **prefetch_args(h_PI.device),
-                                  **pdl_args(h_PI.device))
+                                  **_opts(cfg, inter), **pdl_args(h_PI.device))
     return out
 
 

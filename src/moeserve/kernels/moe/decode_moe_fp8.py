@@ -33,7 +33,6 @@ import triton.language as tl
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
 from moeserve.kernels.fp8.gemm import _quantized_groups
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
-from moeserve.kernels.launch.prefetch import prefetch_args, prefetch_lines, prefetch_rows
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
 from moeserve.kernels.moe.fp8_tiles import check_tiles
@@ -101,8 +100,7 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, ids_ptr, hidde
 def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter,
                         top_k, first_expert, num_local, stride_we, stride_wn,
                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                        GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, LINES: tl.constexpr,
-                        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                        GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr):
     # [TOP_K, BLOCK_N, GROUPS, GROUP_K] weight tiles a step: GROUPS scale groups of I
     row = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOP_K)
@@ -119,10 +117,6 @@ def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hi
               + ks[None, None, :, :])
     w_ok = mine[:, None, None, None] & n_ok[None, :, None, None]
     w = tl.load(w_ptrs, mask=w_ok & (ks < inter)[None, None, :, :], other=0.0)
-    if PREFETCH:  # and the rest of the rows into L2 (kernels/launch/prefetch.py)
-        rows = (expert[:, None] * hidden + offs_n[None, :]).to(tl.int64) * inter
-        prefetch_rows(tl.reshape(w2_ptr + rows, [TOP_K * BLOCK_N]),
-                      tl.reshape(mine[:, None] & n_ok[None, :], [TOP_K * BLOCK_N]), inter, LINES)
     pdl_gate(PDL)
     h_ptrs = h_ptr + pair[:, None, None] * inter + ks[None, :, :]
     s_ptrs = (ws_ptr + expert[:, None, None] * stride_we
@@ -185,9 +179,8 @@ def decode_down_fp8(h: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                                   first_expert, num_local, w2_s.stride(0), w2_s.stride(1),
                                   TOP_K=triton.next_power_of_2(top_k), BLOCK_N=cfg["BLOCK_N"],
                                   GROUPS=cfg["BLOCK_K"] // block[1], GROUP_N=block[0],
-                                  GROUP_K=block[1], LINES=prefetch_lines(inter, 1),
-                                  num_warps=cfg["num_warps"], **prefetch_args(h.device),
-                                  **pdl_args(h.device))
+                                  GROUP_K=block[1],
+                                  num_warps=cfg["num_warps"], **pdl_args(h.device))
     return out
 
 

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
-from moeserve.kernels.launch.prefetch import prefetch_args, prefetch_lines, prefetch_rows
 from moeserve.kernels.skinny.tiles import tiles_for
 
 
@@ -72,8 +71,7 @@ def _row_store(acc, y_row, offs_n, mask_n, bias, valid, res_row, HAS_RES: tl.con
 @triton.jit
 def _skinny_kernel(X, W, B, R, Y, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr,
-                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # program (n block, row group): ROWS rows of x against BLOCK_N rows of W, one [BLOCK_N,
     # BLOCK_K] fp32 tile of products per row, all in the layout the W tile is loaded in
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -85,8 +83,6 @@ def _skinny_kernel(X, W, B, R, Y, M, N, K, stride_xm, stride_wn, stride_rm, stri
     # the kernel before this one finishes
     mask_k = offs_k < K
     w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    if PREFETCH:  # and the rest of the rows into L2 (kernels/launch/prefetch.py)
-        prefetch_rows(W + offs_n.to(tl.int64) * stride_wn, mask_n, K, LINES)
     pdl_gate(PDL)
     rows = M - pid_m * ROWS
     X += pid_m * ROWS * stride_xm
@@ -130,8 +126,7 @@ def _mma_product(acc, w, x, NATIVE: tl.constexpr):
 def _skinny_mma_kernel(X, W, B, R, Y, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NATIVE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, LINES: tl.constexpr, PREFETCH: tl.constexpr,
-                       PDL: tl.constexpr):
+                       STAGES: tl.constexpr, PDL: tl.constexpr):
     # program (n block, row group): y^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] . x [BLOCK_M, K]^T
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,8 +139,6 @@ def _skinny_mma_kernel(X, W, B, R, Y, M, N, K, stride_xm, stride_wn, stride_rm, 
     # the first W tile before the gate (as the FMA kernel), the rest pipelined after it
     mask_k = offs_k < K
     w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    if PREFETCH:  # and the rest of the rows into L2 (kernels/launch/prefetch.py)
-        prefetch_rows(W + offs_n.to(tl.int64) * stride_wn, mask_n, K, LINES)
     pdl_gate(PDL)
     x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     acc = _mma_product(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), w, x, NATIVE)
@@ -189,8 +182,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.rows))
         flags = {"HAS_BIAS": bias is not None, "HAS_RES": res is not None,
                  "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "num_warps": t.warps,
-                 "LINES": prefetch_lines(k, weight.element_size()),
-                 **prefetch_args(x.device), **pdl_args(x.device)}
+                 **pdl_args(x.device)}
         if t.mma:
             native = x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
             _skinny_mma_kernel[grid](*args, NATIVE=native, BLOCK_M=t.rows, STAGES=t.stages,
