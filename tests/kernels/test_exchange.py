@@ -5,6 +5,7 @@ stand in for the symmetric memory's peer pointers)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -78,6 +79,12 @@ slots_b, sources_b = slots_a.clone(), sources_a.clone()
 E.route_slots(ids, slots_a, sources_a, PER)
 T.route_slots(ids, slots_b, sources_b, PER)
 assert torch.equal(slots_a, slots_b) and torch.equal(sources_a, sources_b)
+# in blocks of 4 rows (slots): each block's slots follow the blocks before it; the empty
+# slots past the rows' blocks marked too
+for block in (4, 8):
+    slots_c, sources_c = torch.full_like(slots_a, 9), torch.full_like(sources_a, 9)
+    E.route_slots(ids, slots_c, sources_c, PER, block=block)
+    assert torch.equal(slots_c, slots_b) and torch.equal(sources_c, sources_b), block
 
 # dispatch from rank 1 into three windows, stale bytes in them first
 x, w, rank, n = torch.randn(M, H, dtype=torch.bfloat16), torch.rand(M, K), 1, P * R
@@ -154,3 +161,23 @@ print("interpreter ok")
 
 def test_triton_kernels_store_what_the_torch_layout_says():
     run_interpreted(KERNELS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [2, 4])
+def test_route_slots_of_prefill_sized_steps_on_the_gpu(p):
+    """Past one block of rows the counts come from their own launch: the slots of 3000 and
+    8192 rows (Qwen3-30B-A3B's routing: 128 experts, top 8) and of a step whose slots
+    outnumber its rows equal the torch layout's."""
+    from moeserve.kernels.moe import exchange as E
+
+    g = torch.Generator(device="cuda").manual_seed(p)
+    for m, r in ((3000, 3000), (8192, 8192), (1500, 5000)):
+        ids = torch.rand(m, 128, generator=g, device="cuda").topk(8, dim=1).indices
+        ids = ids.to(torch.int32)
+        got = (torch.full((m, p), 9, dtype=torch.int32, device="cuda"),
+               torch.full((p, r), 9, dtype=torch.int32, device="cuda"))
+        want = (torch.empty_like(got[0]), torch.empty_like(got[1]))
+        E.route_slots(ids, *got, 128 // p)
+        T.route_slots(ids, *want, 128 // p)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (m, r)
