@@ -85,6 +85,14 @@ for block in (4, 8):
     slots_c, sources_c = torch.full_like(slots_a, 9), torch.full_like(sources_a, 9)
     E.route_slots(ids, slots_c, sources_c, PER, block=block)
     assert torch.equal(slots_c, slots_b) and torch.equal(sources_c, sources_b), block
+# one block of 6 rows and two blocks of slots: the second marks its slots empty
+few = ids[:6].contiguous()
+for impl in (E, T):
+    got = torch.full((6, P), 9, dtype=torch.int32), torch.full((P, R), 9, dtype=torch.int32)
+    impl.route_slots(few, *got, PER, **({"block": 8} if impl is E else {}))
+    if impl is E:
+        slots_d, sources_d = got
+assert torch.equal(slots_d, got[0]) and torch.equal(sources_d, got[1])
 
 # dispatch from rank 1 into three windows, stale bytes in them first
 x, w, rank, n = torch.randn(M, H, dtype=torch.bfloat16), torch.rand(M, K), 1, P * R

@@ -83,10 +83,9 @@ def _route_slots_kernel(IDS, COUNTS, SLOTS, SOURCES, M, R, stride_ids, experts_p
     rows = b * BLOCK + tl.arange(0, BLOCK)
     live = rows < M
     goes = _goes_to(IDS, rows, live, stride_ids, p, experts_per_rank, K, KP)
-    if NBP == 1:  # the rows' one block: every program counts it (a slot block past it too)
-        first = tl.arange(0, BLOCK)
-        used = tl.sum(_goes_to(IDS, first, first < M, stride_ids, p, experts_per_rank, K, KP),
-                      axis=0)
+    if NBP == 1:  # the rows' one block: its own count (a slot block past it, whose slots
+        # are all past the rows, counts none and marks them all empty)
+        used = tl.sum(goes, axis=0)
         before = used * 0
     else:
         nb = tl.arange(0, NBP)
