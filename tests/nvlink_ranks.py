@@ -1,8 +1,7 @@
 """What each GPU rank runs in moe/test_nvlink_gpu.py: one MoE layer behind the nvlink
-dispatcher (its combine by push, then by pull) and behind the NCCL all_to_all dispatcher (the
-reference, its combine summing in rank order), on the same weights and the same routed rows,
-eagerly and as a CUDA-graph replay, on a world of 2 or 4 GPUs (ep = world; the spec's 8
-experts split either way). Records come
+dispatcher and behind the NCCL all_to_all dispatcher (the reference, its combine summing in
+rank order), on the same weights and the same routed rows, eagerly and as a CUDA-graph replay,
+on a world of 2 or 4 GPUs (ep = world; the spec's 8 experts split either way). Records come
 back to the test process, which asserts on them."""
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import Any
 import torch
 
 from moe_cases import H, E, engine_config, full_weights, load, rel_err, tiny_spec
-from moeserve.moe.dispatch import nvlink
 from moeserve.moe.layer import MoELayer
 from moeserve.parallel.groups import init_parallel_state
 from moeserve.plan.capacity import build_plan
@@ -22,7 +20,6 @@ from moeserve.testing.graphs import captured
 from moeserve.testing.tiny_models import exchange_step
 
 CASES = ("skewed", "all_to_one_rank", "zero_rows_here", "minus_one_and_duplicates", "cap")
-COMBINES = ("push", "pull")
 
 
 def layouts(world: int) -> dict[str, dict[str, int]]:
@@ -87,10 +84,7 @@ def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
         assert state is not None
         cap = plans["nvlink"].a2a_cap
         lay = state.layout
-        for combine, c, case in ((cb, c, case) for cb in COMBINES
-                                 for c, case in enumerate(CASES)):
-            # the combine by push or by pull (kernels/moe/exchange.py), whatever the slots
-            nvlink.PULL_MIN_SLOTS = 0 if combine == "pull" else 1 << 30
+        for c, case in enumerate(CASES):
             g = torch.Generator().manual_seed(100 * c + rank)
             tokens = {"zero_rows_here": 0 if rank == 1 else 9,
                       "cap": cap * lay.attn_tp}.get(case, 13 + 4 * rank)
@@ -114,8 +108,7 @@ def _run(rank: int, world: int, dtype_name: str) -> list[dict]:
             graph.replay()
             y_new = moe(layers["nvlink"])
             torch.cuda.synchronize()
-            rec: dict[str, Any] = dict(layout=name, case=case, combine=combine, rank=rank,
-                                       rows=hi - lo,
+            rec: dict[str, Any] = dict(layout=name, case=case, rank=rank, rows=hi - lo,
                                        runtime_max=step.runtime_max_per_rank, cap=cap,
                                        equal=bool(torch.equal(y_nv, y_ref)),
                                        rel_err=rel_err(y_nv.float().cpu(), y_ref.float().cpu()),

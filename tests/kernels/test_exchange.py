@@ -163,28 +163,6 @@ out_a, out_b = torch.empty(M, H), torch.empty(M, H)
 E.sum_back(back, y, slots_a, out_a, rank)
 T.sum_back(back, y, slots_b, out_b, rank)
 assert torch.equal(out_a, out_b)
-
-# the pull combine: each rank stages its results for the other ranks in its own window (the
-# slots rank 1 filled there, and other sources' at random; stale rows elsewhere); rank 1 then
-# sums its rows' results from the peers' windows as sum_back sums what push_back delivers
-ys = [torch.randn(n, H, dtype=torch.bfloat16) for _ in range(P)]
-wins = [torch.full((n, H), 7.0, dtype=torch.bfloat16) for _ in range(P)]
-for q in range(P):
-    ids_q = torch.full((n, K), -1, dtype=torch.int32)
-    ids_q[torch.rand(n) < 0.5, K - 1] = 2
-    for s_ in slots_a[:, q].tolist():
-        if s_ >= 0:
-            ids_q[rank * R + s_, 0] = 1
-    E.stage_back(ys[q], ids_q, wins[q], q, P)
-    staged = (ids_q >= 0).any(dim=1) & (torch.arange(n) // R != q)
-    assert torch.equal(wins[q][staged], ys[q][staged]) and (wins[q][~staged] == 7).all()
-out_pull, out_push = torch.empty(M, H), torch.empty(M, H)
-E.pull_sum(ys[rank], slots_a, torch.tensor([t.data_ptr() for t in wins]), out_pull, rank)
-back = torch.zeros(n, H, dtype=torch.bfloat16)  # what push_back would deliver to rank 1
-for q in range(P):
-    back[q * R: q * R + R] = ys[q][rank * R: rank * R + R]
-T.sum_back(back, ys[rank], slots_b, out_push, rank)
-assert torch.equal(out_pull, out_push)
 print("interpreter ok")
 """
 

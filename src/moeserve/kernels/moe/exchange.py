@@ -29,11 +29,6 @@ Grids run destinations fastest, so a rank's local stores and its stores over the
 interleave instead of following one another.
     sum_back      [M] programs: a row's results from every rank, summed in fp32 in rank order
                   (its own rank's straight from the expert outputs)
-    stage_back, pull_sum  the combine the other way round, for steps of many slots: each
-                  expert rank copies its results for other ranks into its own combine window
-                  (a local copy), and after a barrier each source reads them from there over
-                  the link and sums them as sum_back does, in one pass (no sum after the
-                  stores: the link's reads and the local reads and writes overlap)
 """
 
 from __future__ import annotations
@@ -291,77 +286,6 @@ def push_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, peer_ptrs: torch.Tensor,
     assert n % peers == 0 and ids_NK.is_contiguous() and y_NH.stride(1) == 1
     _push_back_kernel[(n,)](y_NH, ids_NK, peer_ptrs, rank, n // peers, h, y_NH.stride(0),
                             P=peers, K=k, KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)))
-
-
-@triton.jit
-def _stage_back_kernel(Y, IDS, WIN, rank, R, H, stride_y, K: tl.constexpr, KP: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    # program per row n = p R + s of the expert outputs: a filled slot of another rank
-    # (some id here is this rank's) is copied to row n of this rank's own combine window
-    n = tl.program_id(0)
-    ks = tl.arange(0, KP)
-    ids = tl.load(IDS + n * K + ks, mask=ks < K, other=-1)
-    if (tl.max(ids, axis=0) >= 0) & (n // R != rank):
-        src = Y + n.to(tl.int64) * stride_y
-        dst = WIN + n.to(tl.int64) * H
-        for c in range(0, H, BLOCK):
-            offs = c + tl.arange(0, BLOCK)
-            tl.store(dst + offs, tl.load(src + offs, mask=offs < H), mask=offs < H)
-
-
-def stage_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, window_NH: torch.Tensor,
-               rank: int, peers: int) -> None:
-    """The pull combine's first half, on the expert rank: each filled slot's result row of
-    another rank (y_NH [P R, H], the rows of the recv window) into the same row of this
-    rank's own combine window (window_NH [P R, H]), where its source reads it (pull_sum)."""
-    n, h = y_NH.shape
-    k = ids_NK.shape[1]
-    if n == 0:
-        return
-    assert n % peers == 0 and ids_NK.is_contiguous() and y_NH.stride(1) == 1
-    assert window_NH.shape == y_NH.shape and window_NH.is_contiguous()
-    _stage_back_kernel[(n,)](y_NH, ids_NK, window_NH, rank, n // peers, h, y_NH.stride(0),
-                             K=k, KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)))
-
-
-@triton.jit
-def _pull_sum_kernel(Y, SLOTS, PEERS, OUT, rank, R, H, stride_y, stride_out, P: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    m = tl.program_id(0)
-    hb = tl.program_id(1)
-    offs = hb * BLOCK + tl.arange(0, BLOCK)
-    live = offs < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for q in tl.static_range(P):  # rank order: the same bits on every run
-        s = tl.load(SLOTS + m * P + q)
-        if s >= 0:
-            if q == rank:  # this rank's own results: where its experts wrote them
-                row = Y + (q * R + s).to(tl.int64) * stride_y
-                acc += tl.load(row + offs, mask=live, other=0.0).to(tl.float32)
-            else:  # rank q's result for this rank's slot s, in q's combine window
-                window = tl.cast(tl.load(PEERS + q), tl.pointer_type(Y.dtype.element_ty))
-                row = window + (rank * R + s).to(tl.int64) * H
-                acc += tl.load(row + offs, mask=live, other=0.0,
-                               cache_modifier=".cg").to(tl.float32)
-    tl.store(OUT + m.to(tl.int64) * stride_out + offs, acc.to(OUT.dtype.element_ty), mask=live)
-
-
-def pull_sum(y_NH: torch.Tensor, slots_MP: torch.Tensor, peer_ptrs: torch.Tensor,
-             out_MH: torch.Tensor, rank: int) -> None:
-    """The pull combine's second half, on the source rank: out[m] = the sum over ranks q, in
-    order, of q's result for row m's slot there: read from q's combine window (its row
-    rank R + slot, stage_back's) through q's peer pointer, or from y_NH for this rank's own
-    experts. The same sums, in the same order, as sum_back."""
-    m, p = slots_MP.shape
-    if m == 0:
-        return
-    h = out_MH.shape[1]
-    assert slots_MP.is_contiguous() and out_MH.stride(1) == 1 and y_NH.stride(1) == 1
-    assert y_NH.shape[0] % p == 0 and y_NH.shape[1] == h
-    block = min(COPY_BLOCK, _pow2(h))
-    _pull_sum_kernel[(m, triton.cdiv(h, block))](y_NH, slots_MP, peer_ptrs, out_MH, rank,
-                                                  y_NH.shape[0] // p, h, y_NH.stride(0),
-                                                  out_MH.stride(0), P=p, BLOCK=block)
 
 
 @triton.jit

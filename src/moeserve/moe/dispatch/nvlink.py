@@ -16,17 +16,11 @@ experts, with its ids masked to that rank's experts, and -1 ids into the slots n
 a barrier. The expert runner reads the recv window in place. Combine: push_back stores each
 filled slot's result into [this rank, slot] of its source's combine window; a barrier;
 sum_back adds a row's results in fp32 in rank order (the same bits on every run), its own
-rank's read from the expert outputs, which never travel. A step of PULL_MIN_SLOTS slots or
-more combines by pull instead: stage_back copies each rank's results for the others into
-its own combine window, a barrier, and pull_sum reads them from the peers' windows as it
-sums them (the same sums in the same order), so that no pass over the rows follows the
-link's transfer.
+rank's read from the expert outputs, which never travel.
 
 One barrier per phase is enough between layers: a rank stores into a peer's recv window for
 layer L+1 only after the combine barrier of layer L, which the peer passes only after its
 experts of layer L read the window; the same holds for the combine window one phase later.
-Under pull a rank writes its own combine window for layer L+1 only after the dispatch
-barrier of L+1, which every peer reaches only after its pull of layer L has read it.
 
 On a CPU (gloo) the peers' stores are emulated: exchange_torch.rows_for builds what each
 destination would receive and all_to_all_fixed delivers it into the same windows, so the CPU
@@ -46,12 +40,6 @@ from moeserve.kernels.moe import exchange_torch
 from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, ExchangeDispatcher
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
-
-
-# steps of at least this many slots a (source, destination) pair combine by pull (below, by
-# push): the source then sums its rows as it reads the peers' results over the link, where
-# the push's sum is a pass of its own after the stores (kernels/moe/exchange.py)
-PULL_MIN_SLOTS = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,15 +161,10 @@ class NVLinkDispatcher(ExchangeDispatcher):
         if self.combine_window is not None:
             from moeserve.kernels.moe import exchange
 
-            peers, rank = self.combine_window.peer_ptrs, self.axis.rank
-            if r >= PULL_MIN_SLOTS:  # (r is every rank's: they all take the same way)
-                exchange.stage_back(y_NH, handle.ids_NK, back_NH, rank, p)
-                self.combine_window.barrier()
-                exchange.pull_sum(y_NH, handle.slots_MP, peers, out_MH, rank)
-            else:
-                exchange.push_back(y_NH, handle.ids_NK, peers, rank, p)
-                self.combine_window.barrier()
-                exchange.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, rank)
+            exchange.push_back(y_NH, handle.ids_NK, self.combine_window.peer_ptrs,
+                               self.axis.rank, p)
+            self.combine_window.barrier()
+            exchange.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, self.axis.rank)
         else:
             all_to_all_fixed(back_NH.view(p, r, self.hidden),
                              y_NH.contiguous().view(p, r, self.hidden), self.axis)
