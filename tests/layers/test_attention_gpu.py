@@ -83,17 +83,6 @@ def test_one_split_decode_writes_the_output_itself(monkeypatch, dtype):
     replay_decode(one)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("ahead", [0, 1 << 20])
-def test_decode_loads_the_slots_ahead_or_in_step(dtype, ahead):
-    """The decode kernel's two loops over the key blocks (slots loaded a block ahead, for
-    few requests, or in the block's own iteration) at every batch size of the cases."""
-    tiles = dataclasses.replace(ATTENTION_TILES, slots_ahead_max_batch=ahead)
-    errors = run_case("cuda", dtype, 16, 32, 4, 128, None, [70, 4, 203, 129, 9],
-                      [33, 0, 140, 64, 1], tiles=tiles)
-    assert max(errors) < TOL[dtype], errors
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fresh_prompts_go_through_sdpa_and_match_torch(monkeypatch, page_size):
     """The first extend (no request has a cached prefix) goes through SDPA: with the

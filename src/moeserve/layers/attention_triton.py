@@ -198,9 +198,8 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                 out_TND.stride(0), out_TND.stride(1), scale, window, meta.splits,
                 GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
-                BLOCK_N=block_n, IEEE=ieee, DIRECT=direct,
-                AHEAD=bs <= tiles.slots_ahead_max_batch, num_warps=warps, num_stages=stages,
-                **pdl)
+                BLOCK_N=block_n, IEEE=ieee, DIRECT=direct, num_warps=warps,
+                num_stages=stages, **pdl)
             if direct:
                 return out_TND
             K.decode_combine_kernel[(bs, n)](

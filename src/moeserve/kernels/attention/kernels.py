@@ -73,23 +73,11 @@ def _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks, stride_kh, st
     are not read)."""
     if MASKED:
         slot = tl.load(ReqToToken + row * stride_rt + k_pos, mask=n_mask, other=0).to(tl.int64)
-    else:
-        slot = tl.load(ReqToToken + row * stride_rt + k_pos).to(tl.int64)
-    return _attend_slots(q, Kc, Vc, slot, stride_ks, stride_kh, stride_vs, stride_vh, kvh,
-                         n_mask, visible, offs_d, d_mask, m_i, l_i, acc, scale_log2, IEEE,
-                         MASKED)
-
-
-@triton.jit
-def _attend_slots(q, Kc, Vc, slot, stride_ks, stride_kh, stride_vs, stride_vh, kvh, n_mask,
-                  visible, offs_d, d_mask, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr,
-                  MASKED: tl.constexpr = True):
-    """_attend_keys for keys whose cache slots (int64 [BLOCK_N]) are already loaded."""
-    if MASKED:
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
     else:
+        slot = tl.load(ReqToToken + row * stride_rt + k_pos).to(tl.int64)
         k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :])
     qk = _dot(q, tl.trans(k), IEEE) * scale_log2
     m_new, alpha, p, l_i = online_softmax(qk, visible, m_i, l_i, MASKED)
@@ -152,14 +140,11 @@ def decode_partial_kernel(
         scale_log2, window, num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        DIRECT: tl.constexpr, AHEAD: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        DIRECT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """DIRECT (one split, num_splits == 1): the program's normalised output is the
     attention's, written to Out in its dtype (what the combine would make of one split) and
-    no partial is stored. AHEAD: each block's cache slots are loaded one block before it,
-    so that its K/V loads wait on no load of their own iteration (few requests: the
-    programs' chains of dependent loads are the step's time). EARLY: the next kernel may be
-    placed before this one waits at its gate (kernels/launch/pdl.py; nothing is read before
-    it)."""
+    no partial is stored. EARLY: the next kernel may be placed before this one waits at its
+    gate (kernels/launch/pdl.py; nothing is read before it)."""
     pdl_gate(PDL, EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,27 +164,13 @@ def decode_partial_kernel(
     q = q.to(Kc.dtype.element_ty)
 
     m_i, l_i, acc = softmax_start(BLOCK_G, BLOCK_D)
-    if AHEAD:
-        table = ReqToToken + row * stride_rt
-        ahead = start + offs_n
-        slot_next = tl.load(table + ahead, mask=ahead < end, other=0).to(tl.int64)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            n_mask = pos < end
-            slot = slot_next
-            ahead = pos + BLOCK_N
-            slot_next = tl.load(table + ahead, mask=ahead < end, other=0).to(tl.int64)
-            m_i, l_i, acc = _attend_slots(q, Kc, Vc, slot, stride_ks, stride_kh, stride_vs,
-                                          stride_vh, kvh, n_mask, n_mask[None, :], offs_d,
-                                          d_mask, m_i, l_i, acc, scale_log2, IEEE)
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            n_mask = pos < end
-            m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
-                                         stride_kh, stride_vs, stride_vh, kvh, pos, n_mask,
-                                         n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
-                                         scale_log2, IEEE)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        m_i, l_i, acc = _attend_keys(q, Kc, Vc, ReqToToken, row, stride_rt, stride_ks,
+                                     stride_kh, stride_vs, stride_vh, kvh, pos, n_mask,
+                                     n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
+                                     scale_log2, IEEE)
 
     store_decode(PartO, PartLse, Out, b, split, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
                  end > start, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt,

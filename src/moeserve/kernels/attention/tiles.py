@@ -42,9 +42,6 @@ class AttentionTiles:
     # nearly fills the GPU alone, and splits would add the combine for little parallelism
     gqa_whole_from: float = 0.9
     mla_whole_from: float = 0.7
-    # decode batches of at most this many requests load each key block's cache slots one
-    # block ahead (the decode kernel's AHEAD): few programs, each a chain of dependent loads
-    slots_ahead_max_batch: int = 8
     # decode batches of at most this many requests let the next kernel be placed before
     # the attention's kernels wait (layers/pdl.pdl_gate's EARLY), so the output projection
     # loads its first weight tiles while the attention runs; from batch 2 the attention
