@@ -83,8 +83,13 @@ assert torch.equal(slots_a, slots_b) and torch.equal(sources_a, sources_b)
 # slots past the rows' blocks marked too
 for block in (4, 8):
     slots_c, sources_c = torch.full_like(slots_a, 9), torch.full_like(sources_a, 9)
-    E.route_slots(ids, slots_c, sources_c, PER, block=block)
+    counts = torch.full((P * 4,), -7, dtype=torch.int32)  # the plan's record: room to spare
+    E.route_slots(ids, slots_c, sources_c, PER, counts, block=block)
     assert torch.equal(slots_c, slots_b) and torch.equal(sources_c, sources_b), block
+    nb = -(-M // block)  # each block's rows for each rank, [P, nb] at the front
+    goes = torch.stack([((ids >= 0) & (ids // PER == q)).any(1) for q in range(P)])
+    want = torch.stack([goes[:, b * block:(b + 1) * block].sum(1) for b in range(nb)], 1)
+    assert torch.equal(counts[:P * nb].view(P, nb), want.to(torch.int32)), block
 # one block of 6 rows and two blocks of slots: the second marks its slots empty
 few = ids[:6].contiguous()
 for impl in (E, T):

@@ -81,6 +81,7 @@ def test_every_record_is_allocated_once_with_its_bytes(layout, device):
     a2a = LAYOUTS[layout].get("a2a", False)
     assert ({"a2a.send", "a2a.recv"} <= names) == (a2a is True)
     assert ({"a2a.recv", "a2a.combine", "a2a.slots", "a2a.sources"} <= names) == (a2a == "nvlink")
+    assert ("a2a.route_counts" in names) == (a2a == "nvlink")  # route_slots' block counts
     gpu = device == "cuda"  # the triton runner's workspace, partials and graph inputs
     comm = COMMS[layout] if gpu else set()  # a CPU runs every collective on gloo
     assert {n for n in names if n.startswith("comm.")} == comm

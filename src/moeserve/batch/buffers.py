@@ -88,14 +88,15 @@ class A2AWorkspace:
 @dataclass(frozen=True, kw_only=True)
 class PeerExchangeBuffers:
     """The nvlink transport's records (moe/dispatch/nvlink.py): a2a.recv [ep, cap, payload]
-    and a2a.combine [ep, cap, H x dtype bytes] uint8, symmetric on a GPU; a2a.slots [cap, ep]
-    and a2a.sources [ep, cap] int32, local; with fp8 rows a2a.quant and a2a.quant_scale, as
-    A2AWorkspace's."""
+    and a2a.combine [ep, cap, H x dtype bytes] uint8, symmetric on a GPU; a2a.slots [cap, ep],
+    a2a.sources [ep, cap] and a2a.route_counts [ep, ceil(cap / ROUTE_BLOCK)] int32, local;
+    with fp8 rows a2a.quant and a2a.quant_scale, as A2AWorkspace's."""
 
     recv: torch.Tensor
     combine: torch.Tensor
     slots: torch.Tensor
     sources: torch.Tensor
+    route_counts: torch.Tensor
     quant: Optional[torch.Tensor] = None
     quant_scale: Optional[torch.Tensor] = None
 

@@ -17,9 +17,9 @@ from moeserve.kernels.attention import tiles as AT
 from moeserve.kernels.comm.layout import window_bytes
 from moeserve.config.quant import FP8_DTYPE
 from moeserve.config.spec import ModelSpec
-from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, align_scratch_len, max_blocks,
-                                          padded_rows, rows_writing_pairs,
-                                          gemv_rows)
+from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, ROUTE_BLOCK, align_scratch_len,
+                                          gemv_rows, max_blocks, padded_rows, route_blocks,
+                                          rows_writing_pairs)
 from moeserve.parallel.layout import ParallelLayout
 from moeserve.plan.budget import TokenBudget, layer_scatters, moe_tokens_per_rank
 from moeserve.plan.memory import DTYPE_BYTES, kv_elems_per_token_per_layer, kv_heads_per_rank
@@ -110,7 +110,10 @@ def a2a_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, cap: int,
             BufferRecord("a2a.slots", (cap, ep), "int32",
                          "cap x ep [each row's slot on each peer]", knobs),
             BufferRecord("a2a.sources", (ep, cap), "int32",
-                         "ep x cap [the row each slot carries]", knobs)]
+                         "ep x cap [the row each slot carries]", knobs),
+            BufferRecord("a2a.route_counts", (ep, route_blocks(cap)), "int32",
+                         f"ep x ceil(cap/{ROUTE_BLOCK}) [each block's rows for each peer]",
+                         knobs)]
     row = a2a_row_bytes(spec.hidden_size, spec.top_k, b, scale_group)
     if row != payload:  # fp8 tokens out, results back in the model's dtype: the larger row
         formula = f"ep x cap x max(H + ceil(H/{scale_group})*4 + K*8, H*{b})"

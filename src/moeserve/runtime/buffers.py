@@ -128,8 +128,8 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
     a2a: A2AWorkspace | PeerExchangeBuffers | None = None
     quant = a.group("a2a.", ("quant", "quant_scale")) or {}  # fp8 rows
     if a.has("a2a.combine"):  # the nvlink transport
-        a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources")),
-                                  **quant)
+        a2a = PeerExchangeBuffers(**a.group("a2a.", ("recv", "combine", "slots", "sources",
+                                                     "route_counts")), **quant)
     elif a.has("a2a.send"):
         a2a = A2AWorkspace(**a.group("a2a.", ("send", "recv")), **quant)
     experts = a.group("moe.runner.", BASE_FIELDS)

@@ -260,6 +260,13 @@ def max_blocks(num_pairs: int, block_m: int, num_local: int) -> int:
 
 # pairs a program of align's large path counts and scatters; a round of its one program
 ALIGN_CHUNK = 1024
+ROUTE_BLOCK = 1024  # rows (and slots) of a route_slots program (kernels/moe/exchange.py)
+
+
+def route_blocks(rows: int) -> int:
+    """The blocks of ROUTE_BLOCK rows that route_slots counts for `rows` rows (its counts'
+    width, the plan's a2a.route_counts)."""
+    return -(-rows // ROUTE_BLOCK)
 
 
 def align_scratch_len(num_pairs: int, num_local: int) -> int:

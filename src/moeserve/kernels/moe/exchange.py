@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.moe.configs import ROUTE_BLOCK
 from moeserve.kernels.moe.exchange_torch import window_offsets
 
-ROUTE_BLOCK = 1024  # rows (and slots) of a route_slots program
 SMALL_M = 128  # up to this many rows, dispatch_small routes and stores in one launch
 COPY_BLOCK = 1024  # hidden elements per iteration of a row copy
 
@@ -100,22 +100,27 @@ def _route_slots_kernel(IDS, COUNTS, SLOTS, SOURCES, M, R, stride_ids, experts_p
 
 
 def route_slots(ids_MK: torch.Tensor, slots_MP: torch.Tensor, sources_PR: torch.Tensor,
-                experts_per_rank: int, block: int = ROUTE_BLOCK) -> None:
+                experts_per_rank: int, counts: Optional[torch.Tensor] = None,
+                block: int = ROUTE_BLOCK) -> None:
     """slots_MP[m, p]: row m's slot on rank p, -1 where none of its experts is on p;
     sources_PR[p, s]: the row in slot s of rank p, -1 for an empty slot. A program per
     `block` rows (or slots) and destination; past one block of rows, a launch before counts
-    each block's rows per destination (into a per-call [P, blocks] tensor), so that no
-    program reads more than its block (one program scanning every block took 27 us at 8192
-    rows on H100, bound by what one SM reads)."""
+    each block's rows per destination into `counts` (the plan's a2a.route_counts, at least
+    P x blocks int32; a new tensor without it), so that no program reads more than its block
+    (one program scanning every block took 27 us at 8192 rows on H100, bound by what one SM
+    reads)."""
     m, k = ids_MK.shape
     p, r = sources_PR.shape
     assert slots_MP.shape == (m, p) and slots_MP.is_contiguous() and sources_PR.is_contiguous()
     assert ids_MK.stride(1) == 1 and ids_MK.dtype == torch.int32
     nb = triton.cdiv(m, block)
-    counts = slots_MP  # (a stand-in: one block of rows reads no counts)
     args = (ids_MK.stride(0), experts_per_rank, nb)
-    if nb > 1:
-        counts = torch.empty(p, nb, dtype=torch.int32, device=ids_MK.device)
+    if nb <= 1:
+        counts = slots_MP  # (a stand-in: one block of rows reads no counts)
+    else:
+        if counts is None:
+            counts = torch.empty(p, nb, dtype=torch.int32, device=ids_MK.device)
+        assert counts.dtype == torch.int32 and counts.is_contiguous() and counts.numel() >= p * nb
         _route_count_kernel[(nb, p)](ids_MK, counts, m, *args, K=k, KP=_pow2(k), BLOCK=block,
                                      num_warps=8)
     _route_slots_kernel[(triton.cdiv(max(m, r, 1), block), p)](

@@ -37,6 +37,7 @@ import torch
 from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
 from moeserve.batch.step import StepContext
 from moeserve.kernels.moe import exchange_torch
+from moeserve.kernels.moe.configs import route_blocks
 from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, ExchangeDispatcher
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
@@ -129,7 +130,8 @@ class NVLinkDispatcher(ExchangeDispatcher):
                 exchange.dispatch_small(x_MH, ids_MK, weights_MK, slots_MP, peers, rank, r,
                                         per, x_scale_MG)
             else:
-                exchange.route_slots(ids_MK, slots_MP, sources_PR, per)
+                counts = region(self.buffers.route_counts, (p, route_blocks(m)), torch.int32)
+                exchange.route_slots(ids_MK, slots_MP, sources_PR, per, counts)
                 exchange.push_rows(x_MH, ids_MK, weights_MK, sources_PR, peers, rank, per,
                                    x_scale_MG)
             self.recv_window.barrier()
