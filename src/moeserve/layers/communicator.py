@@ -86,9 +86,8 @@ class LayerCommunicator:
         stay replicated and the axis's one-shot window takes them, the all-reduce, the add
         and the norm in one launch; else the reduction, then norm.add_forward."""
         x_MH = self.local_rows(x_TH, step)
-        if (not self.scattered and self.symm is not None and a_TH.dim() == 2
-                and a_TH.numel() and a_TH.dtype == x_MH.dtype and x_MH.stride(-1) == 1
-                and self.symm.takes(a_TH.numel() * a_TH.element_size(), a_TH.dtype)):
+        if (not self.scattered and self.symm is not None and a_TH.dtype == x_MH.dtype
+                and x_MH.stride(-1) == 1 and self.symm.takes_rows(a_TH)):
             return self.symm.all_reduce_add_rms_norm(a_TH.contiguous(), x_MH, norm.weight,
                                                      norm.eps)
         return norm.add_forward(x_MH, self.reduce_attn_output(a_TH, step))
@@ -161,8 +160,7 @@ def reduce_world_rows(y_NH: torch.Tensor, step: StepContext, state: ParallelStat
     if state.world.size == 1:
         return y_NH
     if not rows_distinct(state, scattered):
-        if (pending_ok and symm is not None and y_NH.dim() == 2 and y_NH.numel()
-                and symm.takes(y_NH.numel() * y_NH.element_size(), y_NH.dtype)):
+        if pending_ok and symm is not None and symm.takes_rows(y_NH):
             return Unreduced(y_NH.contiguous(), symm)
         return C.all_reduce(y_NH, state.world, symm)
     return C.reduce_scatter_uneven(y_NH, step.rows_per_rank(scattered), state.world, symm)

@@ -3,6 +3,7 @@ call by call, between these and NCCL).
 
     symm = SymmetricCollectives.open(window, axis)  # at startup, before any capture; collective
     symm.takes(nbytes, dtype)                       # whether a collective of nbytes runs here
+    symm.takes_rows(y)                              # whether the all-reduce of rows y does
     symm.all_reduce(x)                              # in place
     symm.all_reduce_add_rms_norm(y, x, w, eps)      # (RMSNorm(x + sum y), x + sum y)
     symm.all_gather(x_R, sizes, out_N)              # every rank's rows, in rank order
@@ -105,6 +106,12 @@ class SymmetricCollectives:
         """Whether a collective of `nbytes` (a reduction of `dtype`) runs here."""
         return one_shot_fits(nbytes, self.max_bytes, dtype)
 
+    def takes_rows(self, y: torch.Tensor) -> bool:
+        """Whether the all-reduce of rows y [R, D] (R > 0), and so all_reduce_add_rms_norm's,
+        runs here."""
+        return y.dim() == 2 and y.numel() > 0 and self.takes(y.numel() * y.element_size(),
+                                                             y.dtype)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x (contiguous, the same shape on every rank) summed over the axis, in place."""
         from moeserve.kernels.comm import one_shot
@@ -121,7 +128,7 @@ class SymmetricCollectives:
         layers/norm.RMSNorm.add_forward's kernel, in one launch (the same bits)."""
         from moeserve.kernels.comm import one_shot
 
-        assert y.dim() == 2 and self.takes(y.numel() * y.element_size(), y.dtype)
+        assert self.takes_rows(y)
         return one_shot.all_reduce_add_norm(y, x, weight, eps, self.window.peer_ptrs,
                                             self.window.signal_ptrs, self.axis.rank,
                                             self.window_nbytes)
