@@ -58,69 +58,6 @@ def run_case(device: str, dtype: torch.dtype, page_size: int, n: int, kh: int, d
     return compare_phases(lens, split, req_rows, rows, pool, seqs, attend)
 
 
-def run_rope_case(device: str, dtype: torch.dtype, n: int, kh: int, d: int, lens, norm: bool,
-                  seed: int = 0, tiles=ATTENTION_TILES) -> tuple[float, float, bool]:
-    """A decode step whose attention kernel takes the rope (PagedAttention.forward's `rope`)
-    against the rope kernel's launch (with its K/V store) and then the same attention, from
-    the same cache: (the output's error, the stored k's error, the stored v equal). q, k and
-    v are views of one projection row, as the decoder gives them; `norm`: Qwen3's per-head
-    q/k norms first."""
-    from moeserve.batch.forward_batch import ForwardMode, prepare_batch
-    from moeserve.batch.kv_cache import KVWrite
-    from moeserve.kernels.elementwise.fused import rotary
-    from moeserve.layers.attention import DecodeRope
-    from moeserve.layers.rotary import RotaryEmbedding
-
-    gen = torch.Generator().manual_seed(seed)
-    pool = KVCachePool(2, sum(lens) + 8, kh, d, dtype, device)
-    rows = ReqToTokenPool(len(lens) + 1, max(lens) + 4, device)
-    req_rows = [rows.alloc() for _ in lens]
-    pre = prepare_batch(ForwardMode.EXTEND, [list(range(s - 1)) for s in lens], [0] * len(lens),
-                        req_rows, rows, pool)
-    pool.kv_LSKD.copy_(torch.randn(pool.kv_LSKD.shape, generator=gen))
-    fb = prepare_batch(ForwardMode.DECODE, [[0]] * len(lens), [s - 1 for s in lens], req_rows,
-                       rows, pool)
-    assert pre.out_cache_loc.numel() == sum(lens) - len(lens)
-    b, width = len(lens), (n + 2 * kh) * d
-    qkv = torch.randn(b, width, generator=gen).to(device, dtype)
-    q, k, v = (qkv[:, :n * d].view(b, n, d), qkv[:, n * d:(n + kh) * d].view(b, kh, d),
-               qkv[:, (n + kh) * d:].view(b, kh, d))
-    rope = RotaryEmbedding(d, 10000.0, None, 4096)
-    inv_freq = rope.inv_freq(q.device)
-    w = ((1 + 0.5 * torch.randn(2, d, generator=gen)).to(device, dtype) if norm
-         else (None, None))
-    eps = 1e-6 if norm else 0.0
-    layer = PagedAttention(1, n, kh, d, d ** -0.5, TritonAttentionBackend(tiles))
-    kv = KVWrite(pool, 1, fb.out_cache_loc, v)
-    before = pool.kv_LSKD.clone()
-    extra = (w[0], w[1], eps) if norm else ()
-    qo, ko = rotary(fb.positions, q, k, inv_freq, rope.attention_factor, *extra,
-                    kv_cache=kv.kernel_args())
-    want = layer(qo, ko, v, fb, kv_stored=True)
-    loc = fb.out_cache_loc
-    k_want, v_want = pool.k_cache(1)[loc].clone(), pool.v_cache(1)[loc].clone()
-    pool.kv_LSKD.copy_(before)
-    got = layer(q, k, v, fb, rope=DecodeRope(fb.positions, inv_freq, rope.attention_factor,
-                                             w[0], w[1], eps, k, kv))
-    k_got, v_got = pool.k_cache(1)[loc], pool.v_cache(1)[loc]
-    return rel_err(got, want), rel_err(k_got, k_want), torch.equal(v_got, v_want)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,kh,d,norm", [(32, 4, 128, True), (8, 2, 64, False),
-                                         (4, 4, 12, True)])
-def test_decode_kernel_takes_the_rope(dtype, n, kh, d, norm):
-    """The decode attention with the rope inside its kernel equals the rope kernel's launch
-    and then the attention: batch 1 (many splits), 5 requests, and one split (the kernel
-    writes the output itself)."""
-    tol = 1e-6 if dtype is torch.float32 else TOL[dtype]
-    one = dataclasses.replace(ATTENTION_TILES, max_splits=1)
-    for lens, tiles in (([300], ATTENTION_TILES), ([70, 4, 203, 129, 9], ATTENTION_TILES),
-                        ([70, 4, 203, 129, 9], one)):
-        out, k, v = run_rope_case("cuda", dtype, n, kh, d, lens, norm, tiles=tiles)
-        assert out < tol and k < tol and v, (lens, out, k, v)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("n,kh,d,window", [(8, 2, 64, None), (32, 4, 128, None),

@@ -146,35 +146,3 @@ def test_cuda_graph_and_overlap_decode_give_the_eager_tokens(monkeypatch):
     assert results[True, True] == results[False, True] == results[True, False]
     assert buckets and set(buckets) <= {1, 2, 4, 8, 12, 16}
     assert len(set(buckets)) >= 2  # the batch shrank through several buckets
-
-
-@pytest.mark.gpu
-def test_decode_attention_taking_the_rope_gives_the_tokens_of_the_rope_kernel(monkeypatch):
-    """Qwen3-MoE (per-head q/k norms) in fp32: with the rope inside the decode attention
-    kernel (layers/attention.FUSE_DECODE_ROPE) the greedy tokens, graphs and eager, are those
-    of the rope kernel's own launch; with it, decode steps launch no rope kernel."""
-    import moeserve.kernels.elementwise.fused as fused
-    import moeserve.layers.attention as A
-    from moeserve.runtime.engine import Engine
-
-    rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in (2, 9, 33, 70)]
-    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True}
-              for m in (20, 9, 17, 30)]
-    flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
-                 max_running_requests=8, max_total_tokens=4096, context_length=256,
-                 attention_backend="triton", moe_runner_backend="reference")
-    tokens, ropes = {}, {}
-    for fuse, graphs in ((False, True), (True, True), (False, False), (True, False)):
-        monkeypatch.setattr(A, "FUSE_DECODE_ROPE", fuse)
-        seen = spy(monkeypatch, fused, "rotary", lambda pos, *a: pos.shape[0])
-        with Engine("preset:tiny", disable_cuda_graph=not graphs, **flags) as engine:
-            out = engine.generate(input_ids=prompts, sampling_params=params)
-        assert all(o["error"] is None for o in out), out
-        tokens[fuse, graphs], ropes[fuse, graphs] = [o["token_ids"] for o in out], seen
-        monkeypatch.undo()
-    assert tokens[False, True] == tokens[True, True] == tokens[False, False] == tokens[True, False]
-    # eager, every step's rope launches are seen: with the fusion, only the prefills' remain
-    # (a launch of one token is a decode step's)
-    assert 1 in ropes[False, False] and 1 not in ropes[True, False], ropes
-    assert 0 < len(ropes[True, False]) < len(ropes[False, False]) // 4, ropes

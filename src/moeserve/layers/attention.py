@@ -6,8 +6,6 @@ S a request's cached tokens (prefix + new).
 PagedAttention writes the new tokens' K/V into the pool at `out_cache_loc`, then asks an
 attention backend for the output. On a GPU the rope kernel can do that write in its own
 launch (`kv_write`: the decoder hands it to the rope, then tells forward the K/V are stored).
-In a decode step the triton backend's kernel can take the rope itself (`decode_rope`: q, k
-and v as the projection gives them, and the rope's arguments); then no rope kernel runs.
 Backends share one small contract (AttentionBackend) and are chosen by name from a registry;
 "torch" is the reference that runs anywhere: per request it gathers the request's K/V through
 req_to_token and computes causal softmax attention in fp32. It serves extend (new tokens after
@@ -19,7 +17,6 @@ creates either by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import ClassVar, Optional, Sequence
 
@@ -33,23 +30,6 @@ from moeserve.config.registry import Registry
 
 # False: the rope never stores K/V, PagedAttention.forward always does (a switch for tests)
 FUSE_ROPE_KV_STORE = True
-# False: the decode attention never takes the rope (a switch for tests and benchmarks)
-FUSE_DECODE_ROPE = True
-
-
-@dataclass(frozen=True)
-class DecodeRope:
-    """What a decode step's attention kernel needs to do the rope itself: the tokens'
-    positions, the rope's frequencies and factor, the per-head norms' weights (None: no
-    norm) and eps, the k before its rope and the K/V store (k and v into their slots)."""
-    positions_T: torch.Tensor
-    inv_freq: torch.Tensor
-    factor: float
-    q_norm_w: Optional[torch.Tensor]
-    k_norm_w: Optional[torch.Tensor]
-    eps: float
-    k_TKD: torch.Tensor
-    kv_write: KVWrite
 
 
 def query_starts(extend_lens: Sequence[int]) -> list[int]:
@@ -63,8 +43,6 @@ class AttentionBackend(ABC):
     # any lengths (runtime/cuda_graph.py refuses backends that are not). Such a backend's
     # forward also takes `out=` (runtime/prefill_graph.py hands it the static output buffer)
     graph_capturable: ClassVar[bool] = False
-    # True when forward takes `rope` (a DecodeRope) in decode steps
-    takes_decode_rope: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention",
@@ -146,24 +124,9 @@ class PagedAttention(nn.Module):
         make = getattr(fb.kv_pool, "fused_write", None)  # KVCachePool's; not MLA's
         return None if make is None else make(self.layer_id, fb.out_cache_loc, v_TKD)
 
-    def decode_rope(self, kv_write: Optional[KVWrite], q_TND: torch.Tensor,
-                    k_TKD: torch.Tensor, fb: ForwardBatch) -> bool:
-        """Whether forward can take this step's rope (forward's `rope`): a decode step of
-        tokens, a backend whose kernel takes it, the K/V store it would do (kv_write), q and
-        k of one dtype with unit stride in D, and no prefill graph's capture."""
-        return (FUSE_DECODE_ROPE and self.backend.takes_decode_rope and kv_write is not None
-                and fb.mode is ForwardMode.DECODE and fb.attention_hook is None
-                and q_TND.shape[0] > 0 and q_TND.dtype == k_TKD.dtype
-                and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1 and self.head_dim % 2 == 0)
-
     def forward(self, q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                fb: ForwardBatch, kv_stored: bool = False,
-                rope: Optional[DecodeRope] = None) -> torch.Tensor:
-        """kv_stored: the new K/V are in the pool already (the rope took kv_write). rope: q and
-        k are before their rope, which the backend's decode kernel applies, storing k and v
-        (decode_rope said it can)."""
-        if rope is not None:
-            return self.backend.forward(q_TND, self, fb, rope=rope)
+                fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: the new K/V are in the pool already (the rope took kv_write)."""
         if q_TND.shape[0] and not kv_stored:
             fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
         if fb.attention_hook is not None:  # a prefill graph's capture cuts the forward here

@@ -38,7 +38,7 @@ from moeserve.batch.buffers import AttentionPartials
 from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from moeserve.layers.attention import DecodeRope, PagedAttention
+    from moeserve.layers.attention import PagedAttention
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -134,7 +134,6 @@ class _StepMeta:
 @ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend(PlannedPartials, AttentionBackend):
     graph_capturable: ClassVar[bool] = True
-    takes_decode_rope: ClassVar[bool] = True
 
     def __init__(self, tiles: AttentionTiles = ATTENTION_TILES) -> None:
         super().__init__(tiles)
@@ -160,16 +159,13 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
         return self._meta
 
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
-                out: Optional[torch.Tensor] = None,
-                rope: Optional["DecodeRope"] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out` [T, N, D]: where to write (a prefill graph's static buffer); rows of no
-        request are left as they are. `rope` (decode steps): q is before its rope, which the
-        decode kernel applies, storing the new k and v too (PagedAttention.decode_rope)."""
+        request are left as they are."""
         from moeserve.kernels.attention import kernels as K
         from moeserve.kernels.launch.pdl import pdl_args
 
-        out_TND = (torch.empty(q_TND.shape, dtype=q_TND.dtype, device=q_TND.device)
-                   if out is None else out)
+        out_TND = torch.empty_like(q_TND) if out is None else out
         t, n, d = q_TND.shape
         if fb.mode is ForwardMode.IDLE or t == 0:
             return out_TND
@@ -201,10 +197,8 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                 k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), table.stride(0),
                 po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                 out_TND.stride(0), out_TND.stride(1), scale, window, meta.splits,
-                *_rope_args(rope, q_TND, fb), GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d,
-                BLOCK_D=block_d, BLOCK_N=block_n, IEEE=ieee, DIRECT=direct,
-                ROPE=rope is not None,
-                HAS_NORM=rope is not None and rope.q_norm_w is not None, num_warps=warps,
+                GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=d, BLOCK_D=block_d,
+                BLOCK_N=block_n, IEEE=ieee, DIRECT=direct, num_warps=warps,
                 num_stages=stages, **pdl)
             if direct:
                 return out_TND
@@ -225,19 +219,6 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                       meta.max_extend, group, scale, window,
                       tiles.extend_tiles(meta.max_extend), tiles.extend_split)
         return out_TND
-
-
-def _rope_args(rope: Optional["DecodeRope"], q_TND: torch.Tensor, fb: ForwardBatch) -> tuple:
-    """decode_partial_kernel's rope arguments (Pos ... eps): rope's, or stand-ins that
-    ROPE=False compiles away."""
-    if rope is None:
-        return (fb.seq_lens, q_TND, q_TND, q_TND, q_TND, q_TND, fb.seq_lens, 0, 0, 0, 0, 1.0,
-                0.0)
-    k, v, w = rope.k_TKD, rope.kv_write.v_TKD, rope.inv_freq
-    assert fb.mode is ForwardMode.DECODE and rope.kv_write.loc_T.shape[0] == q_TND.shape[0]
-    return (rope.positions_T, w, w if rope.q_norm_w is None else rope.q_norm_w,
-            w if rope.k_norm_w is None else rope.k_norm_w, k, v, rope.kv_write.loc_T,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.factor, rope.eps)
 
 
 def sdpa_fresh(q_TND: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -106,7 +106,6 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_factor = rope_frequencies(head_dim, base, scaling,
                                                                max_position)
         self._inv_freq_cpu = inv_freq
-        self.half_dim = inv_freq.shape[0]  # the frequencies: rope turns pairs (i, i + half)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -127,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         kv_write: the layer's K/V store; when given, the rotated k and v are in the KV cache
         on return, written by the rope kernel in its launch or else by the pool's set_kv."""
         ops = K.elementwise(q_TND.device)
-        if (ops is not None and q_TND.shape[-1] == 2 * self.half_dim
+        if (ops is not None and q_TND.shape[-1] == 2 * self._inv_freq_cpu.shape[0]
                 and q_TND.stride(-1) == 1 and k_TKD.stride(-1) == 1
                 and q_TND.dtype == k_TKD.dtype):
             extra = () if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from moeserve.layers.attention import AttentionBackend, DecodeRope, PagedAttention
+from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
@@ -113,19 +113,10 @@ class DecoderAttention(nn.Module):
         if self.opts.clip_qkv is not None:
             c = self.opts.clip_qkv
             q_TND, k_TKD, v_TKD = q_TND.clamp(-c, c), k_TKD.clamp(-c, c), v_TKD.clamp(-c, c)
-        # on a GPU the rope kernel also writes k and v into the KV cache (one launch less),
-        # and in a decode step the attention kernel does the rope and that write itself
+        # on a GPU the rope kernel also writes k and v into the KV cache (one launch less)
         kv_write = self.attn.kv_write(v_TKD, fb)
-        if (self.attn.decode_rope(kv_write, q_TND, k_TKD, fb)
-                and d == 2 * self.rotary.half_dim):
-            w = (None, None) if norms is None else (norms[0].weight, norms[1].weight)
-            rope = DecodeRope(positions_T, self.rotary.inv_freq(q_TND.device),
-                              self.rotary.attention_factor, *w,
-                              0.0 if norms is None else norms[0].eps, k_TKD, kv_write)
-            o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, rope=rope)
-        else:
-            q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
-            o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None)
+        q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
+        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None)
         return self.o_proj(o_TND.reshape(t, n * d))
 
     # --- weights (names relative to "self_attn.") ----------------------------------------

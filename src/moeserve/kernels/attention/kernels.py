@@ -133,55 +133,18 @@ def store_decode(PartO, PartLse, Out, b, split, heads, h_mask, offs_d, d_mask, m
 
 
 @triton.jit
-def roped_heads(X, heads, h_mask, stride_h, offs_d, d_mask, pos, InvFreq, W, factor, eps,
-                HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows `heads` of one token's [heads, HEAD_DIM] q or k at X: a per-head RMSNorm first
-    (HAS_NORM, weight W), then the neox rope at position `pos`, in X's dtype, with the
-    roundings of kernels/elementwise/fused.rotary (each element beside its partner in the
-    other half: lo = x1 c - x2 s, hi = x2 c + x1 s)."""
-    half = HEAD_DIM // 2
-    lo = offs_d < half
-    partner = tl.where(lo, offs_d + half, offs_d - half)
-    mask = h_mask[:, None] & d_mask[None, :]
-    rows = X + heads[:, None] * stride_h
-    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = X.dtype.element_ty
-    if HAS_NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(W + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = (w * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (wp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    angle = pos.to(tl.float32) * tl.load(InvFreq + tl.where(lo, offs_d, offs_d - half),
-                                         mask=d_mask, other=0.0)
-    c = (tl.cos(angle) * factor).to(dt).to(tl.float32)[None, :]
-    s = (tl.sin(angle) * factor).to(dt).to(tl.float32)[None, :]
-    return tl.where(lo[None, :], x * c - xp * s, x * c + xp * s).to(dt)
-
-
-@triton.jit
 def decode_partial_kernel(
         Q, Kc, Vc, ReqToToken, ReqRows, SeqLens, PartO, PartLse, Out,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_xt, stride_xh,
         scale_log2, window, num_splits,
-        Pos, InvFreq, QW, KW, Knew, Vnew, Loc, stride_knt, stride_knh, stride_vnt, stride_vnh,
-        factor, eps,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        DIRECT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-        ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False):
+        DIRECT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """DIRECT (one split, num_splits == 1): the program's normalised output is the
     attention's, written to Out in its dtype (what the combine would make of one split) and
     no partial is stored. EARLY: the next kernel may be placed before this one waits at its
-    gate (kernels/launch/pdl.py; nothing is read before it).
-
-    ROPE: Q is the projection's q before its rope (and per-head norm, HAS_NORM: weights QW,
-    KW), Knew and Vnew the token's k before it and v, Pos its position, Loc its slot: each
-    program ropes its q heads itself, and the program of the split that holds the new key
-    (the last one with keys) stores the roped k and v into their slot, then reads them back
-    with the other keys (the rope kernel's launch and its stores, in this one)."""
+    gate (kernels/launch/pdl.py; nothing is read before it)."""
     pdl_gate(PDL, EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -196,28 +159,8 @@ def decode_partial_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    if ROPE:
-        at = tl.load(Pos + b)  # the token's rope position
-        q = roped_heads(Q + b.to(tl.int64) * stride_qt, heads, g_mask, stride_qh, offs_d,
-                        d_mask, at, InvFreq, QW, factor, eps, HEAD_DIM, HAS_NORM)
-        if (end > start) & (end == seq_len):  # this split's keys end with the new one
-            one = offs_g == 0  # the KV head as the first of BLOCK_G rows
-            kv = kvh + 0 * offs_g
-            k_new = roped_heads(Knew + b.to(tl.int64) * stride_knt, kv, one, stride_knh,
-                                offs_d, d_mask, at, InvFreq, KW, factor, eps, HEAD_DIM,
-                                HAS_NORM)
-            mask = one[:, None] & d_mask[None, :]
-            v_new = tl.load(Vnew + b.to(tl.int64) * stride_vnt + kv[:, None] * stride_vnh
-                            + offs_d[None, :], mask=mask)
-            slot = tl.load(Loc + b).to(tl.int64)
-            tl.store(Kc + slot * stride_ks + kv[:, None] * stride_kh + offs_d[None, :],
-                     k_new.to(Kc.dtype.element_ty), mask=mask)
-            tl.store(Vc + slot * stride_vs + kv[:, None] * stride_vh + offs_d[None, :],
-                     v_new.to(Vc.dtype.element_ty), mask=mask)
-            tl.debug_barrier()  # the stores come before any thread's loads of the keys
-    else:
-        q = tl.load(Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(Kc.dtype.element_ty)
 
     m_i, l_i, acc = softmax_start(BLOCK_G, BLOCK_D)
