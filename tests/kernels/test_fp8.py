@@ -125,6 +125,23 @@ for split in (2, 4, 2):
     got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
                           tiles=(16, 32, 2, split))
     assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
+# with the plan's workspace bound (fp8.gemm.*) the launches take views of it, and one whose
+# parts it cannot hold splits K into fewer: room for 2 parts of 20 x 96 runs the 4-part
+# launch in 2; the counters are left at zero; unbound once the workspace is dropped
+from moeserve.kernels.fp8.tiles import SplitWorkspace
+room = SplitWorkspace(torch.full((2 * 20 * 96,), float("nan"), device=dev),
+                      torch.zeros(64, dtype=torch.int32, device=dev))
+gemm.bind_workspace(room)
+assert gemm._split_buffers(xq.device, 4, 20, 96)[0] == 2
+for split in (2, 4):
+    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
+                          tiles=(16, 32, 2, split))
+    assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
+assert not room.partials.isnan().any() and not room.counters.any()
+del room
+import gc
+gc.collect()
+assert gemm._split_buffers(xq.device, 4, 20, 96)[0] == 4  # the launch's own partials
 # scales written outer-dim-major (as cuBLAS reads them): the same values
 xx = torch.randn(5, 256, device=dev)
 q, sc = gemm.quantize_groups(xx, 64)
@@ -167,9 +184,25 @@ def test_triton_fp8_kernels_on_the_gpu():
     exec(KERNEL_SCRIPT.replace("{device}", "cuda"), {})
 
 
+def test_split_partials_stay_within_the_planned_bound():
+    """Every decode-tile launch that splits K stores at most split_partials_bound(SMs)
+    partials (the plan's fp8.gemm.partials on PLANNED_SMS SMs), on devices of 8 to 160 SMs,
+    for rows up to the decode tiles' and projections of 128 to 32768 columns."""
+    from moeserve.kernels.fp8.tiles import DECODE_GEMM_ROWS, gemm_tiles, split_partials_bound
+
+    for sms in (8, 78, 132, 160):
+        bound, most = split_partials_bound(sms), 0
+        for m in range(1, DECODE_GEMM_ROWS + 1):
+            for n in (128, 1024, 2048, 2816, 5120, 7168, 24576, 32768):
+                for k in (512, 768, 2048, 4096, 16384):
+                    _, _, _, split = gemm_tiles(m, n, k, sms)
+                    most = max(most, split * m * n if split > 1 else 0)
+        assert 0 < most <= bound < 2 * most, (sms, most, bound)
+
+
 def test_decode_tiles_split_k_until_the_weight_fills_the_device():
     pytest.importorskip("triton")
-    from moeserve.kernels.fp8.gemm import gemm_tiles
+    from moeserve.kernels.fp8.tiles import gemm_tiles
 
     # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages, parts of K); 132 programs:
     # an H100's SMs

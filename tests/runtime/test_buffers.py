@@ -177,3 +177,41 @@ def test_layers_refuse_handles_they_cannot_use_and_need_the_ones_they_gather_int
     dp_layer = MoELayer(spec, fake_state(dp, 0), _plan("dp2_attention", "cpu"))
     with pytest.raises(ValueError, match="dp_gather.rows"):
         dp_layer.bind_buffers(ModelBuffers())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # the plan's device; bound on the CPU
+def test_fp8_projections_on_a_gpu_take_the_planned_split_workspace(device):
+    """With fp8 projections a GPU plan records the split-K GEMM's workspace (fp8.gemm.*: the
+    most partials a decode launch stores on PLANNED_SMS SMs, and the tiles' counters, which
+    the binder zeroes); a CPU plan, a bf16 plan and one whose attention and dense projections
+    are all in modules_to_not_convert record none."""
+    import dataclasses
+
+    from moeserve.config.quant import QuantSpec
+    from moeserve.kernels.attention.tiles import PLANNED_SMS
+    from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, split_partials_bound
+
+    cfg = engine_config().replace(device=device, gpu_memory_gb=1.0, max_total_tokens=2048)
+    spec = tiny_spec("qwen3")
+    for quant, not_converted, records in ((None, (), False), ("fp8", (), device == "cuda"),
+                                          (None, (r"model\.layers\.\d+\.self_attn",
+                                                  r"model\.layers\.\d+\.mlp\.down_proj",
+                                                  r"model\.layers\.\d+\.mlp\.shared_expert"),
+                                           False)):
+        ckpt = (None if not not_converted
+                else QuantSpec(128, 128, from_checkpoint=True, not_converted=not_converted))
+        plan = build_plan(cfg.replace(quantization=quant),
+                          dataclasses.replace(spec, quant=ckpt))
+        assert plan.ok and (plan.quant is None) == (quant is None and ckpt is None), plan.errors
+        recs = {r.name: r for r in plan.buffers if r.name.startswith("fp8.gemm.")}
+        assert bool(recs) == records, (quant, not_converted, recs)
+        bufs = bind_buffers(plan, "cpu")
+        assert set(bufs.allocated) == {r.name for r in plan.buffers}
+        assert bufs.nbytes == plan.memory.static_buffer_bytes_per_rank + \
+            plan.buffer("kv_cache").bytes
+        ws = bufs.model.fp8_gemm
+        assert (ws is not None) == records
+        if records:
+            assert recs["fp8.gemm.partials"].shape == (split_partials_bound(PLANNED_SMS),)
+            assert ws.partials.dtype == torch.float32 and ws.counters.dtype == torch.int32
+            assert ws.counters.shape == (MAX_SPLIT_TILES,) and not ws.counters.any()

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from moeserve.kernels.fp8.tiles import SplitWorkspace
 from moeserve.kernels.moe.align_torch import Workspace
 from moeserve.parallel.groups import Axis
 from moeserve.parallel.symm_comm import SymmetricCollectives
@@ -117,3 +118,4 @@ class ModelBuffers:
     a2a: Optional[A2AWorkspace | PeerExchangeBuffers] = None
     experts: Optional[Workspace] = None  # moe.runner.* (the triton expert runner)
     attention: Optional[AttentionPartials] = None
+    fp8_gemm: Optional[SplitWorkspace] = None  # fp8.gemm.* (fp8 projections on a GPU)

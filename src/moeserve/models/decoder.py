@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from moeserve.kernels import ops as K
 from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -287,6 +288,10 @@ class MoECausalLM(nn.Module):
         """Hand the plan's static buffers (runtime/buffers.py allocates them) to the layers
         that use them; before any forward that a CUDA graph captures."""
         self.attention_backend.bind_partials(buffers.attention)
+        if buffers.fp8_gemm is not None:  # the fp8 projections' split-K GEMM launches
+            ops = K.fp8(buffers.fp8_gemm.partials.device)
+            if ops is not None:  # (a GPU plan bound on a CPU runs no such launch)
+                ops.bind_workspace(buffers.fp8_gemm)
         for layer in self.layers:
             layer.comm.bind(buffers.gather, buffers.comm)
             layer.mlp.bind_buffers(buffers)

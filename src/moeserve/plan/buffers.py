@@ -321,6 +321,20 @@ def attention_records(spec: ModelSpec, layout: ParallelLayout,
                          f"S x heads/attn_tp; {rule}", knobs)]
 
 
+def fp8_gemm_records() -> list[BufferRecord]:
+    """The fp8 projections' split-K workspace (kernels/fp8/gemm.SplitWorkspace): the most
+    partials a decode-sized launch stores on PLANNED_SMS SMs, and the tiles' counters; shared
+    by every projection of a step."""
+    from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, split_partials_bound
+
+    rule = (f"2 x the programs a decode tile wants x its BLOCK_M x BLOCK_N, the most on "
+            f"{AT.PLANNED_SMS} SMs (K is split only while tiles x parts fall short of them)")
+    return [BufferRecord("fp8.gemm.partials", (split_partials_bound(AT.PLANNED_SMS),),
+                         "float32", rule, ("--quantization",)),
+            BufferRecord("fp8.gemm.counters", (MAX_SPLIT_TILES,), "int32",
+                         "the tiles a split launch may have", ("--quantization",))]
+
+
 PREFILL_GRAPH_KNOBS = ("--piecewise-cuda-graph-max-tokens", "--chunked-prefill-size",
                        "--max-prefill-tokens")
 

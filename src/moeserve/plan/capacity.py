@@ -13,8 +13,8 @@ from moeserve.kernels.launch.choice import KernelSet, select_kernels
 from moeserve.parallel.layout import ParallelLayout, Problem, layout_problems
 from moeserve.plan import buffers as B
 from moeserve.plan.budget import MODES, TokenBudget, moe_tokens_per_rank, token_budget
-from moeserve.plan.memory import (GB, fp8_expert_layers, kv_bytes_per_token, resolve_dtype,
-                                  weight_bytes_per_rank)
+from moeserve.plan.memory import (GB, fp8_expert_layers, fp8_projection_layers,
+                                  kv_bytes_per_token, resolve_dtype, weight_bytes_per_rank)
 
 DEFAULT_GPU_MEMORY_GB = 80.0
 
@@ -251,6 +251,8 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
         records += B.runner_records(spec, layout, dtype, runner_rows, rows_formula,
                                     down_sum_tables(cfg),
                                     quant.block if quant and fp8_layers else None)
+    if backends.device == "cuda" and fp8_projection_layers(spec, quant):
+        records += B.fp8_gemm_records()  # the fp8 projections' split-K GEMM (GPU kernels)
     records += B.gather_records(spec, layout, budget, dtype)
     records += B.comm_records(spec, layout, backends.symm_comm_max_bytes)
     if backends.attention == "triton":  # the backends that take planned partials

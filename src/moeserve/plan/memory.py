@@ -115,6 +115,23 @@ def _fp8_matrices(spec: ModelSpec, layout: ParallelLayout, quant: QuantSpec
     return mats
 
 
+def fp8_projection_layers(spec: ModelSpec, quant: Optional[QuantSpec]) -> int:
+    """Layers with a projection that runs through the fp8 linear (attention, a dense MLP or
+    a shared expert), by modules_to_not_convert as _fp8_matrices applies it."""
+    if quant is None:
+        return 0
+    shared = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+    count = 0
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        mlp = (p + "mlp.down_proj" if i in spec.dense_layers
+               else f"{p}mlp.{shared}.down_proj" if spec.shared_expert_intermediate_size
+               else None)
+        count += quant.converts(p + "self_attn.o_proj") or (mlp is not None
+                                                          and quant.converts(mlp))
+    return count
+
+
 def fp8_expert_layers(spec: ModelSpec, quant: Optional[QuantSpec]) -> tuple[int, int]:
     """(MoE layers whose routed experts are fp8, MoE layers), by modules_to_not_convert as
     _fp8_matrices applies it."""

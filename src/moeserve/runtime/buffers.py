@@ -31,6 +31,7 @@ from moeserve.batch.buffers import (A2AWorkspace, AttentionPartials, CommWindows
                                     RouterBuffers)
 from moeserve.batch.kv_cache import (KVCachePool, MLAKVCachePool, PagedKVPool,
                                      ReqToTokenPool)
+from moeserve.kernels.fp8.tiles import SplitWorkspace
 from moeserve.kernels.moe.align_torch import BASE_FIELDS, Workspace
 from moeserve.plan.capacity import CapacityPlan
 from moeserve.plan.memory import kv_heads_per_rank
@@ -137,6 +138,9 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         for fields in (("act_scale",), ("input", "input_scale"), ("act_f32",)):
             experts.update(a.group("moe.runner.", fields) or {})
     partials = a.group("attn.decode.", ("part_o", "part_lse"))
+    fp8 = a.group("fp8.gemm.", ("partials", "counters"))
+    if fp8 is not None:
+        fp8["counters"].zero_()  # the split launches count from zero and leave them so
     comm = CommWindows(**{axis: a.take(f"comm.symm.{axis}") for axis in ("attn_tp", "world")
                           if a.has(f"comm.symm.{axis}")})
     return ModelBuffers(
@@ -148,7 +152,8 @@ def _model_buffers(a: _Allocator) -> ModelBuffers:
         comm=comm,
         a2a=a2a,
         experts=None if experts is None else Workspace(**experts),
-        attention=None if partials is None else AttentionPartials(**partials))
+        attention=None if partials is None else AttentionPartials(**partials),
+        fp8_gemm=None if fp8 is None else SplitWorkspace(**fp8))
 
 
 def _kv_pool(a: _Allocator) -> PagedKVPool:

@@ -8,7 +8,9 @@ The GEMM walks K one scale group at a time (BLOCK_K = bk): an fp8 x fp8 dot of t
 scaled by the rows' activation scales and the columns' weight-block scales, accumulated in
 float32. Decode-sized steps take tiles of 16 to 64 rows, and split K into parts (each
 stores a float32 partial, the tile's last part to finish sums them in part order) until the
-weight streams through every SM; prefills take 128-row tiles (gemm_tiles).
+weight streams through every SM; prefills take 128-row tiles (kernels/fp8/tiles.gemm_tiles).
+The partials and the tiles' counters are views of the plan's fp8.gemm.* workspace, which the
+model binds for its device (bind_workspace); kernels called outside an engine make their own.
 
 Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, in one launch
 with the quantizer inside it: each program streams BLOCK_N rows of the weight along K,
@@ -31,12 +33,14 @@ into the next binade wrongly, then store the same bits as torch's `.to(float8_e4
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, SplitWorkspace, gemm_tiles
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
@@ -285,62 +289,43 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-DECODE_GEMM_ROWS = 256  # up to this many rows the GEMM takes decode tiles (at most 64 rows)
-MAX_SPLIT = 8  # the most parts a decode tile's K is split into
-MIN_PART_STEPS = 2  # scale groups each part takes at the least
+# device index -> the plan's workspace, held by the model runner's buffers (weakly here: a
+# workspace whose engine is gone is no longer taken)
+_BOUND: "weakref.WeakValueDictionary[int, SplitWorkspace]" = weakref.WeakValueDictionary()
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> counters of launches without one
 
 
-def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
-               block_k: int = 128) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages, SPLIT) for m rows of an n-column output along k (scale
-    groups of block_k), on a device of `programs` SMs.
-
-    Up to DECODE_GEMM_ROWS rows (decode steps) the row tile is the power of two (16 to 64)
-    that holds m, the column tile 32 wide (64 past 64 rows), and K is split into the fewest
-    parts (a power of two up to MAX_SPLIT, each MIN_PART_STEPS groups or more) that give
-    3/2 a program an SM for tiles of up to 32 rows, 7/8 for 64-row ones (whose partials
-    cost twice the bytes). A weight this small streams at the memory's rate only from every
-    SM at once, and a column tile narrowed instead would have each program read all of the
-    rows' K (from L2) for a sliver of the weight. Measured on H100 with 24 cold weights in a
-    CUDA graph: 2048 x 4096 at 8 rows 10.1 -> 6.4 us (4 parts), at 64 rows 10.3 -> 8.9 (2),
-    at 200 rows 20.2 -> 15.1; 6144 x 4096 at 8 rows 13.8 -> 12.3; 5120 x 2048 at 64 rows
-    level (8.8, unsplit). Past DECODE_GEMM_ROWS rows
-    128 x 128 tiles (down to 16 columns to fill the device), unsplit. More stages in flight
-    along a long K."""
-    if m > DECODE_GEMM_ROWS:
-        for block_n in (128, 64, 32, 16):
-            if triton.cdiv(m, 128) * triton.cdiv(n, block_n) >= programs:
-                break
-        return 128, block_n, 3, 1
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 32 if m <= 64 else 64
-    want = programs * 3 // 2 if block_m <= 32 else programs * 7 // 8
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, block_k)
-    split = 1
-    while (tiles * split < want and split < MAX_SPLIT
-           and steps >= 2 * split * MIN_PART_STEPS):
-        split *= 2
-    return block_m, block_n, 5 if k >= 4096 else 4, split
+def _key(device: torch.device) -> int:
+    return device.index if device.type == "cuda" else -1
 
 
-_COUNTERS = {}  # device index -> the split tiles' int32 counters
-MAX_SPLIT_TILES = 4096  # tiles a split launch may have (its counters)
+def bind_workspace(ws: SplitWorkspace) -> None:
+    """The plan's fp8.gemm.* buffers, which every split launch on their device takes from now
+    on, for as long as their owner holds them (a launch whose partials they cannot hold
+    splits K into fewer parts)."""
+    assert ws.partials.dtype == torch.float32 and ws.counters.dtype == torch.int32
+    _BOUND[_key(ws.partials.device)] = ws
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's tile counters for split-K launches: zeros, and each launch's tiles count
-    their parts up and their last part sets them back to 0. Launches on one device must not
-    run at once (the engine's step runs on one stream). Made on first use, which must precede
-    any graph capture (the warm-up runs every GEMM shape eagerly)."""
-    key = device.index if device.type == "cuda" else -1
-    cnt = _COUNTERS.get(key)
+def _split_buffers(device: torch.device, split: int, m: int, n: int
+                   ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(parts, partials [parts, m, n], counters) of a split launch: views of the bound
+    workspace, with parts halved until its partials fit; without one (kernels called outside
+    an engine: tests, benchmarks), partials of the launch's own and counters made on the
+    device's first split launch, which must precede any graph capture."""
+    ws = _BOUND.get(_key(device))
+    if ws is not None:
+        while split > 1 and split * m * n > ws.partials.numel():
+            split //= 2
+        return split, ws.partials[:split * m * n].view(split, m, n), ws.counters
+    cnt = _COUNTERS.get(_key(device))
     if cnt is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the fp8 GEMM's split-K counters are made on first use, which "
                                "must come before graph capture: run the GEMM eagerly first")
-        cnt = _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return cnt
+        cnt = _COUNTERS[_key(device)] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
+                                                    device=device)
+    return split, torch.empty(split, m, n, dtype=torch.float32, device=device), cnt
 
 
 def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
@@ -361,14 +346,14 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     assert w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1 and xq_MK.stride(-1) == 1
     programs = _sm_count(xq_MK.device.index or 0) if xq_MK.is_cuda else 0
     block_m, block_n, stages, split = tiles or gemm_tiles(m, n, k, programs, bk)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    if grid[0] * grid[1] > MAX_SPLIT_TILES:
-        grid, split = grid[:2] + (1,), 1
+    tiles_mn = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    if tiles_mn[0] * tiles_mn[1] > MAX_SPLIT_TILES:
+        split = 1
     res = residual if residual is not None else out
     part, cnt = out, out
     if split > 1:  # the parts' float32 partials, the tiles' counters
-        part = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
-        cnt = _counters(out.device)
+        split, part, cnt = _split_buffers(out.device, split, m, n)
+    grid = tiles_mn + (split,)
     _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
                              bias if bias is not None else out, res, part, cnt, m, n, k,
                              xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
