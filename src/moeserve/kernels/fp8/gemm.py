@@ -307,13 +307,16 @@ def bind_workspace(ws: SplitWorkspace) -> None:
     _BOUND[_key(ws.partials.device)] = ws
 
 
-def _split_buffers(device: torch.device, split: int, m: int, n: int
-                   ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(parts, partials [parts, m, n], counters) of a split launch: views of the bound
-    workspace, with parts halved until its partials fit; without one (kernels called outside
-    an engine: tests, benchmarks), partials of the launch's own and counters made on the
-    device's first split launch, which must precede any graph capture."""
+def _split_buffers(device: torch.device, split: int, m: int, n: int, tiles: int
+                   ) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(parts, partials [parts, m, n], counters) of a split launch of `tiles` tiles: views of
+    the bound workspace, with parts halved until its partials fit; without one (kernels
+    called outside an engine: tests, benchmarks), partials of the launch's own and counters
+    made on the device's first split launch, which must precede any graph capture. (1, None,
+    None): more tiles than counters, K unsplit."""
     ws = _BOUND.get(_key(device))
+    if tiles > (MAX_SPLIT_TILES if ws is None else ws.counters.numel()):
+        return 1, None, None
     if ws is not None:
         while split > 1 and split * m * n > ws.partials.numel():
             split //= 2
@@ -347,12 +350,12 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     programs = _sm_count(xq_MK.device.index or 0) if xq_MK.is_cuda else 0
     block_m, block_n, stages, split = tiles or gemm_tiles(m, n, k, programs, bk)
     tiles_mn = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
-    if tiles_mn[0] * tiles_mn[1] > MAX_SPLIT_TILES:
-        split = 1
     res = residual if residual is not None else out
     part, cnt = out, out
     if split > 1:  # the parts' float32 partials, the tiles' counters
-        split, part, cnt = _split_buffers(out.device, split, m, n)
+        split, p, c = _split_buffers(out.device, split, m, n, tiles_mn[0] * tiles_mn[1])
+        if split > 1:
+            part, cnt = p, c
     grid = tiles_mn + (split,)
     _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
                              bias if bias is not None else out, res, part, cnt, m, n, k,
