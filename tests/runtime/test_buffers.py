@@ -215,3 +215,23 @@ def test_fp8_projections_on_a_gpu_take_the_planned_split_workspace(device):
             assert recs["fp8.gemm.partials"].shape == (split_partials_bound(PLANNED_SMS),)
             assert ws.partials.dtype == torch.float32 and ws.counters.dtype == torch.int32
             assert ws.counters.shape == (MAX_SPLIT_TILES,) and not ws.counters.any()
+
+
+def test_the_layers_with_fp8_projections_follow_modules_to_not_convert():
+    """plan/memory.fp8_projection_layers (whether a plan records fp8.gemm.*): a layer counts
+    while its attention, its dense MLP or its shared expert is fp8. DeepSeek's dense layers
+    and shared experts keep theirs when the attention is kept; Qwen3-MoE has neither."""
+    from moeserve.config.quant import QuantSpec
+    from moeserve.config.spec import load_model_spec
+    from moeserve.plan.memory import fp8_projection_layers
+
+    layer = r"model\.layers\.\d+\."
+    attn = (layer + "self_attn",)
+    everything = attn + (layer + r"mlp\.down_proj", layer + r"mlp\.shared_experts?")
+    for name, attention_kept in (("deepseek-v3", 61), ("deepseek-v2-lite", 27),
+                                 ("qwen3-30b-a3b", 0)):
+        spec = load_model_spec(f"preset:{name}")
+        assert fp8_projection_layers(spec, None) == 0
+        assert fp8_projection_layers(spec, QuantSpec(128, 128, True)) == spec.num_layers
+        assert fp8_projection_layers(spec, QuantSpec(128, 128, True, attn)) == attention_kept
+        assert fp8_projection_layers(spec, QuantSpec(128, 128, True, everything)) == 0
