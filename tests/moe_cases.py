@@ -104,7 +104,7 @@ def full_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
         w[f"experts.{x}.up_proj.weight"] = rnd(i, h)
         w[f"experts.{x}.down_proj.weight"] = rnd(h, i)
     if spec.num_shared_experts:
-        prefix = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+        prefix = spec.shared_expert_prefix
         s = spec.shared_expert_intermediate_size
         w[f"{prefix}.gate_proj.weight"] = rnd(s, h)
         w[f"{prefix}.up_proj.weight"] = rnd(s, h)
@@ -174,7 +174,7 @@ def reference_moe(spec: ModelSpec, weights: dict[str, torch.Tensor], x_TH: torch
     out = reference_experts(spec, weights, x_TH, ids, w)
     if spec.num_shared_experts:
         x = x_TH.double()
-        p = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+        p = spec.shared_expert_prefix
         shared = _mlp64(x, weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"],
                         weights[f"{p}.down_proj.weight"], _act(spec))
         if spec.shared_expert_gate:

@@ -85,6 +85,12 @@ class ModelSpec:
         return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @property
+    def shared_expert_prefix(self) -> str:
+        """Checkpoint prefix of the shared experts under `mlp.`: DeepSeek's is plural."""
+        return ("shared_experts" if self.architecture.startswith("Deepseek")
+                else "shared_expert")
+
+    @property
     def rope_scaling_dict(self) -> Optional[dict[str, Any]]:
         return dict(self.rope_scaling) if self.rope_scaling else None
 

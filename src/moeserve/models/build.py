@@ -55,7 +55,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
     runner."""
     from moeserve.layers.mlp import DenseMLP
     from moeserve.moe.dispatch import create_dispatcher
-    from moeserve.moe.layer import MoELayer, shared_expert_prefix
+    from moeserve.moe.layer import MoELayer
     from moeserve.layers.communicator import LayerCommunicator
 
     from moeserve.parallel.devices import resolve_backends
@@ -85,7 +85,7 @@ def build_model(cfg: EngineConfig, spec: ModelSpec, state: ParallelState, plan: 
             return DenseMLP(spec, state, dt, quant=block_quant(cls, quant, mlp, gated))
         if dispatcher is None:
             dispatcher = create_dispatcher(spec, state, plan, dt)
-        shared = f"{mlp}.{shared_expert_prefix(spec)}"
+        shared = f"{mlp}.{spec.shared_expert_prefix}"
         routed = tuple(f"experts.{e}.{p}" for e in range(spec.num_experts) for p in gated)
         return MoELayer(spec, state, plan, dt, layer_id, experts=experts, dispatcher=dispatcher,
                         quant=block_quant(cls, quant, mlp, routed),

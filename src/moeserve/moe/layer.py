@@ -43,11 +43,6 @@ from moeserve.plan.capacity import CapacityPlan
 _EXPERT_NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def shared_expert_prefix(spec: ModelSpec) -> str:
-    """Checkpoint prefix of the shared experts: DeepSeek's is plural."""
-    return "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
-
-
 class MoELayer(nn.Module):
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype = torch.float32, layer_id: int = 0, *,
@@ -65,7 +60,7 @@ class MoELayer(nn.Module):
         self.experts = create_experts(experts, spec, state, dtype, quant)
         self.experts.deterministic = plan.config.enable_deterministic_inference
         self.dispatcher = dispatcher or create_dispatcher(spec, state, plan, dtype)
-        self.shared_prefix = shared_prefix or shared_expert_prefix(spec)
+        self.shared_prefix = shared_prefix or spec.shared_expert_prefix
         self.shared_expert: Optional[DenseMLP] = None
         self.shared_expert_gate: Optional[_Proj] = None
         self.shared_on_dispatched = False

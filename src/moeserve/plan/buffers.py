@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from moeserve.kernels.attention import tiles as AT
 from moeserve.kernels.comm.layout import window_bytes
+from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, split_partials_bound
 from moeserve.config.quant import FP8_DTYPE
 from moeserve.config.spec import ModelSpec
 from moeserve.kernels.moe.configs import (ALIGN_CHUNK, BLOCK_MS, ROUTE_BLOCK, align_scratch_len,
@@ -322,11 +323,9 @@ def attention_records(spec: ModelSpec, layout: ParallelLayout,
 
 
 def fp8_gemm_records() -> list[BufferRecord]:
-    """The fp8 projections' split-K workspace (kernels/fp8/gemm.SplitWorkspace): the most
+    """The fp8 projections' split-K workspace (kernels/fp8/tiles.SplitWorkspace): the most
     partials a decode-sized launch stores on PLANNED_SMS SMs, and the tiles' counters; shared
     by every projection of a step."""
-    from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, split_partials_bound
-
     rule = (f"2 x the programs a decode tile wants x its BLOCK_M x BLOCK_N, the most on "
             f"{AT.PLANNED_SMS} SMs (K is split only while tiles x parts fall short of them)")
     return [BufferRecord("fp8.gemm.partials", (split_partials_bound(AT.PLANNED_SMS),),

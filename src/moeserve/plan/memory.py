@@ -108,7 +108,7 @@ def _fp8_matrices(spec: ModelSpec, layout: ParallelLayout, quant: QuantSpec
             i_local = spec.moe_intermediate_size // layout.moe_tp
             e_local = spec.num_experts // layout.ep
             mats += [(e_local, 2 * i_local, h), (e_local, h, i_local)]
-        shared = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+        shared = spec.shared_expert_prefix
         if spec.shared_expert_intermediate_size and quant.converts(f"{p}mlp.{shared}.down_proj"):
             i_local = spec.shared_expert_intermediate_size // layout.shared_expert_tp
             mats += [(1, 2 * i_local, h), (1, h, i_local)]
@@ -120,7 +120,7 @@ def fp8_projection_layers(spec: ModelSpec, quant: Optional[QuantSpec]) -> int:
     a shared expert), by modules_to_not_convert as _fp8_matrices applies it."""
     if quant is None:
         return 0
-    shared = "shared_experts" if spec.architecture.startswith("Deepseek") else "shared_expert"
+    shared = spec.shared_expert_prefix
     count = 0
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
