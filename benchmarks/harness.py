@@ -160,15 +160,20 @@ def bf16_TFLOPs() -> float:
     return 2 * 8192 ** 3 / time_us(lambda: a @ b, reps=30) / 1e6
 
 
-def fp8_TFLOPs() -> float:
-    """torch._scaled_mm of two 8192^2 float8_e4m3fn matrices (per-tensor scales, bf16 out),
-    the second column-major as cuBLAS's FP8 GEMM takes it."""
-    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+def fp8_gemm_us(shapes: Sequence[tuple[int, int, int]], reps: int = 30) -> float:
+    """µs of torch._scaled_mm over each (M, N, K) in turn: float8_e4m3fn [M, K] x [K, N]
+    (per-tensor scales, bf16 out), the second column-major as cuBLAS's FP8 GEMM takes it."""
     one = torch.ones((), device="cuda")
-    return 2 * 8192 ** 3 / time_us(lambda: torch._scaled_mm(a, b, one, one,
-                                                            out_dtype=torch.bfloat16),
-                                   reps=30) / 1e6
+    pairs = [(torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn),
+              torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t())
+             for m, n, k in shapes]
+    return time_us(lambda: [torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+                            for a, b in pairs], reps=reps)
+
+
+def fp8_TFLOPs() -> float:
+    """The FP8 GEMM rate: fp8_gemm_us of 8192^3."""
+    return 2 * 8192 ** 3 / fp8_gemm_us([(8192, 8192, 8192)]) / 1e6
 
 
 def peer_copy_GBps(src: int = 0, dst: int = 1, nbytes: int = 256 << 20) -> Optional[float]:

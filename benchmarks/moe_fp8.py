@@ -29,7 +29,11 @@ max(FP8 bytes / copy bandwidth, FLOPs / FP8 GEMM rate), both measured in the sam
 rate: torch._scaled_mm 8192^3 with per-tensor scales). Every time is a CUDA-graph replay of R
 calls with fresh rows and routings (R = 4 up to 512 tokens). % copy is the FP8 layer's GB/s on
 the FP8 bytes over the copy ceiling, % FP8 GEMM its TFLOP/s over the FP8 rate; rel err is the
-FP8 layer's output against the bf16 triton layer's (the cost of W8A8)."""
+FP8 layer's output against the bf16 triton layer's (the cost of W8A8). Where the floor is the
+FLOPs', "dense µs" is cuBLAS's FP8 GEMM (torch._scaled_mm, per-tensor scales) on the same rows
+and shapes as one dense GEMM each, gate_up [N K, H] x [H, 2 I] then down [N K, I] x [I, H]:
+what these shapes allow a GEMM without groups or block scales; "% dense" is its time over
+the FP8 layer's."""
 
 
 class Fp8Layer:
@@ -81,6 +85,9 @@ def bench_model(name: str, tokens: list[int], ceil: Ceilings) -> list[dict]:
             row[f"{r}_us"] = harness.graph_us(lambda layer=layer: [layer(x) for x in xs],
                                               calls=reps, reps=20 if n <= 1024 else 8)
         row["err_vs_bf16"] = rel(layers["fp8"](xs[0]), layers["triton"](xs[0]))
+        if flops / ceil.fp8_TFLOPs / 1e6 > nbytes / ceil.copy_GBps / 1e3:  # FLOP-bound
+            pairs = n * k
+            row["dense_us"] = harness.fp8_gemm_us([(pairs, 2 * i, h), (pairs, h, i)], reps=8)
         t = row["fp8_us"]
         row.update(GBps=nbytes / t / 1e3, TFLOPs=flops / t / 1e6)
         row.update(pct_copy=100 * row["GBps"] / ceil.copy_GBps,
@@ -93,7 +100,7 @@ def bench_model(name: str, tokens: list[int], ceil: Ceilings) -> list[dict]:
 
 HEADER = ["model", "tokens", "experts touched", "FP8 MB read", "FP8 floor µs", "FP8 µs",
           "x floor", "GB/s", "% copy", "TFLOP/s", "% FP8 GEMM", "bf16 triton µs",
-          "bf16 grouped_mm µs", "FP8 vs bf16", "rel err vs bf16"]
+          "bf16 grouped_mm µs", "FP8 vs bf16", "rel err vs bf16", "dense µs", "% dense"]
 
 
 def cells(r: dict) -> list[str]:
@@ -101,7 +108,9 @@ def cells(r: dict) -> list[str]:
             f"{r['floor_us']:.1f}", f"{r['fp8_us']:.1f}", f"{r['fp8_us'] / r['floor_us']:.2f}",
             f"{r['GBps']:.0f}", f"{r['pct_copy']:.0f}%", f"{r['TFLOPs']:.1f}",
             f"{r['pct_fp8_gemm']:.0f}%", f"{r['triton_us']:.1f}", f"{r['grouped_mm_us']:.1f}",
-            f"{r['triton_us'] / r['fp8_us']:.2f}x", f"{r['err_vs_bf16']:.1e}"]
+            f"{r['triton_us'] / r['fp8_us']:.2f}x", f"{r['err_vs_bf16']:.1e}",
+            f"{r['dense_us']:.1f}" if "dense_us" in r else "-",
+            f"{100 * r['dense_us'] / r['fp8_us']:.0f}%" if "dense_us" in r else "-"]
 
 
 def run(args: Any, argv: list[str]) -> int:
