@@ -162,18 +162,6 @@ for m in (8, 256, 301):
     got = gemm.fp8_linear(xx, wq, ws, (128, 128), bias.bfloat16(), res[:m].bfloat16()).float()
     ref = (R.fp8_linear(xx.float(), wq, ws, (128, 128), bias) + res[:m])
     assert float((got - ref).norm() / ref.norm()) < 1e-2, m
-# rows a norm stored quantized (Fp8Rows: codes row-major, scales outer-dim-major over rows
-# rounded up to 4) give the product of the rows they quantize, bit for bit: the Triton GEMM
-# at 8 rows, cuBLAS's at 256 and 301 on a GPU
-from moeserve.kernels.fp8.rows import empty_fp8_rows
-for m in (8, 256, 301):
-    xx = torch.randn(m, 1024, device=dev).bfloat16()
-    pre = empty_fp8_rows(m, 1024, 128, torch.bfloat16, xx.device)
-    gemm.quantize_groups(xx, 128, out=(pre.q, pre.scale))
-    assert pre.scale.stride() == (1, pre.q4.shape[0]) and pre.shape == xx.shape
-    for b, r in ((None, None), (bias.bfloat16(), res[:m].bfloat16())):
-        assert torch.equal(gemm.fp8_linear(pre, wq, ws, (128, 128), b, r),
-                           gemm.fp8_linear(xx, wq, ws, (128, 128), b, r)), m
 # the GEMV quantizes the row as the quantizer does: a row whose group is all zeros, and
 # values on the e4m3 grid's edges, give the reference's products (float32 out, K = 3 groups)
 w = torch.randn(40, 384, device=dev)
@@ -185,43 +173,6 @@ ref = R.fp8_linear(xx, wq, ws, (128, 128))
 assert float((got - ref).norm() / ref.norm()) < 1e-6
 print("interpreter ok")
 """
-
-
-def test_norms_store_quantized_rows_past_the_gemv_only():
-    """An input norm with quant_group stores Fp8Rows for 3 rows and more (1 and 2: the GEMV,
-    which quantizes 16-bit rows itself), of a power-of-two width that the groups divide, in
-    the weight's dtype, 2-D."""
-    from moeserve.kernels.fp8.rows import norm_quantizes
-    from moeserve.layers.norm import RMSNorm
-
-    assert not norm_quantizes(2, 2048, 128) and norm_quantizes(3, 2048, 128)
-    assert not norm_quantizes(64, 7168, 128)  # DeepSeek-V3's width: not a power of two
-    assert not norm_quantizes(64, 2048, 0) and not norm_quantizes(64, 96, 64)
-    norm = RMSNorm(256, 1e-6, torch.bfloat16)
-    x = torch.zeros(5, 256, dtype=torch.bfloat16)
-    assert norm.stores_quantized(x) == 0
-    norm.quant_group = 128
-    assert norm.stores_quantized(x) == 128 and norm.stores_quantized(x[:2]) == 0
-    assert norm.stores_quantized(x.view(5, 2, 128)) == 0
-    assert norm.stores_quantized(x.float()) == 0
-
-
-def test_linear_takes_rows_a_norm_quantized():
-    """layers.linear on Fp8Rows (torch path) gives the product of the rows they quantize."""
-    from moeserve.kernels.fp8.rows import empty_fp8_rows
-    from moeserve.layers.linear import linear
-
-    torch.manual_seed(0)
-    wq, ws = R.quantize_blocks(torch.randn(64, 256), (128, 128))
-    x = torch.randn(5, 256) * 3
-    rows = empty_fp8_rows(5, 256, 128, torch.float32, x.device)
-    q, scale = R.quantize_groups(x, 128)
-    rows.q.copy_(q)
-    rows.scale.copy_(scale)
-    assert torch.equal(rows.dequantize(), R.dequantize_groups(q, scale, 128))
-    res = torch.randn(5, 64)
-    assert torch.equal(linear(rows, wq, scale=ws, block=(128, 128), residual=res),
-                       linear(x, wq, scale=ws, block=(128, 128), residual=res))
 
 
 def test_triton_fp8_kernels_under_the_interpreter():

@@ -20,7 +20,7 @@ from test_decode_kernels import (check_act_and_mul, check_add_rms_norm, check_ro
                                 check_topk_add_rms_norm,
                                 check_rope_store_kv, check_shared_gate_add,
                                 check_router_topk, check_skinny_linear, check_topk_softmax,
-                                check_unpack_decode_inputs, check_norms_store_quantized)
+                                check_unpack_decode_inputs)
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-6}
@@ -172,8 +172,6 @@ def test_decode_kernels(dtype):
     check_add_rms_norm("cuda", dtype, d=2048)
     check_topk_add_rms_norm("cuda", dtype)
     check_topk_add_rms_norm("cuda", dtype, d=2048)
-    check_norms_store_quantized("cuda", dtype)
-    check_norms_store_quantized("cuda", dtype, d=2048)
     check_act_and_mul("cuda", dtype)
     check_unpack_decode_inputs("cuda")
     check_rope_head_blocks("cuda", dtype)

@@ -108,9 +108,6 @@ def test_dummy_weights_quantized_at_load_run(tmp_path):
     src, _, _ = _checkpoints(tmp_path, "qwen3-block128")
     model, out = _logits(src, load_format="dummy", quantization="fp8")
     assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    # the input norm feeds the fp8 qkv alone: on a GPU it stores its rows quantized
-    assert model.layers[1].input_layernorm.quant_group == 128
-    assert model.layers[1].post_attention_layernorm.quant_group == 0
     assert torch.isfinite(out).all() and out.std() > 0
 
 
@@ -125,7 +122,6 @@ def test_modules_to_not_convert_are_kept_as_given(tmp_path):
     assert model.layers[1].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     assert model.layers[1].mlp.shared_expert.down.weight.dtype == torch.float32
     assert model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
-    assert model.layers[1].input_layernorm.quant_group == 0  # latent attention: bf16 rows
     top1, kl = logit_agreement(got, torch.cat(hf_logits(load_hf(deq_dir), PROMPTS)))
     assert top1 >= TOP1 and kl <= KL_MEAN
 

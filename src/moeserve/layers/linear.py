@@ -21,7 +21,7 @@ torch formulation. A shard or a stacked part that splits a scale block fails at 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from moeserve.kernels import ops as K
 from moeserve.kernels.skinny.tiles import MOST_ROWS, beats_cublas
 from moeserve.config.quant import QuantSpec
 from moeserve.kernels.fp8 import reference as fp8_ref
-from moeserve.kernels.fp8.rows import Fp8Rows
 from moeserve.layers.weights import (as_float, check_segments, check_shard_blocks, copy_into, empty_param,
                                      expect_shape, quant_param, read, scale_param, shard_range)
 from moeserve.parallel.groups import Axis
@@ -59,23 +58,18 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return None if ops is None else ops.skinny_linear(x, weight, bias, out_dtype, residual=residual)
 
 
-def linear(x: Union[torch.Tensor, Fp8Rows], weight: torch.Tensor,
-           bias: Optional[torch.Tensor] = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
            block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
     kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
-    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels, which
-    also take rows that a norm stored quantized (Fp8Rows, kernels/fp8/rows.py)."""
+    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels."""
     if scale is not None:
         assert block is not None
         ops = K.fp8(x.device)
         if ops is not None:
             return ops.fp8_linear(x, weight, scale, block, bias, residual)
-        if isinstance(x, Fp8Rows):  # (a norm quantized them: kernels/fp8/rows.py)
-            y = fp8_ref.fp8_linear(x.q, weight, scale, block, bias, x.scale, x.dtype)
-        else:
-            y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
+        y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
         return y if residual is None else y + residual
     y = None
     if x.is_cuda and x.dim() and beats_cublas(x.numel() // max(1, x.shape[-1]), *weight.shape):

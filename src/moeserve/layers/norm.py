@@ -2,9 +2,7 @@
 
   RMSNorm         over the last dim: hidden states, and Qwen3-MoE's per-head q/k norm
                   (applied to [T, heads, head_dim], which needs nothing from other ranks);
-                  `add_forward` also adds the residual first (one launch on a GPU). With
-                  `quant_group` (set where its rows feed an fp8 projection: the attention's
-                  input norm) its GPU launch stores the rows quantized, kernels/fp8/rows.py
+                  `add_forward` also adds the residual first (one launch on a GPU)
   ShardedRMSNorm  over a projection split across the ranks of an axis: OLMoE's q/k norm over
                   the whole q (or k) projection. Each rank holds its slice of the weight; the
                   variance needs the sum of squares over the full width, so the ranks all-reduce
@@ -19,7 +17,6 @@ import torch
 from torch import nn
 
 from moeserve.kernels import ops as K
-from moeserve.kernels.fp8.rows import norm_quantizes
 from moeserve.layers.weights import copy_into, empty_param, expect_shape, read
 from moeserve.parallel import collectives as C
 from moeserve.parallel.groups import Axis
@@ -35,29 +32,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = empty_param(dim, dtype=dtype)
-        self.quant_group = 0  # > 0: the rows feed an fp8 projection of these scale groups
 
-    def stores_quantized(self, x: torch.Tensor) -> int:
-        """The scale group a GPU launch quantizes x's normed [R, D] rows by (Fp8Rows), else
-        0: with quant_group, past the rows the fp8 GEMV takes (rows.norm_quantizes)."""
-        return (self.quant_group if x.dim() == 2 and self.weight.dtype == x.dtype
-                and norm_quantizes(x.shape[0], self.dim, self.quant_group) else 0)
-
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = K.elementwise(x.device)
-        out = (ops.rms_norm(x, self.weight, self.eps, self.stores_quantized(x))
+        out = (ops.rms_norm(x, self.weight, self.eps)
                if ops is not None and x.dim() in (2, 3) and x.stride(-1) == 1 else None)
         if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)
             return out
         x32 = x.float()
         return _rms(x32, x32.pow(2).mean(-1, keepdim=True), self.eps, self.weight, x.dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual) for [R, D] rows; the sum is rounded to its dtype
         before the norm reads it, on every path."""
         ops = K.elementwise(x.device)
-        out = (ops.add_rms_norm(x, residual, self.weight, self.eps,
-                                self.stores_quantized(residual))
+        out = (ops.add_rms_norm(x, residual, self.weight, self.eps)
                if ops is not None and x.dim() == 2 and x.shape == residual.shape
                and x.stride(-1) == 1 and residual.stride(-1) == 1 else None)
         if out is not None:  # one launch on a GPU (kernels/elementwise/fused.py)

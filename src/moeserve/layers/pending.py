@@ -13,8 +13,7 @@ to that launch:
 
 Either gives the bits of the sum, then add_rms_norm. `add_norm` takes a tensor or either of
 them; `settle` turns either into the tensor (the last layer's output, whose rows the final
-norm selects). The norm's rows come as Fp8Rows where the norm stores them quantized
-(RMSNorm.quant_group; not on the one-shot all-reduce's launch).
+norm selects).
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ class TopkRows:
         if ops is None or residual.stride(-1) != 1:
             return norm.add_forward(self.settle(), residual)
         return ops.topk_add_rms_norm(self.rows, self.topk_ids, self.first_expert,
-                                     self.num_local, residual, norm.weight, norm.eps,
-                                     norm.stores_quantized(residual))
+                                     self.num_local, residual, norm.weight, norm.eps)
 
 
 Pending = Union[Unreduced, TopkRows]

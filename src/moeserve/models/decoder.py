@@ -190,9 +190,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        if isinstance(self_attn, DecoderAttention) and self_attn.qkv_proj.block is not None:
-            # the norm's rows go to the fp8 qkv projection alone: stored quantized
-            self.input_layernorm.quant_group = self_attn.qkv_proj.block[1]
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.mlp = mlp

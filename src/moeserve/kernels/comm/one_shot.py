@@ -271,7 +271,7 @@ def _all_reduce_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, ran
         for row in range(tl.program_id(0), rows, g):
             a = _slots_sum(mine + row * D, offs, mask, rows * D, P).to(T).to(tl.float32)
             x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            store_sum_and_norm(x + a, S, OUT, W, row, D, offs, mask, eps, OUT, 0, 0, 0, BLOCK_D)
+            store_sum_and_norm(x + a, S, OUT, W, row, D, offs, mask, eps)
         _keep_epoch(PADS, rank, epoch, P)
 
 

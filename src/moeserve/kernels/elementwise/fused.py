@@ -7,9 +7,6 @@ kernels/ops.py): one launch where the torch formulation takes five to fifteen.
                    sum rounded to the model dtype before the norm reads it, as in torch
   topk_add_rms_norm  the same, x the top-k sum of the experts' pair rows (the MoE block's
                    last pass, left to this launch: layers/pending.TopkRows)
-                   With quant_group, the three norms store their [R, D] output quantized for
-                   an fp8 projection (kernels/fp8/rows.Fp8Rows): the codes and scales that
-                   gemm.quantize_groups gives the rows they would have stored, in its place
   rotary           neox-style rope of q [T, N, D] and k [T, K, D] in one launch, cos/sin made
                    from positions and inv_freq in fp32 (no [T, D] cos/sin tensors), with
                    Qwen3's per-head q/k RMSNorm before it when given its weights; a token's
@@ -40,8 +37,6 @@ import triton.language as tl
 
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
-from moeserve.kernels.fp8.rows import Fp8Rows, empty_fp8_rows
 
 
 def _pow2(n: int) -> int:
@@ -49,26 +44,8 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def store_normed(v, Y, YS, LIKE, row, D, offs, mask, stride_ysr, stride_ysg,
-                 GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row `row` of a norm's output v (float32): into [R, D] Y in its dtype; or with GROUP
-    (D == BLOCK_D, a multiple of it), rounded to LIKE's dtype (what the norm stores
-    unquantized) and quantized per GROUP columns as gemm.quantize_groups quantizes that row:
-    the codes into fp8 Y, the scales into YS at (row, group) strides."""
-    if GROUP == 0:
-        tl.store(Y + row * D + offs, v.to(Y.dtype.element_ty), mask=mask)
-    else:
-        G: tl.constexpr = BLOCK_D // GROUP
-        vg = tl.reshape(v.to(LIKE.dtype.element_ty).to(tl.float32), (G, GROUP))
-        scale = group_scale(tl.max(tl.abs(vg), axis=1))
-        cols = tl.arange(0, G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        tl.store(Y + row * D + cols, e4m3_codes(vg, scale[:, None]).to(Y.dtype.element_ty))
-        tl.store(YS + row * stride_ysr + tl.arange(0, G) * stride_ysg, scale)
-
-
-@triton.jit
-def _rms_norm_kernel(X, W, Y, YS, stride_xa, stride_xb, nb, D, eps, stride_ysr, stride_ysg,
-                     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, stride_xa, stride_xb, nb, D, eps, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_gate(PDL)
     row = tl.program_id(0)
     a = (row // nb).to(tl.int64)
@@ -79,104 +56,78 @@ def _rms_norm_kernel(X, W, Y, YS, stride_xa, stride_xb, nb, D, eps, stride_ysr, 
     var = tl.sum(x * x, 0) / D
     y = (x * tl.rsqrt(var + eps)).to(X.dtype.element_ty)  # normalised in the input dtype,
     w = tl.load(W + offs, mask=mask, other=0.0)  # then times the weight (transformers' order)
-    store_normed(w.to(tl.float32) * y.to(tl.float32), Y, YS, X, row.to(tl.int64), D, offs,
-                 mask, stride_ysr, stride_ysg, GROUP, BLOCK_D)
+    out = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * D + offs, out.to(Y.dtype.element_ty), mask=mask)
 
 
-def _norm_out(rows: int, d: int, dtype: torch.dtype, device: torch.device, quant_group: int):
-    """(the output, its kernel arguments Y, YS, stride_ysr, stride_ysg): a tensor, or with
-    quant_group Fp8Rows (kernels/fp8/rows.py)."""
-    if not quant_group:
-        out = torch.empty(rows, d, dtype=dtype, device=device)
-        return out, (out, out, 0, 0)
-    assert d == _pow2(d) and d % quant_group == 0, (d, quant_group)
-    out = empty_fp8_rows(rows, d, quant_group, dtype, device)
-    return out, (out.q4, out.s4, out.s4.stride(1), out.s4.stride(0))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_group: int = 0):
-    """RMSNorm of x [..., D] (2 or 3 dims, last dim contiguous) -> a contiguous tensor; with
-    quant_group (2 dims, weight in x's dtype), Fp8Rows of it."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (2 or 3 dims, last dim contiguous) -> a contiguous tensor."""
     d = x.shape[-1]
     if x.dim() == 2:
         nb, stride_b = 1, 0
     else:
-        assert x.dim() == 3 and not quant_group
+        assert x.dim() == 3
         nb, stride_b = x.shape[1], x.stride(1)
     assert x.stride(-1) == 1 and weight.shape == (d,)
-    dtype = torch.result_type(x, weight)
-    assert not quant_group or dtype == x.dtype
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
     rows = x.shape[0] * nb
-    out, (y, ys, srow, sgroup) = _norm_out(rows, d, dtype, x.device, quant_group)
     if rows:
         block = _pow2(d)
-        _rms_norm_kernel[(rows,)](x, weight, y, ys, x.stride(0), stride_b, nb, d, eps, srow,
-                                  sgroup, GROUP=quant_group, BLOCK_D=block,
-                                  num_warps=max(1, min(8, block // 256)), **pdl_args(x.device))
-    return out if quant_group else out.view(x.shape)
+        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), stride_b, nb, d, eps,
+                                  BLOCK_D=block, num_warps=max(1, min(8, block // 256)),
+                                  **pdl_args(x.device))
+    return out
 
 
 @triton.jit
-def store_sum_and_norm(t, S, Y, W, row, D, offs, mask, eps, YS, stride_ysr, stride_ysg,
-                       GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
+def store_sum_and_norm(t, S, Y, W, row, D, offs, mask, eps):
     """Row `row` of [R, D] S and Y: the float32 sum t rounded to S's dtype (as torch's add
     rounds it) into S, and its RMSNorm times W into Y, normalised in S's dtype, then times
-    the weight (transformers' order), into Y as store_normed stores it (with GROUP, rounded
-    to S's dtype first: the weight's): add_rms_norm's arithmetic, for every kernel that
-    ends in it."""
+    the weight (transformers' order): add_rms_norm's arithmetic, for every kernel that ends
+    in it."""
     s = t.to(S.dtype.element_ty)
     tl.store(S + row * D + offs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(s * s, 0) / D
     y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
-    store_normed(w.to(tl.float32) * y.to(tl.float32), Y, YS, S, row, D, offs, mask,
-                 stride_ysr, stride_ysg, GROUP, BLOCK_D)
+    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, S, YS, stride_x, stride_r, D, eps, stride_ysr, stride_ysg,
-                         GROUP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps, YS, stride_ysr, stride_ysg,
-                       GROUP, BLOCK_D)
+    store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
 
 
-def _sum_norm_outs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, rows: int,
-                   d: int, quant_group: int):
-    total = torch.empty(rows, d, dtype=torch.result_type(x, residual), device=x.device)
-    dtype = torch.result_type(total, weight)
-    assert weight.shape == (d,) and (not quant_group or dtype == total.dtype)
-    return total, _norm_out(rows, d, dtype, x.device, quant_group)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 quant_group: int = 0) -> tuple:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) of [R, D] rows (last dim contiguous) in one
-    launch; both contiguous, the first Fp8Rows with quant_group."""
+    launch; both contiguous."""
     rows, d = x.shape
     assert residual.shape == x.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
-    total, (out, (y, ys, srow, sgroup)) = _sum_norm_outs(x, residual, weight, rows, d,
-                                                         quant_group)
+    assert weight.shape == (d,)
+    total = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.result_type(total, weight), device=x.device)
     if rows:
         block = _pow2(d)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, y, total, ys, x.stride(0),
-                                      residual.stride(0), d, eps, srow, sgroup,
-                                      GROUP=quant_group, BLOCK_D=block,
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
+                                      residual.stride(0), d, eps, BLOCK_D=block,
                                       num_warps=max(1, min(8, block // 256)),
                                       **pdl_args(x.device))
     return out, total
 
 
 @triton.jit(do_not_specialize=["first_expert", "num_local"])
-def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, OS, stride_x, D, first_expert, num_local,
-                              eps, stride_osr, stride_osg, TOP_K: tl.constexpr,
-                              GROUP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, num_local, eps,
+                              TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # row n: its TOP_K pair rows of Y summed in fp32 in k order, those of other ranks'
     # experts as zeros, rounded to Y's dtype (moe/fused_moe.topk_sum); plus X's row (rounded),
     # stored; its RMSNorm times W (add_rms_norm)
@@ -194,30 +145,27 @@ def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, OS, stride_x, D, first_exper
         acc += tl.where(mine, v, 0.0)
     y = acc.to(Y.dtype.element_ty).to(tl.float32)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps, OS, stride_osr, stride_osg,
-                       GROUP, BLOCK_D)
+    store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
 
 
 def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      quant_group: int = 0) -> tuple:
+                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(y, residual) for y the top-k sum of y_PH [N * k, H] (contiguous: pair
     (n, j) at row n k + j; topk_ids [N, k] int32, the pairs of experts outside
     [first_expert, first_expert + num_local) counted as zeros): the sum's bits as
-    moe/fused_moe.topk_sum rounds it, in the norm's launch (the norm Fp8Rows with
-    quant_group)."""
+    moe/fused_moe.topk_sum rounds it, in the norm's launch."""
     n, k = topk_ids.shape
     d = y_PH.shape[1]
     assert y_PH.shape == (n * k, d) and y_PH.is_contiguous() and topk_ids.is_contiguous()
-    assert residual.shape == (n, d) and residual.stride(-1) == 1
-    total, (out, (o, os_, srow, sgroup)) = _sum_norm_outs(y_PH, residual, weight, n, d,
-                                                          quant_group)
+    assert residual.shape == (n, d) and residual.stride(-1) == 1 and weight.shape == (d,)
+    total = torch.empty(n, d, dtype=torch.result_type(y_PH, residual), device=y_PH.device)
+    out = torch.empty(n, d, dtype=torch.result_type(total, weight), device=y_PH.device)
     if n:
         block = _pow2(d)
-        _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, o, total, os_,
+        _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, out, total,
                                         residual.stride(0), d, first_expert, num_local, eps,
-                                        srow, sgroup, TOP_K=k, GROUP=quant_group,
-                                        BLOCK_D=block,
+                                        TOP_K=k, BLOCK_D=block,
                                         num_warps=max(1, min(8, block // 256)),
                                         **pdl_args(y_PH.device))
     return out, total

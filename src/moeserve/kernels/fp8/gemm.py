@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.rows import GEMV_MAX_ROWS, Fp8Rows, empty_fp8_rows
 from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, SplitWorkspace, gemm_tiles
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
@@ -135,6 +134,7 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
     return q, s
 
 
+GEMV_MAX_ROWS = 2  # up to this many rows fp8_linear takes the GEMV
 GEMV_TILE = 8192  # weight bytes a GEMV program loads a step: BLOCK_N rows x its K step
 
 
@@ -233,8 +233,8 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
 
 @triton.jit
 def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, part_ptr, cnt_ptr,
-                       M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_asg,
-                       stride_bsn, stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+                       stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # program (row tile, column tile, K part): the K part's scale groups of the tile; with
@@ -255,7 +255,7 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, p
                     mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
                     mask=col_ok[None, :] & (k[:, None] < K), other=0.0)
-        a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_asg, mask=row_ok, other=0.0)
+        a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + kb, mask=col_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
@@ -360,8 +360,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     _block_gemm_kernel[grid](xq_MK, w_NK, out, x_scale, w_scale,
                              bias if bias is not None else out, res, part, cnt, m, n, k,
                              xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
-                             x_scale.stride(1), w_scale.stride(0), res.stride(0), GROUP_N=bn,
-                             BLOCK_M=block_m,
+                             w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                              num_stages=stages, **pdl_args(xq_MK.device))
@@ -376,11 +375,11 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
 CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 256, 512
 
 
-def cublas_takes(x_TK, w_NK: torch.Tensor, w_scale: torch.Tensor,
+def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                  block: tuple[int, int]) -> bool:
-    """Whether fp8_linear runs these rows (a tensor or Fp8Rows) through cuBLAS's block-scaled
-    GEMM (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on
-    a GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's contiguous
+    """Whether fp8_linear runs these rows through cuBLAS's block-scaled GEMM
+    (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on a
+    GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's contiguous
     scales then serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
     m, k = x_TK.shape
     return (x_TK.is_cuda and _BLOCKWISE is not None and block == (128, 128)
@@ -389,22 +388,21 @@ def cublas_takes(x_TK, w_NK: torch.Tensor, w_scale: torch.Tensor,
             and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
 
 
-def cublas_block_gemm(x, w_NK: torch.Tensor, w_scale: torch.Tensor,
+def cublas_block_gemm(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W8A8 by cuBLAS: 16-bit rows quantized first (their scales written outer-dim-major, as
-    cuBLAS reads them: rows.Fp8Rows' layout), or Fp8Rows as they come; then the block-scaled
-    GEMM with the bias in its epilogue; out in the rows' dtype. cuBLAS takes a multiple of 4
-    rows (H100: 3, 5 and 17 refused): the rows past M are left as they are, and so are their
-    outputs, which the view returned leaves out."""
-    rows = x
-    if not isinstance(x, Fp8Rows):
-        m, k = x.shape
-        rows = empty_fp8_rows(m, k, 128, x.dtype, x.device)
-        quantize_groups(x, 128, out=(rows.q, rows.scale))
+    """W8A8 by cuBLAS: the rows quantized (their scales written outer-dim-major, as cuBLAS
+    reads them), then the block-scaled GEMM with the bias in its epilogue; out in x's dtype.
+    cuBLAS takes a multiple of 4 rows (H100: 3, 5 and 17 refused): the rows past M are left
+    as they are, and so are their outputs, which the view returned leaves out."""
+    m, k = x_TK.shape
+    rows = -(-m // 4) * 4
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
+    xs = torch.empty(k // 128, rows, dtype=torch.float32, device=x_TK.device).t()
+    quantize_groups(x_TK, 128, out=(xq[:m], xs[:m]))
     one_by, block = _BLOCKWISE
-    y = torch.nn.functional.scaled_mm(rows.q4, w_NK.t(), rows.s4.t(), one_by, w_scale.t(),
-                                      block, bias=bias, output_dtype=rows.dtype)
-    return y[:rows.rows]
+    y = torch.nn.functional.scaled_mm(xq, w_NK.t(), xs, one_by, w_scale.t(), block,
+                                      bias=bias, output_dtype=x_TK.dtype)
+    return y[:m]
 
 
 def _blockwise() -> Optional[tuple]:
@@ -417,24 +415,17 @@ def _blockwise() -> Optional[tuple]:
 _BLOCKWISE = _blockwise()
 
 
-def fp8_linear(x, w_NK: torch.Tensor, w_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns (or Fp8Rows,
-    quantized so by the kernel that produced them), then the block-scaled GEMM: cuBLAS's
-    where cublas_takes, else this module's (up to GEMV_MAX_ROWS 16-bit rows: both in the
-    GEMV's one launch); out in x's dtype."""
-    if isinstance(x, Fp8Rows):
-        assert x.group == block[1], (x.group, block)
-        x_TK, lead = x, x.shape[:-1]
-    else:
-        x_TK, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
-        if x_TK.stride(-1) != 1:
-            x_TK = x_TK.contiguous()
+    """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
+    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's (up to GEMV_MAX_ROWS
+    rows: both in the GEMV's one launch); out in x's dtype."""
+    x_TK = x.reshape(-1, x.shape[-1])
+    if x_TK.stride(-1) != 1:
+        x_TK = x_TK.contiguous()
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
-    if isinstance(x_TK, Fp8Rows) and not cublas_takes(x_TK, w_NK, w_scale, block):
-        y = block_gemm(x_TK.q, x_TK.scale, w_NK, w_scale, block, x_TK.dtype, bias, res)
-    elif not isinstance(x_TK, Fp8Rows) and gemv_takes(x_TK.shape[0], block):
+    if gemv_takes(x_TK.shape[0], block):
         y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
     elif cublas_takes(x_TK, w_NK, w_scale, block):
         y = cublas_block_gemm(x_TK, w_NK, w_scale, bias)
@@ -443,4 +434,4 @@ def fp8_linear(x, w_NK: torch.Tensor, w_scale: torch.Tensor,
     else:
         xq, xs = quantize_groups(x_TK, block[1])
         y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
-    return y.view(*lead, w_NK.shape[0])
+    return y.view(*x.shape[:-1], w_NK.shape[0])
