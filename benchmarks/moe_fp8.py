@@ -85,7 +85,7 @@ def bench_model(name: str, tokens: list[int], ceil: Ceilings) -> list[dict]:
             row[f"{r}_us"] = harness.graph_us(lambda layer=layer: [layer(x) for x in xs],
                                               calls=reps, reps=20 if n <= 1024 else 8)
         row["err_vs_bf16"] = rel(layers["fp8"](xs[0]), layers["triton"](xs[0]))
-        if flops / ceil.fp8_TFLOPs / 1e6 > nbytes / ceil.copy_GBps / 1e3:  # FLOP-bound
+        if ceil.fp8_floor_us(flops=flops) > ceil.fp8_floor_us(nbytes=nbytes):  # FLOP-bound
             pairs = n * k
             row["dense_us"] = harness.fp8_gemm_us([(pairs, 2 * i, h), (pairs, h, i)], reps=8)
         t = row["fp8_us"]
