@@ -77,6 +77,10 @@ def run(sched, budget, arrivals, max_steps=5000, overlap=False):
         table = sched.kv.req_pool.table
         for req in batch.reqs:  # the host copy of each request's slots is its table row
             assert list(req.slots) == table[req.row, :req.kv_len].tolist(), req
+        # the step's slots, in batch order, are those of each request's new positions
+        want = [s for req, new, prefix in zip(batch.reqs, batch.new_tokens, batch.prefix_lens)
+                for s in req.slots[prefix:prefix + len(new)]]
+        assert locs == want
         sampled = [] if in_flight is None else [
             t for t, s in zip(in_flight[1], in_flight[0].samples) if s]
         assert batch.has_futures == any(t < 0 for new in batch.new_tokens for t in new)

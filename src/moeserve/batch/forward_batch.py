@@ -23,8 +23,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
+from moeserve.batch.host_copy import to_device
 from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
 
 
@@ -92,9 +94,13 @@ class ForwardBatch:
         dev = kv_pool.device
         ext = [len(t) for t in new_tokens]
         seq = [p + e for p, e in zip(prefix_lens, ext)]
+        # each token's position: its index in the step, less its request's first index, plus
+        # its request's prefix
+        ext_a = np.asarray(ext, dtype=np.int64)
+        first = np.cumsum(ext_a) - ext_a
+        pos = np.arange(ext_a.sum()) + np.repeat(np.asarray(prefix_lens, np.int64) - first, ext_a)
         ids = [i for t in new_tokens for i in t]
-        pos = [p + j for p, e in zip(prefix_lens, ext) for j in range(e)]
-        lists = (ids, pos, list(req_rows), seq, list(prefix_lens), ext, list(extra_logit_rows))
+        lists = (ids, pos, req_rows, seq, prefix_lens, ext, extra_logit_rows)
         # one copy to the device, which does not wait for it (the step in flight may still
         # run there: a blocking copy would wait for it), and each field a view of it, starting
         # on a 16-byte boundary (Triton specialises a kernel on its pointers' alignment: a
@@ -103,10 +109,10 @@ class ForwardBatch:
         for part in lists:
             starts.append(total)
             total += len(part) + len(part) % 2
-        flat = [0] * total
+        flat = np.zeros(total, dtype=np.int64)
         for start, part in zip(starts, lists):
             flat[start:start + len(part)] = part
-        packed = torch.tensor(flat, dtype=torch.int64).to(dev, non_blocking=True)
+        packed = to_device(flat, dev)
         ids_t, pos_t, rows_t, seq_t, prefix_t, ext_t, extra_t = (
             packed[start:start + len(part)] for start, part in zip(starts, lists))
         return cls(mode, ids_t, pos_t, out_cache_loc.to(dev, torch.int64), rows_t, seq_t,

@@ -22,8 +22,10 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
+from moeserve.batch.host_copy import to_device
 from moeserve.kernels import ops as K
 
 DUMMY_SLOT = 0
@@ -221,14 +223,13 @@ class ReqToTokenPool:
         self._free_rows.append(row)
         self._free_set.add(row)
 
-    def write_many(self, rows: Sequence[int], positions: Sequence[int],
-                   slots: Sequence[int]) -> torch.Tensor:
-        """One slot per (row, position), in one indexed write (a decode step); rows, positions
-        and slots go to the device in one copy. Returns the slots there (the table's dtype)."""
-        packed = torch.tensor([rows, positions, slots], dtype=self.table.dtype)
-        packed = packed.to(self.table.device, non_blocking=True)  # no wait for the device
-        self.table.index_put_((packed[0], packed[1]), packed[2])
-        return packed[2]
+    def write_packed(self, packed: np.ndarray) -> torch.Tensor:
+        """One slot per (row, position) of a [3, N] array of (rows, positions, slots), in one
+        indexed write; the array goes to the device in one copy that does not wait for it.
+        Returns the slots there (the table's dtype)."""
+        dev = to_device(packed.astype(np.int32), self.table.device)  # the table's dtype
+        self.table.index_put_((dev[0], dev[1]), dev[2])
+        return dev[2]
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Slots of positions start.. of `row` (from the host without waiting for the

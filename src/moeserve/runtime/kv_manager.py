@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from moeserve.batch.kv_cache import KVCachePool, ReqToTokenPool
@@ -59,32 +60,25 @@ class KVManager:
                 req.slots.extend(match.slots.tolist())  # (the tree's slots are on the host)
         return True
 
-    def reserve(self, req: Req, n: int) -> Optional[torch.Tensor]:
-        """Slots for the next `n` tokens of `req` (positions kv_len.. kv_len+n), recorded in its
-        row; the prefix cache gives up LRU entries if the pool is short. None if they don't fit."""
-        slots = self._take(req, n)
-        if slots is None:
-            return None
-        # (a copy that does not wait for the device, where the step in flight may still run)
-        slots_t = torch.tensor(slots, dtype=torch.int64).to(self.kv_pool.device,
-                                                            non_blocking=True)
-        self.req_pool.write(req.row, req.kv_len - n, slots_t)
-        return slots_t
+    def claim(self, req: Req, n: int) -> bool:
+        """Slots for the next `n` tokens of `req` (positions kv_len.. kv_len+n), on the host
+        only (the prefix cache gives up LRU entries if the pool is short); False if they don't
+        fit. `record` writes a step's claims into the request table in one copy."""
+        return self._take(req, n) is not None
 
-    def reserve_one_each(self, reqs: list[Req]) -> tuple[list[Req], Optional[torch.Tensor]]:
-        """One slot for the next token of each request (a decode step), recorded in the
-        request table in one write. Returns the requests that got one, and their slots on the
-        device (None when none got one)."""
-        got, slots, rows, positions = [], [], [], []
-        for req in reqs:
-            one = self._take(req, 1)
-            if one is None:
-                continue
-            got.append(req)
-            slots.append(one[0])
-            rows.append(req.row)
-            positions.append(req.kv_len - 1)
-        return got, self.req_pool.write_many(rows, positions, slots) if got else None
+    def record(self, reqs: list[Req], takes: list[int]) -> torch.Tensor:
+        """The slots each request claimed for its last `take` positions, into the request
+        table in one write (a copy that does not wait for the device, where the step in
+        flight may still run); returns them on the device in batch order, int64."""
+        n = np.asarray(takes, dtype=np.int64)
+        first = np.cumsum(n) - n  # each request's first index in the step
+        ends = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+        slots = [np.frombuffer(r.slots, dtype=np.int64)[r.kv_len - t:]
+                 for r, t in zip(reqs, takes)]
+        packed = np.stack((np.repeat(rows, n), np.arange(n.sum()) + np.repeat(ends - n - first, n),
+                           np.concatenate(slots) if slots else np.zeros(0, np.int64)))
+        return self.req_pool.write_packed(packed).to(torch.int64)
 
     def _take(self, req: Req, n: int) -> Optional[list[int]]:
         """Allocate n slots after req's last one (evicting from the prefix cache if the pool

@@ -204,7 +204,7 @@ class Scheduler:
             # (and for this step's decodes)
             reserve = (len(self.running) + len(decoding) + len(reqs) + 1
                        + self._page_slack())
-            if self.kv.available_slots < take + reserve or self.kv.reserve(req, take) is None:
+            if self.kv.available_slots < take + reserve or not self.kv.claim(req, take):
                 if reqs or self.running:
                     if req is not chunked:
                         self.kv.release(req)  # holds no computed K/V: drop row and lock
@@ -227,10 +227,10 @@ class Scheduler:
         if not reqs:
             return None
         if decoding and sum(takes) + len(decoding) <= b.extend:  # (a whole prompt may not)
-            got, _ = self.kv.reserve_one_each(list(decoding))
+            got = [r for r in decoding if self.kv.claim(r, 1)]
             reqs += got  # (one the cache could not hold a slot for sits this step out)
             takes += [1] * len(got)
-        return self._batch(ForwardMode.EXTEND, reqs, takes)
+        return self._batch(ForwardMode.EXTEND, reqs, takes, self.kv.record(reqs, takes))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         if self.needs_tokens():
@@ -245,7 +245,7 @@ class Scheduler:
                 break  # one request left: reserve() below decides
             self._retract(req)
         want = self._decoding()
-        reqs, loc = self.kv.reserve_one_each(want)
+        reqs = [r for r in want if self.kv.claim(r, 1)]
         got = set(reqs)
         for req in [r for r in want if r not in got]:
             self.running.remove(req)
@@ -254,23 +254,21 @@ class Scheduler:
                 "--max-total-tokens / --mem-fraction-static or lower max_new_tokens")))
         if not reqs:
             return None
-        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), loc)
+        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs),
+                           self.kv.record(reqs, [1] * len(reqs)))
 
     def _page_slack(self) -> int:
         # with pages, each request may need a fresh page for its next token
         return 0 if self.kv.page_size == 1 else len(self.running) * (self.kv.page_size - 1)
 
     def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int],
-               loc: Optional[torch.Tensor] = None) -> ScheduledBatch:
-        """Requests have reserved their slots already (kv_len moved by `take`); `loc` are
-        those slots in batch order when the caller has them at hand."""
+               loc: torch.Tensor) -> ScheduledBatch:
+        """Requests have reserved their slots already (kv_len moved by `take`) and written
+        them into the request table; `loc` are those slots in batch order."""
         prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
         # an unresolved token (only ever a decode's one new token) is a placeholder
         new = [[-1 - r.future_row] if r.unresolved else r.ids(p, p + t)
                for r, p, t in zip(reqs, prefix, takes)]
-        if loc is None:
-            table = self.kv.req_pool.table
-            loc = torch.cat([table[r.row, p:p + t] for r, p, t in zip(reqs, prefix, takes)])
         samples = [r.kv_len == r.seq_len + r.unresolved for r in reqs]
         return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples,
                               [r.row for r in reqs], any(r.unresolved for r in reqs),
