@@ -46,7 +46,7 @@ def gather(ranks, blocks):
     total = sum(sizes) * row
     outs = [torch.full((total,), 5, dtype=torch.uint8) for _ in range(p)]
     epoch, _ = ranks.epoch(0)
-    half = ranks.nbytes // 2 if epoch % 2 == 0 else 0  # this call's (epoch + 1) half
+    half = ranks.nbytes // 4 if epoch % 2 == 0 else 0  # this call's (epoch + 1) half
     for w in ranks.wins:
         w.fill_(7)
     for r, off in enumerate(block_offsets(sizes)):
@@ -128,7 +128,7 @@ for p, n, dtype in [(2, 3, torch.float16), (3, 400, torch.float32)]:
         for r in range(p):
             O.all_reduce(ys[r].view(-1), ys[r].view(-1), ranks.peers, ranks.pads, r,
                          ranks.nbytes, add=False, sync=False)
-        half = ranks.nbytes // 2  # epochs 1 and 3: odd, the second half (the gather's 2: the first)
+        half = ranks.nbytes // 4  # epochs 1 and 3: odd, the second half (the gather's 2: the first)
         for w in range(p):  # every rank's slot of every window, nothing else
             assert not ranks.touched_outside(w, half, half + p * n * 16 * e), (p, call, w)
         for r in range(p):
@@ -156,7 +156,7 @@ for p, n, d, dtype in [(2, 3, 48, torch.float16), (3, 40, 20, torch.float32)]:
         for r in range(p):
             O.all_reduce_add_norm(ys[r], x, w.to(dtype), 1e-6, ranks.peers, ranks.pads, r,
                                   ranks.nbytes, add=False, sync=False)
-        half = 0 if call % 2 else ranks.nbytes // 2
+        half = 0 if call % 2 else ranks.nbytes // 4
         for win in range(p):
             assert not ranks.touched_outside(win, half, half + p * n * d * e), (p, call, win)
         for r in range(p):
@@ -165,6 +165,50 @@ for p, n, d, dtype in [(2, 3, 48, torch.float16), (3, 40, 20, torch.float32)]:
             assert torch.equal(s, total), (p, call, r)
             assert torch.allclose(out.float(), want.float(), rtol=1e-3, atol=1e-3), (p, call)
         assert all(ranks.epoch(r) == (call + 1, 0) for r in range(p))
+
+# the all-reduce + RMSNorm of 16-bit rows through the Lamport region: each rank's rows in its
+# slot of every region's half (a -0.0 of its own sent as +0.0), nothing else of the window
+# touched, the one-shot kernel's bits, every element read back to the sentinel, the calls
+# alternating halves by the Lamport epoch
+from moeserve.kernels.comm import lamport as LP
+
+for p, n, d in [(2, 3, 48), (3, 40, 20)]:
+    ranks = Ranks(p, n * d * 2)
+    for win in ranks.wins:
+        LP.fill_region(win)
+    region, e = L.region_bytes(ranks.nbytes), 2
+    w = (torch.rand(d) + 0.5).to(torch.float16)
+    for call in range(3):
+        ys = [torch.randn(n, d).to(torch.float16) for _ in range(p)]
+        ys[0][0, :3] = -0.0
+        x = torch.randn(n, d).to(torch.float16)
+        for r in range(p):
+            O.all_reduce_add_norm(ys[r], x, w, 1e-6, ranks.peers, ranks.pads, r, ranks.nbytes,
+                                  add=False, sync=False)
+        want = [O.all_reduce_add_norm(ys[r], x, w, 1e-6, ranks.peers, ranks.pads, r,
+                                      ranks.nbytes, push=False, sync=False) for r in range(p)]
+        before = [win[:region].clone() for win in ranks.wins]
+        for r in range(p):
+            LP.all_reduce_add_norm(ys[r], x, w, 1e-6, ranks.peers, ranks.pads, r, ranks.nbytes,
+                                   add=False)
+        half = 0 if call % 2 else region // 2  # epochs 1 and 3: the second half
+        for win, old in zip(ranks.wins, before):
+            assert torch.equal(win[:region], old)  # the pushing region untouched
+            lam = win[region:]
+            lo, hi = half, half + p * n * d * e
+            assert (lam[:lo].view(torch.int16) == -32768).all(), (p, call)
+            assert (lam[hi:].view(torch.int16) == -32768).all(), (p, call)
+            got = lam[lo:hi].view(torch.float16).view(p, n, d)
+            assert all(torch.equal(got[r], ys[r]) for r in range(p)), (p, call)
+            assert (got[0, 0, :3].view(torch.int16) == 0).all()  # +0.0 for the sentinel
+        for r in range(p):
+            out, s = LP.all_reduce_add_norm(ys[r], x, w, 1e-6, ranks.peers, ranks.pads, r,
+                                            ranks.nbytes, push=False)
+            assert torch.equal(out, want[r][0]) and torch.equal(s, want[r][1]), (p, call, r)
+            assert int(ranks.pad[r][(O.MAX_PROGRAMS + 2) * p + r]) == call + 1
+            assert int(ranks.pad[r][(O.MAX_PROGRAMS + 3) * p + r]) == 0
+        for win in ranks.wins:
+            assert (win[region:].view(torch.int16) == -32768).all(), (p, call)
 print("interpreter ok")
 """
 
@@ -183,10 +227,11 @@ def test_the_grid_counts_bytes_so_every_rank_has_the_same():
     # 16 bytes a vector where every offset and address allows it
     assert O._vec(2, 0, 8, 64, 1024) == 8 and O._vec(2, 4, 8, 64) == 4
     assert O._vec(1, 3, 16) == 1 and O._vec(4, 2, 4) == 2
-    # a window: two halves of P slots of the largest collective; the pads hold the barriers'
-    # slots, then the pushing collectives' flags and epochs
+    # a window: two regions (pushing, Lamport) of two halves of P slots of the largest
+    # collective; the pads hold the barriers' slots, then the pushing collectives' flags and
+    # epochs
     from moeserve.kernels.comm import layout as L
 
-    assert L.window_bytes(4096, 2) == 16384 and L.window_bytes(4096, 4) == 32768
-    assert L.max_collective_bytes(16384, 2) == 4096
+    assert L.window_bytes(4096, 2) == 32768 and L.window_bytes(4096, 4) == 65536
+    assert L.max_collective_bytes(32768, 2) == 4096 and L.region_bytes(32768) == 16384
     assert L.pad_slots(4) == 2 * O.MAX_PROGRAMS * 4

@@ -35,8 +35,9 @@ def test_the_rule_is_the_window_and_a_float_dtype_for_sums():
 
 @pytest.mark.multiproc
 def test_collectives_take_the_window_up_to_its_size_and_nccl_above_on_every_rank():
-    rows = [1, 7, 20, 21, 64, 0]  # rows of 32 bytes; the window takes 20 (2 halves x 2 ranks)
-    for recs in run_ranks(run_choice, 2, 2 * 2 * 640, rows, timeout=120):
+    # rows of 32 bytes; the window takes 20 (2 regions x 2 halves x 2 ranks)
+    rows = [1, 7, 20, 21, 64, 0]
+    for recs in run_ranks(run_choice, 2, 2 * 2 * 2 * 640, rows, timeout=120):
         for rec in recs:
             n = rec["rows"]
             want = [] if n == 0 or n * 32 > 640 else \
@@ -65,17 +66,17 @@ def test_the_plan_has_a_window_per_axis_on_the_gpus_of_one_node():
     assert plan.ok, plan.errors
     comm = {r.name: r for r in plan.buffers if r.name.startswith("comm.")}
     assert set(comm) == {"comm.symm.attn_tp", "comm.symm.world"}
-    for rec in comm.values():  # two halves of a slot per rank (layout.window_bytes)
-        assert rec.symmetric and rec.shape == (2 * 2 * SYMM_COMM_MAX_BYTES,)
+    for rec in comm.values():  # two regions of two halves of a slot per rank (window_bytes)
+        assert rec.symmetric and rec.shape == (2 * 2 * 2 * SYMM_COMM_MAX_BYTES,)
         assert rec.dtype == "uint8" and rec.knobs == ("--symm-comm-max-bytes",)
     assert plan.backends.symm_comm_max_bytes == SYMM_COMM_MAX_BYTES
     small = _plan(symm_comm_max_bytes=4096)
     assert {r.name: r.bytes for r in small.buffers if r.name.startswith("comm.")} == \
-        {"comm.symm.attn_tp": 16384, "comm.symm.world": 16384}
+        {"comm.symm.attn_tp": 32768, "comm.symm.world": 32768}
     # the windows count in the static buffers that the KV cache is left after
     none = _plan(symm_comm_max_bytes=0)
     assert small.memory.static_buffer_bytes_per_rank - \
-        none.memory.static_buffer_bytes_per_rank == 2 * 16384
+        none.memory.static_buffer_bytes_per_rank == 2 * 32768
     assert "one-shot on symmetric memory up to 4 KiB (all ranks' rows) over attn_tp, world" \
         in _report(small)
 

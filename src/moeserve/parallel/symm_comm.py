@@ -9,21 +9,24 @@ call by call, between these and NCCL).
     symm.all_gather(x_R, sizes, out_N)              # every rank's rows, in rank order
     symm.reduce_scatter(y_N, sizes, out_R)          # this rank's rows, summed over the ranks
 
-The window is the plan's comm.symm.<axis> record, 2 P x --symm-comm-max-bytes bytes in
-symmetric memory (parallel/symmetric.py: peer-to-peer mappings, no NVLink multicast; two
-halves of P slots, kernels/comm/one_shot.py says why). A collective runs here when its full
-tensor (an all-reduce's input, an all-gather's output, a reduce-scatter's input: the same
-count on every rank) is at most --symm-comm-max-bytes: below that size one launch that loads
-and stores the peers' memory directly beats NCCL's protocol, above it NCCL's bandwidth wins
-(`python -m benchmarks collectives` measures where). Every rank decides from the same numbers
-(the step's sizes, the rows' width and dtype), so all ranks take the same path.
+The window is the plan's comm.symm.<axis> record, 4 P x --symm-comm-max-bytes bytes in
+symmetric memory (parallel/symmetric.py: peer-to-peer mappings, no NVLink multicast; a
+pushing region and a Lamport region of two halves of P slots each, kernels/comm/layout.py).
+A collective runs here when its full tensor (an all-reduce's input, an all-gather's output, a
+reduce-scatter's input: the same count on every rank) is at most --symm-comm-max-bytes: below
+that size one launch that loads and stores the peers' memory directly beats NCCL's protocol,
+above it NCCL's bandwidth wins (`python -m benchmarks collectives` measures where). Every
+rank decides from the same numbers (the step's sizes, the rows' width and dtype), so all
+ranks take the same path.
 
     all-reduce      kernels/comm/one_shot.all_reduce: each rank stores x into its slot of
                     every window, signals, waits for every peer's signal, sums the slots of
                     its own window in fp32 in rank order into x (the same bits on every rank)
-    all-reduce + add + RMSNorm  kernels/comm/one_shot.all_reduce_add_norm: the all-reduce
-                    whose SUM phase also adds the residual and normalises (a decoder layer's
-                    reduction of partial sums and the norm after it, one launch)
+    all-reduce + add + RMSNorm  the all-reduce whose sum also adds the residual and
+                    normalises (a decoder layer's reduction of partial sums and the norm after
+                    it, one launch): 16-bit rows by kernels/comm/lamport.py (each rank stores
+                    into its slot of every Lamport region and waits for the data itself, no
+                    signal), float32 ones by kernels/comm/one_shot.all_reduce_add_norm
     all-gather      kernels/comm/one_shot.gather: each rank stores its rows into every window
                     at their offset in the concatenation (no padding), signals, waits, copies
                     its window out
@@ -90,6 +93,10 @@ class SymmetricCollectives:
             raise RuntimeError(f"the one-shot collectives over {axis.size} ranks need signal "
                                f"pads of {pad_slots(axis.size) * 4} bytes, torch's symmetric "
                                f"memory has {signal_pad_bytes()}: use --symm-comm-max-bytes 0")
+        from moeserve.kernels.comm import lamport
+
+        lamport.fill_region(buf)
+        torch.cuda.synchronize(buf.device)  # filled before any peer can store into it
         return cls(PeerWindow.open(buf, axis), axis)
 
     @property
@@ -125,13 +132,15 @@ class SymmetricCollectives:
     def all_reduce_add_rms_norm(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(x + a), x + a), a = y [R, D] summed over the axis: all_reduce, then
-        layers/norm.RMSNorm.add_forward's kernel, in one launch (the same bits)."""
-        from moeserve.kernels.comm import one_shot
+        layers/norm.RMSNorm.add_forward's kernel, in one launch (the same bits); 16-bit rows
+        through the window's Lamport region (no signals), float32 ones one-shot."""
+        from moeserve.kernels.comm import lamport, one_shot
 
         assert self.takes_rows(y)
-        return one_shot.all_reduce_add_norm(y, x, weight, eps, self.window.peer_ptrs,
-                                            self.window.signal_ptrs, self.axis.rank,
-                                            self.window_nbytes)
+        kernel = (lamport.all_reduce_add_norm if y.dtype in lamport.LAMPORT_DTYPES
+                  else one_shot.all_reduce_add_norm)
+        return kernel(y, x, weight, eps, self.window.peer_ptrs, self.window.signal_ptrs,
+                      self.axis.rank, self.window_nbytes)
 
     def all_gather(self, x_R: torch.Tensor, sizes: Sequence[int], out_N: torch.Tensor) -> None:
         """out_N = every rank's rows in rank order (x_R: this rank's sizes[rank] rows)."""

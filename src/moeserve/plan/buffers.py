@@ -257,13 +257,14 @@ def comm_records(spec: ModelSpec, layout: ParallelLayout, max_bytes: int) -> lis
     exchanges anything: a collective whose full tensor (an all-reduce's input, an all-gather's
     output, a reduce-scatter's input, all ranks' rows, unpadded) fits runs in it, a larger one
     on NCCL. None where max_bytes is 0 (across nodes, on a CPU, or turned off). A window is
-    two halves of P slots of max_bytes (kernels/comm/layout.window_bytes: the pushing
-    collectives alternate halves, and the all-reduce stores its whole tensor into each rank)."""
+    two regions of two halves of P slots of max_bytes (kernels/comm/layout.window_bytes: the
+    pushing collectives alternate halves, the all-reduce stores its whole tensor into each
+    rank, and the all-reduce + RMSNorm of 16-bit rows has a region of its own)."""
     if not max_bytes:
         return []
     sizes = {"attn_tp": layout.attn_tp, "world": layout.tp}
     return [BufferRecord(f"comm.symm.{axis}", (window_bytes(max_bytes, sizes[axis]),), "uint8",
-                         f"2 x {axis} ({sizes[axis]}) x --symm-comm-max-bytes (the largest "
+                         f"4 x {axis} ({sizes[axis]}) x --symm-comm-max-bytes (the largest "
                          f"one-shot collective over {axis}, all ranks' rows) [symmetric]",
                          ("--symm-comm-max-bytes",), True)
             for axis in comm_axes(spec, layout)]

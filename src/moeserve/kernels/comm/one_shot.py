@@ -36,10 +36,11 @@ from this rank's window), and it stages in the first half, which the pushing col
 only a call later. The pushing collectives leave a peer reading only its own window, which a
 barrier of the next reduce-scatter waits for.
 
-Window layout (bytes, `window_bytes(max, P)`, kernels/comm/layout.py): two halves of P x max
-each. The gather's tensor (at most max) sits at the start of a half, the all-reduce's P slots
-of its tensor one after another (the all-reduce + norm's too), the reduce-scatter's staged
-tensor at the start of the window.
+Window layout (bytes, `window_bytes(max, P)`, kernels/comm/layout.py): the pushing region,
+two halves of P x max each, then the Lamport region (kernels/comm/lamport.py), which nothing
+here touches. The gather's tensor (at most max) sits at the start of a half, the all-reduce's
+P slots of its tensor one after another (the all-reduce + norm's too), the reduce-scatter's
+staged tensor at the start of the window.
 
 The barrier is torch's blockwise signal-pad protocol: program b sets slot [b P + rank] of each
 peer's pad from 0 to 1 (release, system scope: this program's earlier stores, every thread's,
@@ -72,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.comm.layout import MAX_PROGRAMS
+from moeserve.kernels.comm.layout import MAX_PROGRAMS, region_bytes
 from moeserve.kernels.elementwise.fused import store_sum_and_norm
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
@@ -308,9 +309,9 @@ def _vec(elem_bytes: int, *counts: int) -> int:
 
 
 def _half(window_nbytes: int, peers: int, total: int, e: int) -> int:
-    """Elements of T in half a window, checking that the pushing collective's `total` fits
-    (window_bytes)."""
-    half, rest = divmod(window_nbytes, 2)
+    """Elements of T in half the window's pushing region, checking that the pushing
+    collective's `total` fits (window_bytes)."""
+    half, rest = divmod(region_bytes(window_nbytes), 2)
     assert rest == 0 and half % e == 0 and peers * total * e <= half, \
         (window_nbytes, peers, total, e)
     return half // e
