@@ -47,7 +47,7 @@ class KVManager:
         if row is None:
             return False
         req.row = row
-        req.kv_len = req.cached_len = 0
+        req.kv_len = req.cached_len = req.recorded = 0
         del req.slots[:]
         if self.radix is not None and not req.needs_prompt_logprobs:
             # at least the last token is computed again: its logits pick the next token
@@ -55,7 +55,6 @@ class KVManager:
             if match.slots.numel():
                 self.radix.lock(match.last_node)
                 req.prefix_node = match.last_node
-                self.req_pool.write(row, 0, match.slots)
                 req.kv_len = req.cached_len = int(match.slots.numel())
                 req.slots.extend(match.slots.tolist())  # (the tree's slots are on the host)
         return True
@@ -67,18 +66,36 @@ class KVManager:
         return self._take(req, n) is not None
 
     def record(self, reqs: list[Req], takes: list[int]) -> torch.Tensor:
-        """The slots each request claimed for its last `take` positions, into the request
-        table in one write (a copy that does not wait for the device, where the step in
-        flight may still run); returns them on the device in batch order, int64."""
+        """The slots each request claimed for its last `take` positions, and those of a
+        cached prefix admit gave it, into the request table in one write (a copy that does
+        not wait for the device, where the step in flight may still run); returns the claimed
+        ones on the device in batch order, int64."""
         n = np.asarray(takes, dtype=np.int64)
-        first = np.cumsum(n) - n  # each request's first index in the step
         ends = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
         rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
-        slots = [np.frombuffer(r.slots, dtype=np.int64)[r.kv_len - t:]
-                 for r, t in zip(reqs, takes)]
-        packed = np.stack((np.repeat(rows, n), np.arange(n.sum()) + np.repeat(ends - n - first, n),
-                           np.concatenate(slots) if slots else np.zeros(0, np.int64)))
-        return self.req_pool.write_packed(packed).to(torch.int64)
+        # the claimed positions in batch order first (the step's slots), then the others
+        # that the device's rows lack (cached prefixes): [recorded, kv_len - take)
+        lo = np.fromiter((r.recorded for r in reqs), np.int64, len(reqs))
+        spans = [(ends - n, n), (lo, ends - n - lo)]
+        parts = []
+        for start, count in spans:
+            if parts and not count.any():
+                continue  # (a decode step: no prefix to write)
+            first = np.cumsum(count) - count  # each request's first index in the part
+            if (count == 1).all():  # one slot a request: no slices
+                slots = np.fromiter((r.slots[s] for r, s in zip(reqs, start.tolist())),
+                                    np.int64, len(reqs))
+            else:
+                slots = np.concatenate([np.frombuffer(r.slots, dtype=np.int64)[s:s + c]
+                                        for r, s, c in zip(reqs, start.tolist(), count.tolist())]
+                                       or [np.zeros(0, np.int64)])
+            parts.append(np.stack((np.repeat(rows, count),
+                                   np.arange(count.sum()) + np.repeat(start - first, count),
+                                   slots)))
+        for req in reqs:
+            req.recorded = req.kv_len
+        written = self.req_pool.write_packed(np.concatenate(parts, axis=1))
+        return written[:int(n.sum())].to(torch.int64)
 
     def _take(self, req: Req, n: int) -> Optional[list[int]]:
         """Allocate n slots after req's last one (evicting from the prefix cache if the pool
@@ -115,4 +132,5 @@ class KVManager:
             self.radix.unlock(req.prefix_node)
         self.req_pool.free(req.row)
         req.row, req.prefix_node, req.kv_len, req.cached_len = None, None, 0, 0
+        req.recorded = 0
         del req.slots[:]

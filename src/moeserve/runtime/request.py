@@ -83,8 +83,10 @@ class Req:
         self.kv_len = 0
         self.cached_len = 0
         # the slots of positions [0, kv_len) (a host copy of its request-table row, so that
-        # giving them back never reads the device)
+        # giving them back never reads the device); [0, recorded) of them are in the
+        # device's row already (KVManager.record writes the rest with the step's slots)
         self.slots = array("q")
+        self.recorded = 0
         self.prefix_node: Any = None
         self.finish: Optional[Finish] = None
         self.prompt_cached_tokens = 0  # prompt tokens served from the prefix cache, first run
