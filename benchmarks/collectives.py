@@ -1,7 +1,9 @@
-r"""A step's collectives on the GPUs of one host: the all-reduce, all-gather and reduce-scatter
-of [rows, hidden] at decode and prefill sizes, one-shot on symmetric memory (what the engine
-runs up to --symm-comm-max-bytes: parallel/symm_comm.py) beside NCCL, through the same calls
-of parallel/collectives.py, in one run; where NCCL starts to win, per op.
+r"""A step's collectives on the GPUs of one host: the all-reduce (alone, and with the residual
+add and RMSNorm after it, as a decoder layer reduces), all-gather and reduce-scatter of [rows,
+hidden] at decode and prefill sizes, one-shot on symmetric memory (what the engine runs up to
+--symm-comm-max-bytes: parallel/symm_comm.py) beside NCCL, through the same calls of
+parallel/collectives.py and parallel/symm_comm.py, in one run; where NCCL starts to win, per
+op.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         PYTHONPATH=src python -m benchmarks collectives --gpus 2 --out $OUT \
@@ -9,12 +11,11 @@ of parallel/collectives.py, in one run; where NCCL starts to win, per op.
 
 Each rank times every collective as CUDA-graph replays (ten calls back to back per replay,
 after a barrier, between CUDA events: the median of 30 replays, per call; a2a.timed), on a
-window for the largest tensor (kernels/comm/layout.window_bytes), so that the one-shot path runs at every
-size. The
-all-gather's rows are split over the ranks as a scattered layer's are (ceil(rows / ranks) a
-rank, the last ones fewer), into a buffer as the plan's; the reduce-scatter's and the
-all-reduce's tensor is [rows, hidden] on every rank. Before timing, each one-shot result is
-checked against NCCL's.
+window for the largest tensor (kernels/comm/layout.window_bytes), so that the one-shot path
+runs at every size. The all-gather's rows are split over the ranks as a scattered layer's are
+(ceil(rows / ranks) a rank, the last ones fewer), into a buffer as the plan's; the
+reduce-scatter's and the all-reduce's tensor is [rows, hidden] on every rank. Before timing,
+each one-shot result is checked against NCCL's.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ HELP = "the step's all-reduce, all-gather and reduce-scatter: one-shot on symmet
        "against NCCL (several GPUs)"
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 HIDDEN = 2048  # Qwen3-30B-A3B's
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_reduce_norm", "all_gather", "reduce_scatter")
+EPS = 1e-6
 RANKS_TIMEOUT_S = 900
 METHOD = """\
 Per call on each rank, µs, as CUDA-graph replays (ten calls in a graph, the median of 30
 replays after a barrier). One-shot: the engine's path on symmetric memory
-(kernels/comm/one_shot.py, one launch each, synchronising with the peers inside); torch: the
-all-reduce as torch's one_shot_all_reduce_out after a copy into the window (bf16 and fp32
-only). NCCL: the same calls without the window. Bytes: the whole tensor, all ranks' rows
+(kernels/comm/one_shot.py, one launch each, synchronising with the peers inside; the
+all-reduce + RMSNorm of 16-bit rows kernels/comm/lamport.py, which waits on the data itself);
+torch: the all-reduce as torch's one_shot_all_reduce_out after a copy into the window (bf16
+and fp32 only). NCCL: the same calls without the window (all_reduce_norm: NCCL's all-reduce,
+then add_rms_norm). Bytes: the whole tensor, all ranks' rows
 (what --symm-comm-max-bytes bounds). The crossover: the largest size up to which the one-shot
 path is faster at every size, on rank 0."""
 
@@ -98,12 +102,17 @@ def measure(rank: int, world: int, rows: list[int], hidden: int, dtype: torch.dt
         x = torch.randn(sizes[rank], hidden, device=dev).to(dtype)
         y = torch.randn(n, hidden, device=dev).to(dtype)
         z = torch.zeros(n, hidden, device=dev, dtype=dtype)  # summed in place, call after call
+        res = torch.randn(n, hidden, device=dev).to(dtype)
+        w = (torch.rand(hidden, device=dev) + 0.5).to(dtype)
         calls: dict[str, Callable[[Any], Any]] = {
             "all_reduce": lambda s: C.all_reduce(z, axis, s),
+            "all_reduce_norm": lambda s: reduce_norm(y, res, w, axis, s, z),
             "all_gather": lambda s: C.all_gather_uneven(x, sizes, axis, buffer, s),
             "reduce_scatter": lambda s: C.reduce_scatter_uneven(y, sizes, axis, s)}
+        norms = [reduce_norm(y, res, w, axis, s, y.clone()) for s in (symm, None)]
         row: dict[str, Any] = {"rows": n, "bytes": n * hidden * dtype.itemsize,
-                               "agrees": agrees(x, y, sizes, axis, symm)}
+                               "agrees": agrees(x, y, sizes, axis, symm)
+                               and all(close(a, b) for a, b in zip(*norms))}
         for op, call in calls.items():
             label = f"rank {rank} rows={n} {op}"
             row[f"{op}_symm_us"], row[f"{op}_symm_graph"] = timed(lambda: call(symm), label)
@@ -124,13 +133,28 @@ def measure(rank: int, world: int, rows: list[int], hidden: int, dtype: torch.dt
     return out
 
 
+def reduce_norm(y: torch.Tensor, res: torch.Tensor, w: torch.Tensor, axis: Any, symm: Any,
+                scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(res + y summed), res + y summed) as a decoder layer reduces: one launch on the
+    window, or NCCL's all-reduce (in place on `scratch`, which holds y's values or zeros)
+    and add_rms_norm."""
+    from moeserve.kernels.elementwise.fused import add_rms_norm
+    from moeserve.parallel import collectives as C
+
+    if symm is not None:
+        return symm.all_reduce_add_rms_norm(y, res, w, EPS)
+    return add_rms_norm(C.all_reduce(scratch, axis), res, w, EPS)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 1e-2 of b's largest magnitude, element by element."""
+    scale = b.float().abs().max().item() if b.numel() else 1.0
+    return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= 1e-2 * scale).all())
+
+
 def agrees(x: torch.Tensor, y: torch.Tensor, sizes: list[int], axis: Any, symm: Any) -> bool:
     """The one-shot results beside NCCL's: the gather equal, the sums within 1e-2."""
     from moeserve.parallel import collectives as C
-
-    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        scale = b.float().abs().max().item() if b.numel() else 1.0
-        return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= 1e-2 * scale).all())
 
     gathered = torch.equal(C.all_gather_uneven(x, sizes, axis, symm=symm),
                            C.all_gather_uneven(x, sizes, axis))
