@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.comm.layout import LAMPORT_SENTINEL, MAX_PROGRAMS, region_bytes
-from moeserve.kernels.comm.one_shot import _window
+from moeserve.kernels.comm.one_shot import _window, norm_launch
 from moeserve.kernels.elementwise.fused import store_sum_and_norm
-from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
+from moeserve.kernels.launch.pdl import pdl_gate
 
 _EPOCH = tl.constexpr(MAX_PROGRAMS + 2)  # own pad slots [(_EPOCH) P + rank]: the epoch
 _DONE = tl.constexpr(MAX_PROGRAMS + 3)  # and [(_DONE) P + rank]: programs that finished
@@ -106,12 +106,9 @@ def all_reduce_add_norm(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     half = region // 4  # int16 elements in half the region
     assert region % 4 == 0 and p * y.numel() <= half and rows * x.stride(0) < 2**31, \
         (window_nbytes, p, y.shape)
-    total = torch.empty_like(y)
-    out = torch.empty(y.shape, dtype=torch.result_type(total, weight), device=y.device)
+    out, total, grid, launch = norm_launch(y, weight)
     if rows:
-        block = triton.next_power_of_2(d)
-        _lamport_norm_kernel[(min(MAX_PROGRAMS, rows),)](
+        _lamport_norm_kernel[grid](
             y, x, weight, out, total, peer_ptrs, signal_ptrs, rows, d, x.stride(0), rank,
-            region // 2, half, eps, P=p, BLOCK_D=block, PUSH=push, SUM=add,
-            num_warps=max(1, min(8, block // 256)), **pdl_args(y.device))
+            region // 2, half, eps, P=p, PUSH=push, SUM=add, **launch)
     return out, total

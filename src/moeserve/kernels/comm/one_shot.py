@@ -368,15 +368,23 @@ def all_reduce_add_norm(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     assert rows * x.stride(0) < 2**31
     p = peer_ptrs.numel()
     half = _half(window_nbytes, p, y.numel(), e)
+    out, total, grid, launch = norm_launch(y, weight)
+    if rows:
+        _all_reduce_norm_kernel[grid](
+            y, x, weight, out, total, peer_ptrs, signal_ptrs, rows, d, x.stride(0), rank,
+            half, eps, P=p, PUSH=push, SUM=add, SYNC=sync, **launch)
+    return out, total
+
+
+def norm_launch(y: torch.Tensor, weight: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[int], dict]:
+    """(out, total, grid, launch keywords) of an all-reduce + RMSNorm kernel over rows y
+    [R, D]: a program a row up to MAX_PROGRAMS, a block of the whole row."""
     total = torch.empty_like(y)
     out = torch.empty(y.shape, dtype=torch.result_type(total, weight), device=y.device)
-    if rows:
-        block = triton.next_power_of_2(d)
-        _all_reduce_norm_kernel[(min(MAX_PROGRAMS, rows),)](
-            y, x, weight, out, total, peer_ptrs, signal_ptrs, rows, d, x.stride(0), rank,
-            half, eps, P=p, BLOCK_D=block, PUSH=push, SUM=add, SYNC=sync,
-            num_warps=max(1, min(8, block // 256)), **pdl_args(y.device))
-    return out, total
+    block = triton.next_power_of_2(y.shape[1])
+    return out, total, (min(MAX_PROGRAMS, y.shape[0]),), dict(
+        BLOCK_D=block, num_warps=max(1, min(8, block // 256)), **pdl_args(y.device))
 
 
 def reduce(y: torch.Tensor, out: torch.Tensor, peer_ptrs: torch.Tensor,
