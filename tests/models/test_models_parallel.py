@@ -34,7 +34,7 @@ def _spy_windows(calls: list) -> None:
     from collective_ranks import SpyCollectives
     from moeserve.batch.buffers import CommWindows
 
-    window = SimpleNamespace(local=torch.empty(4 * (64 << 10), dtype=torch.uint8))
+    window = SimpleNamespace(local=torch.empty(8 * (64 << 10), dtype=torch.uint8))  # 64 KiB
     CommWindows.collectives = lambda self, name, axis: (
         None if axis.size == 1 else SpyCollectives(window, axis, calls))
 

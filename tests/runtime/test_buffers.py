@@ -88,7 +88,7 @@ def test_every_record_is_allocated_once_with_its_bytes(layout, device):
     assert {r.name for r in plan.buffers if r.symmetric} == \
         ({"a2a.recv", "a2a.combine"} if a2a == "nvlink" else set()) | comm
     sizes = {"comm.symm.attn_tp": plan.layout.attn_tp, "comm.symm.world": plan.layout.tp}
-    assert all(records[n].bytes == 2 * sizes[n] * plan.config.symm_comm_max_bytes for n in comm)
+    assert all(records[n].bytes == 4 * sizes[n] * plan.config.symm_comm_max_bytes for n in comm)
     assert {n for n in ("attn_tp", "world") if getattr(bufs.model.comm, n) is not None} == \
         {n.removeprefix("comm.symm.") for n in comm}
     assert any(n.startswith("moe.runner.") for n in names) == gpu
