@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
 from moeserve.runtime.radix_cache import RadixCache
@@ -269,3 +269,36 @@ CacheModelPage3.TestCase.settings = _stateful
 TestCachePage1 = CacheModel.TestCase
 TestCachePage2 = CacheModelPage2.TestCase
 TestCachePage3 = CacheModelPage3.TestCase
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([1, 4]), st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=40),
+                                         min_size=1, max_size=6),
+       st.lists(st.lists(st.integers(0, 2), max_size=40), min_size=1, max_size=4))
+def test_matches_are_the_longest_cached_page_aligned_prefixes(page, inserted, queries):
+    """Against a brute force over what was inserted: the matched length is the longest
+    page-aligned common prefix with any inserted sequence's page-aligned part, and each
+    matched position's slot is the one the first insertion through its whole page gave."""
+    cache, _ = _cache(page_size=page)
+    # (tokens through the end of a position's page, the position) -> its slot: pages are
+    # shared whole or not at all
+    first: dict[tuple[tuple[int, ...], int], int] = {}
+    aligned = []
+    for i, seq in enumerate(inserted):
+        slots = [1000 * (i + 1) + j for j in range(len(seq))]
+        cache.insert(seq, torch.tensor(slots, dtype=torch.int64))
+        n = len(seq) // page * page
+        aligned.append(seq[:n])
+        for j in range(n):
+            first.setdefault((tuple(seq[:(j // page + 1) * page]), j), slots[j])
+    for q in queries + inserted:
+        qa = q[:len(q) // page * page]
+        best = 0
+        for s in aligned:
+            c = 0
+            while c < min(len(qa), len(s)) and qa[c] == s[c]:
+                c += 1
+            best = max(best, c // page * page)
+        m = cache.match_prefix(q)
+        want = [first[(tuple(q[:(j // page + 1) * page]), j)] for j in range(best)]
+        assert m.slots.tolist() == want, (q, best)

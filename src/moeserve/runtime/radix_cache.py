@@ -188,14 +188,25 @@ class RadixCache:
 
     def _aligned(self, tokens: Tokens) -> tuple[int, ...]:
         n = len(tokens) // self.page_size * self.page_size
-        return tuple(int(t) for t in tokens[:n])
+        if isinstance(tokens, (list, tuple)):  # (a request's ids: ints already)
+            return tuple(tokens[:n])
+        return tuple(map(int, tokens[:n]))
 
     def _match_len(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Tokens of node_key that match key[pos:], cut down to whole pages."""
-        n, limit = 0, min(len(node_key), len(key) - pos)
-        while n < limit and node_key[n] == key[pos + n]:
-            n += 1
-        return n // self.page_size * self.page_size
+        """Tokens of node_key that match key[pos:], cut down to whole pages: the most pages
+        whose slices compare equal (a long shared prefix compares in C, not token by token;
+        equal prefixes are nested, so a binary search over page counts finds it)."""
+        ps = self.page_size
+        lo, hi = 0, min(len(node_key), len(key) - pos) // ps  # pages known equal / at most
+        if node_key[:hi * ps] == key[pos:pos + hi * ps]:  # (most often all of them)
+            return hi * ps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if node_key[:mid * ps] == key[pos:pos + mid * ps]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after n tokens; the new upper node inherits its locks and access time."""
