@@ -72,7 +72,8 @@ class EngineConfig:
         SYMM_COMM_MAX_BYTES, "On the GPUs of one node, a step's all-reduce, all-gather and "
         "reduce-scatter whose tensor (all ranks' rows) is at most this many bytes run one-shot "
         "on symmetric memory (one launch, the peers' memory loaded and stored directly), larger "
-        "ones on NCCL; each axis holds a window of this size. 0: NCCL for every collective.",
+        "ones on NCCL; each axis holds a window of 4 x its ranks x this size. 0: NCCL for "
+        "every collective.",
         "--symm-comm-max-bytes")
     # --- scheduling bounds -------------------------------------------------------------------
     max_running_requests: Optional[int] = knob(
