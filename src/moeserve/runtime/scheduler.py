@@ -242,7 +242,7 @@ class Scheduler:
                 req = max(self.running, key=lambda r: r.arrival)
                 self.running.remove(req)
             else:
-                break  # one request left: reserve() below decides
+                break  # one request left: claim() below decides
             self._retract(req)
         want = self._decoding()
         reqs = [r for r in want if self.kv.claim(r, 1)]
