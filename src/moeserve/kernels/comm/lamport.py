@@ -30,13 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.comm.layout import LAMPORT_SENTINEL, MAX_PROGRAMS, region_bytes
-from moeserve.kernels.comm.one_shot import _window, norm_launch
+from moeserve.kernels.comm.layout import LAMPORT_SENTINEL, region_bytes
+from moeserve.kernels.comm.one_shot import _epoch, _keep_epoch, _window, norm_launch
 from moeserve.kernels.elementwise.fused import store_sum_and_norm
 from moeserve.kernels.launch.pdl import pdl_gate
 
-_EPOCH = tl.constexpr(MAX_PROGRAMS + 2)  # own pad slots [(_EPOCH) P + rank]: the epoch
-_DONE = tl.constexpr(MAX_PROGRAMS + 3)  # and [(_DONE) P + rank]: programs that finished
+# own pad slots [(MAX_PROGRAMS + 2) P + rank]: the epoch, and the one after it the programs
+# that finished (one_shot._epoch / _keep_epoch's AT; the pushing collectives use AT 0)
+_EPOCH = tl.constexpr(2)
 _SENTINEL = tl.constexpr(LAMPORT_SENTINEL)
 
 
@@ -46,8 +47,7 @@ def _lamport_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, rank, 
                          SUM: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)  # before the epoch too: the kernel before may be a collective
     T = Y.dtype.element_ty
-    pad = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
-    epoch = tl.load(pad + _EPOCH * P + rank) + 1
+    epoch = _epoch(PADS, rank, P, _EPOCH)
     at = base + (epoch & 1) * half  # this call's half of the region (int16 elements)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -74,11 +74,7 @@ def _lamport_norm_kernel(Y, X, W, OUT, S, PEERS, PADS, rows, D, stride_x, rank, 
             a = acc.to(T).to(tl.float32)  # rounded as the all-reduce stores it
             x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
             store_sum_and_norm(x + a, S, OUT, W, row, D, offs, mask, eps)
-        tl.debug_barrier()
-        done = tl.atomic_add(pad + _DONE * P + rank, 1, sem="acq_rel", scope="gpu")
-        if done == g - 1:
-            tl.store(pad + _DONE * P + rank, 0)
-            tl.store(pad + _EPOCH * P + rank, epoch)
+        _keep_epoch(PADS, rank, epoch, P, _EPOCH)
 
 
 LAMPORT_DTYPES = (torch.bfloat16, torch.float16)

@@ -107,10 +107,12 @@ def _sync_peers(PADS, rank, P: tl.constexpr):
 
 
 @triton.jit
-def _epoch(PADS, rank, P: tl.constexpr):
-    """This pushing call's epoch: one past the last one's (this rank's count of them)."""
+def _epoch(PADS, rank, P: tl.constexpr, AT: tl.constexpr = 0):
+    """This call's epoch: one past the last one's (this rank's count of the calls that keep
+    theirs in own-pad slot (_FLAGS + AT) P + rank: the pushing collectives AT 0, the Lamport
+    all-reduce 2)."""
     mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
-    return tl.load(mine + _FLAGS * P + rank) + 1
+    return tl.load(mine + (_FLAGS + AT) * P + rank) + 1
 
 
 @triton.jit
@@ -122,15 +124,16 @@ def _this_call(PADS, rank, half, P: tl.constexpr):
 
 
 @triton.jit
-def _keep_epoch(PADS, rank, epoch, P: tl.constexpr):
+def _keep_epoch(PADS, rank, epoch, P: tl.constexpr, AT: tl.constexpr = 0):
     """The last program of the grid to get here records the call's epoch (every program
-    read the previous one when it started)."""
+    read the previous one when it started); the count of programs that got here is in the
+    slot after the epoch's."""
     tl.debug_barrier()
     mine = tl.cast(tl.load(PADS + rank), tl.pointer_type(tl.int32))
-    done = tl.atomic_add(mine + (_FLAGS + 1) * P + rank, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(mine + (_FLAGS + AT + 1) * P + rank, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        tl.store(mine + (_FLAGS + 1) * P + rank, 0)
-        tl.store(mine + _FLAGS * P + rank, epoch)
+        tl.store(mine + (_FLAGS + AT + 1) * P + rank, 0)
+        tl.store(mine + (_FLAGS + AT) * P + rank, epoch)
 
 
 @triton.jit
