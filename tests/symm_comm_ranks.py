@@ -20,7 +20,7 @@ from moeserve.parallel.symm_comm import SymmetricCollectives
 from moeserve.parallel.symmetric import symmetric_empty
 from moeserve.testing.graphs import captured
 
-WINDOW = 64 << 10  # collectives above this run on NCCL, also in the chains below
+WINDOW = 128 << 10  # collectives above this run on NCCL, also in the chains below
 EPS = 1e-6
 DTYPES = ("float32", "bfloat16", "float16")
 WIDTHS = (40, 1024)  # elements a row
