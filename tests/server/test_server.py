@@ -421,10 +421,12 @@ def test_a_10mb_prompt_does_not_hold_up_the_server(server):
 
 def test_a_10mb_body_does_not_delay_another_stream(server):
     """While a 10 MB prompt is refused (its length bounded without tokenizing it), another
-    stream's tokens keep coming: no gap above its median + 100 ms, or + twice the median on a
-    machine so loaded that a token takes over 50 ms (tokenizing the prompt would stall the
-    stream for seconds). The big body is encoded before the stream starts, so the client's
-    own work is not timed."""
+    stream's tokens keep coming: no gap above its median + 500 ms, or + twice the median on a
+    machine so loaded that a token takes over 250 ms. Tokenizing the prompt would stall the
+    stream for seconds (preset:tiny's tokenizer encodes 1 MB of it in about 0.4 s on one CPU
+    core); the margin leaves room for the scheduling stalls of a 2-core machine running the
+    whole suite. The big body is encoded before the stream starts, so the client's own work
+    is not timed."""
     body = json.dumps(_post("/v1/completions", {"prompt": "ab " * 3_400_000})).encode()
     stream = SSEClient(server, "/v1/chat/completions", _post("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "tell me"}], "stream": True,
@@ -449,7 +451,7 @@ def test_a_10mb_body_does_not_delay_another_stream(server):
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert len(gaps) > 50, len(gaps)
     median = statistics.median(gaps)
-    assert max(gaps) <= median + max(0.1, 2 * median), f"a gap of {max(gaps) * 1e3:.0f} ms " \
+    assert max(gaps) <= median + max(0.5, 2 * median), f"a gap of {max(gaps) * 1e3:.0f} ms " \
         f"(median {median * 1e3:.1f} ms)"
 
 
