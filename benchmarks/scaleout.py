@@ -43,7 +43,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--model", default=MODEL)
     p.add_argument("--quantization", choices=["none", "fp8"], default="none")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 256, 1024])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256, 1024])
     p.add_argument("--configs", default="",
                    help="';'-separated layout names to run (default: all; see the log)")
     p.add_argument("--input-len", type=int, default=128)
