@@ -227,7 +227,8 @@ class ReqToTokenPool:
         """One slot per (row, position) of a [3, N] array of (rows, positions, slots), in one
         indexed write; the array goes to the device in one copy that does not wait for it.
         Returns the slots there (the table's dtype)."""
-        dev = to_device(packed.astype(np.int32), self.table.device)  # the table's dtype
+        as_table = np.dtype(str(self.table.dtype).removeprefix("torch."))
+        dev = to_device(packed.astype(as_table), self.table.device)
         self.table.index_put_((dev[0], dev[1]), dev[2])
         return dev[2]
 

@@ -264,13 +264,14 @@ class Scheduler:
     def _batch(self, mode: ForwardMode, reqs: list[Req], takes: list[int],
                loc: torch.Tensor) -> ScheduledBatch:
         """Requests have reserved their slots already (kv_len moved by `take`) and written
-        them into the request table; `loc` are those slots in batch order."""
+        them into the request table; `loc` are those slots in batch order (int64, as
+        KVManager.record returns them)."""
         prefix = [r.kv_len - t for r, t in zip(reqs, takes)]
         # an unresolved token (only ever a decode's one new token) is a placeholder
         new = [[-1 - r.future_row] if r.unresolved else r.ids(p, p + t)
                for r, p, t in zip(reqs, prefix, takes)]
         samples = [r.kv_len == r.seq_len + r.unresolved for r in reqs]
-        return ScheduledBatch(mode, reqs, new, prefix, loc.to(torch.int64), samples,
+        return ScheduledBatch(mode, reqs, new, prefix, loc, samples,
                               [r.row for r in reqs], any(r.unresolved for r in reqs),
                               _prompt_logprob_rows(reqs, prefix, takes))
 
