@@ -124,6 +124,43 @@ def test_kv_pool_pages_and_dummy_slot():
         pool.free(seen[:4])
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_kv_pool_hands_out_the_lowest_free_pages_like_a_sorted_set(page_size):
+    """Random allocations (fresh and continued) and frees against a model of the free pages
+    as a sorted set: the same slots, lowest pages first, whether they were never handed out
+    or given back."""
+    import random
+    rng = random.Random(page_size)
+    pages = 40
+    pool = KVCachePool(1, pages * page_size, 1, 2, F32, page_size=page_size)
+    free = set(range(1, pages))  # the model: page 0 is the dummy's
+    held: list[list[int]] = []
+    for _ in range(300):
+        if held and rng.random() < 0.4:
+            slots = held.pop(rng.randrange(len(held)))
+            pool.free(slots)
+            free |= {s // page_size for s in slots}
+        else:
+            last = held[-1][-1] if held and rng.random() < 0.3 else None
+            n = rng.randint(0, 3 * page_size + 1)
+            tail = [] if last is None else list(range(last + 1, min(
+                (last // page_size + 1) * page_size, last + 1 + n)))
+            need = -(-(n - len(tail)) // page_size)
+            got = pool.alloc_after(last, n)
+            if need > len(free):
+                assert got is None
+                continue
+            take = sorted(free)[:need]
+            free -= set(take)
+            want = tail + [p * page_size + i for p in take for i in range(page_size)]
+            assert got.tolist() == want[:n]
+            if last is not None:
+                held[-1] += got.tolist()
+            elif n:
+                held.append(got.tolist())
+        assert pool.available_slots == len(free) * page_size
+
+
 def test_req_to_token_pool_reserves_the_dummy_row():
     rows = ReqToTokenPool(3, 8)
     got = {rows.alloc(), rows.alloc()}

@@ -49,22 +49,32 @@ class PagedKVPool:
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
         self.device = torch.device(device)
-        # free pages as a min-heap (lowest first, O(log n) per page) with a flag per page for
-        # the double-free check; page 0 (with the dummy slot) is never handed out
-        self._free_pages: list[int] = list(range(1, self.num_pages))
+        # free pages, lowest first: the pages never handed out are the range [_fresh,
+        # num_pages), taken as a whole range at a time; pages given back (all below _fresh)
+        # wait in a min-heap and go out before any fresh one. A flag per page serves the
+        # double-free check; page 0 (with the dummy slot) is never handed out
+        self._fresh = 1
+        self._free_pages: list[int] = []
         self._is_free = bytearray([0]) + bytearray([1]) * (self.num_pages - 1)
 
     # --- allocation ---------------------------------------------------------------------------
     @property
     def available_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return (len(self._free_pages) + self.num_pages - self._fresh) * self.page_size
 
     def _take_pages(self, n: int) -> Optional[list[int]]:
-        if n > len(self._free_pages):
+        """The n lowest free pages (a prefill's thousands of slots: the fresh range's part
+        costs one slice, not a heap operation per page)."""
+        given_back = min(n, len(self._free_pages))
+        if n - given_back > self.num_pages - self._fresh:
             return None
-        pages = [heapq.heappop(self._free_pages) for _ in range(n)]
+        pages = [heapq.heappop(self._free_pages) for _ in range(given_back)]
         for p in pages:
             self._is_free[p] = 0
+        if given_back < n:
+            start, self._fresh = self._fresh, self._fresh + n - given_back
+            pages.extend(range(start, self._fresh))
+            self._is_free[start:self._fresh] = bytes(self._fresh - start)
         return pages
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
@@ -91,9 +101,11 @@ class PagedKVPool:
         pages = self._take_pages(-(-rest // self.page_size))
         if pages is None:
             return None
-        for p in pages:
-            slots.extend(range(p * self.page_size, (p + 1) * self.page_size))
-        return slots[:n]
+        if self.page_size == 1:
+            return slots + pages
+        ps = self.page_size
+        whole = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).ravel()
+        return slots + whole[:rest].tolist()
 
     def free(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Give back every page that holds one of `slots` (a request frees all its slots at
