@@ -103,7 +103,7 @@ class EngineConfig:
                                                     "capture.", "--cuda-graph-bs")
     disable_cuda_graph: bool = knob(False, "Run decode eagerly.", "--disable-cuda-graph")
     piecewise_cuda_graph_max_tokens: Optional[int] = knob(
-        None, "Largest prefill token count captured (default: the extend bound, at most 4096).",
+        None, "Largest prefill token count captured (default: the extend bound, at most 8192).",
         "--piecewise-cuda-graph-max-tokens")
     disable_piecewise_cuda_graph: bool = knob(False, "Run prefill eagerly.",
                                               "--disable-piecewise-cuda-graph")

@@ -11,7 +11,7 @@ from moeserve.config import EngineConfig
 from moeserve.parallel.layout import ParallelLayout
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-DEFAULT_PIECEWISE_MAX_TOKENS = 4096
+DEFAULT_PIECEWISE_MAX_TOKENS = 8192  # the default prefill chunk: a full chunk replays
 
 
 def default_decode_batch_sizes(limit: int) -> list[int]:
