@@ -6,7 +6,8 @@ same run as the baseline.
 
 --model's shape (Qwen3-30B-A3B by default) with dummy weights, bf16 or --quantization fp8.
 Layouts: one GPU, then tp N with each ep that divides N, with and without DP attention
-(--configs picks some); a layout whose plan does not fit is a row that says why. Each engine
+(--configs picks some, --dp-attention on / off those with / without DP attention, one GPU
+always); a layout whose plan does not fit is a row that says why. Each engine
 first serves 16 untimed requests, then --prompts-per-concurrency x C prompts of --input-len
 random tokens, --output-len greedy tokens each, at each concurrency C.
 
@@ -46,6 +47,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256, 1024])
     p.add_argument("--configs", default="",
                    help="';'-separated layout names to run (default: all; see the log)")
+    p.add_argument("--dp-attention", choices=["both", "on", "off"], default="both",
+                   help="the layouts with DP attention only (on), without it only (off), or "
+                   "both; one GPU is always run, and the section's title says which")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prompts-per-concurrency", type=int, default=1)
@@ -53,6 +57,16 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--profile", action="store_true",
                    help="per layout, where the ranks' step time goes (see above)")
+
+
+def dp_filter(configs: dict[str, dict[str, Any]], dp_attention: str
+              ) -> dict[str, dict[str, Any]]:
+    """One GPU and the layouts with (on) or without (off) DP attention, or all (both)."""
+    if dp_attention == "both":
+        return configs
+    want = dp_attention == "on"
+    return {k: v for k, v in configs.items()
+            if v.get("tp_size", 1) == 1 or bool(v.get("enable_dp_attention")) == want}
 
 
 def layouts(n: int) -> dict[str, dict[str, Any]]:
@@ -78,7 +92,7 @@ def bench(args: Any, only: Optional[list[str]]) -> list[dict]:
     from moeserve.runtime.engine import Engine
     from moeserve.runtime.step_profile import DIR_ENV
 
-    configs = layouts(args.gpus)
+    configs = dp_filter(layouts(args.gpus), args.dp_attention)
     print(f"layouts: {list(configs)}", flush=True)
     if only:
         unknown = sorted(set(only) - set(configs))
@@ -191,7 +205,8 @@ def run(args: Any, argv: list[str]) -> int:
     rows = bench(args, [c for c in args.configs.split(";") if c])
     model = args.model.removeprefix("preset:")
     quant = "" if args.quantization == "none" else f", {args.quantization}"
-    text = harness.section(f"Scale-out, {args.gpus} GPUs, {model}{quant}", METHOD, info, ceil,
+    dp = {"both": "", "on": ", DP attention", "off": ", no DP attention"}[args.dp_attention]
+    text = harness.section(f"Scale-out, {args.gpus} GPUs, {model}{quant}{dp}", METHOD, info, ceil,
                            render(rows) + (render_profile(rows) if args.profile else []))
     harness.save(Path(args.out), "scaleout", {"info": info, "ceilings": ceil, "rows": rows},
                  text, args.results)

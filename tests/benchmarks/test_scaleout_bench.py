@@ -18,7 +18,7 @@ def test_rows_errors_and_profile(tmp_path, monkeypatch):
     args = SimpleNamespace(gpus=3, model="preset:tiny", quantization="none", concurrency=[1, 4],
                            input_len=8, output_len=24, prompts_per_concurrency=1,
                            context_length=128, mem_fraction_static=0.85, profile=True,
-                           out=str(tmp_path))
+                           dp_attention="both", out=str(tmp_path))
     configs = ["1 GPU (ep 1)", "tp3 ep3, DP attention (dp 3)"]
     rows = scaleout.bench(args, configs)
     ok = [r for r in rows if "error" not in r]
@@ -48,3 +48,12 @@ def test_the_table_gives_each_layout_against_one_gpu():
     assert cells[("tp2 ep2", "1")][4] == "0.80" and cells[("tp2 ep2", "1")][7] == "1.40"
     assert cells[("tp2 ep2", "256")][4] == "1.50" and cells[("tp2 ep2", "256")][7] == "0.50"
     assert cells[("tp2 ep1", "-")][3] == "not run" and cells[("tp2 ep1", "-")][7] == "does not fit"
+
+
+def test_dp_attention_picks_the_layouts_and_keeps_one_gpu():
+    every = scaleout.layouts(2)
+    on, off = (list(scaleout.dp_filter(every, w)) for w in ("on", "off"))
+    assert on[0] == off[0] == "1 GPU (ep 1)"
+    assert all("DP attention" in k for k in on[1:]) and len(on) == 5
+    assert not any("DP attention" in k for k in off) and len(off) == 5
+    assert set(on) | set(off) == set(every) == set(scaleout.dp_filter(every, "both"))
