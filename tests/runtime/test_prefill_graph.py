@@ -112,11 +112,14 @@ def test_the_forward_is_cut_once_per_layer_at_its_attention(arch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("runner", ["reference", "triton"])
 def test_prefill_graphs_give_the_eager_tokens_and_logprobs(monkeypatch, runner):
-    """Prompts of many lengths, a shared prefix (cached), chunked prefills and a short prompt
-    alone: the same greedy tokens and logprobs as eager prefills (fp32)."""
+    """Prompts of many lengths, a shared prefix (cached), chunked prefills, a short prompt
+    alone, and decodes of more rows than the largest decode bucket (4): the same greedy tokens
+    and logprobs as eager forwards (fp32)."""
+    from moeserve.batch.forward_batch import ForwardMode
     from moeserve.runtime.engine import Engine
 
-    sizes = spy(monkeypatch, PrefillGraphRunner, "replay", lambda self, fb, size: size)
+    replays = spy(monkeypatch, PrefillGraphRunner, "replay",
+                  lambda self, fb, size: (fb.mode, size))
     rng = random.Random(3)
     shared = [rng.randrange(512) for _ in range(40)]
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 33, 70, 150, 17)]
@@ -126,7 +129,7 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(monkeypatch, runner):
               for m in (6, 9, 5, 3, 4, 12, 5, 7, 4)]
     flags = dict(load_format="dummy", dtype="float32", device="cuda", skip_tokenizer_init=True,
                  max_running_requests=16, max_total_tokens=4096, context_length=256,
-                 chunked_prefill_size=32,
+                 chunked_prefill_size=32, cuda_graph_max_bs=4,
                  attention_backend="triton", moe_runner_backend=runner)
     results = {}
     for pieces in (True, False):
@@ -143,14 +146,16 @@ def test_prefill_graphs_give_the_eager_tokens_and_logprobs(monkeypatch, runner):
         lg = torch.tensor([t["logprob"] for t in g["logprobs"]])
         le = torch.tensor([t["logprob"] for t in e["logprobs"]])
         torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
+    sizes = [size for _, size in replays]
     assert sizes and max(sizes) <= 32 and len(set(sizes)) >= 3
+    assert (ForwardMode.DECODE, 8) in replays  # the first six prompts' decodes, 5 or 6 rows
 
 
 def test_the_runner_takes_decode_graphs_then_prefill_graphs_then_eager():
     """Which path a step takes: a decode graph when every rank decodes and a bucket holds
-    the step; otherwise the prefill graphs when some rank prefills and a size holds it (an
-    all-decode step above the buckets stays eager: --disable-cuda-graph means eager decode);
-    otherwise eager."""
+    the step; otherwise the prefill graphs when a size holds it (a prefill, or a decode above
+    the largest bucket); otherwise eager. Without decode graphs (--disable-cuda-graph) a
+    decode runs eagerly."""
     from moeserve.batch.step import step_from_counts
     from moeserve.parallel.devices import runtime_config
     from moeserve.runtime.engine import make_plan
@@ -181,8 +186,15 @@ def test_the_runner_takes_decode_graphs_then_prefill_graphs_then_eager():
     eager = runner.model
     runner.model = lambda *a: taken.append(("eager",)) or torch.zeros(0)
     runner.graphs, runner.prefill_graphs = Decode(), Prefill()
-    for tokens, all_decode in [(3, True), (9, True), (9, False), (3, False), (40, False)]:
+    cases = [(3, True), (9, True), (40, True), (9, False), (3, False), (40, False)]
+    for tokens, all_decode in cases:
         step = step_from_counts([tokens], plan.layout, 0, plan)
         runner.forward(None, step, all_decode)
-    assert taken == [("decode", 4), ("eager",), ("prefill", 16), ("prefill", 16), ("eager",)]
+    assert taken == [("decode", 4), ("prefill", 16), ("eager",), ("prefill", 16),
+                     ("prefill", 16), ("eager",)]
+    taken.clear()
+    runner.graphs = None  # --disable-cuda-graph: decodes run eagerly, prefills in pieces
+    for tokens, all_decode in cases:
+        runner.forward(None, step_from_counts([tokens], plan.layout, 0, plan), all_decode)
+    assert taken == [("eager",)] * 3 + [("prefill", 16), ("prefill", 16), ("eager",)]
     runner.model = eager

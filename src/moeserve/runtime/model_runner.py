@@ -8,8 +8,8 @@ sampling without waiting for the device; `collect` waits for its tokens (the ove
 of runtime/worker.py runs the next launch in between); `run` is the two together. Decode
 steps replay a CUDA graph of the plan's buckets when every rank of the step decodes (or idles)
 and the batch fits a bucket (runtime/cuda_graph.py); the other steps that fit the plan's
-prefill sizes replay the prefill graphs' pieces, with their attention eager between them
-(runtime/prefill_graph.py); the rest run eagerly. On a GPU, before the graphs are captured,
+prefill sizes (a decode only while decode graphs are on) replay the prefill graphs' pieces,
+with their attention eager between them (runtime/prefill_graph.py); the rest run eagerly. On a GPU, before the graphs are captured,
 the warm-up list of the plan runs (plan/warmup.py, runtime/warmup.py), so that no request
 waits for a compile; the startup's phases are timed (runtime/startup.py).
 """
@@ -145,14 +145,16 @@ class ModelRunner:
                 all_decode: bool = False) -> torch.Tensor:
         """Logits of the batch's sampling rows: a decode graph replay when `all_decode`
         (every rank of the step decodes or idles, the same flag on every rank) and the step
-        fits a bucket; else, when some rank prefills, the prefill graphs' pieces if the step
-        fits one of their sizes; else an eager forward."""
+        fits a bucket; else the prefill graphs' pieces if the step fits one of their sizes
+        (a prefill anywhere, or a decode above the largest bucket: its eager launch would
+        bind it to the host; without decode graphs a decode runs eagerly); else an eager
+        forward."""
         bucket = (None if self.graphs is None
                   else self.graphs.bucket_for(step.tokens_per_dp_rank, all_decode))
         if bucket is not None:
             return self.graphs.replay(batch, bucket)
         fb = self.forward_batch(batch)
-        size = (None if self.prefill_graphs is None or all_decode
+        size = (None if self.prefill_graphs is None or (all_decode and self.graphs is None)
                 else self.prefill_graphs.size_for(step.tokens_per_dp_rank))
         if size is not None:
             return self.prefill_graphs.replay(fb, size)
