@@ -245,3 +245,31 @@ def test_mixed_chunk_step_carries_every_running_decode_within_the_extend_budget(
         assert step.out_cache_loc.tolist() == [
             s for r, p, t in zip(step.reqs, step.prefix_lens, step.new_tokens)
             for s in table[r.row, p:p + len(t)].tolist()]
+
+
+@pytest.mark.parametrize("page_size,kv_tokens", [(1, 64), (4, 64), (1, 20), (4, 36)])
+def test_claim_next_takes_the_slots_one_claim_per_request_would(page_size, kv_tokens):
+    """A decode step's claims in one take: the same slots, kv_len and table rows as a claim per
+    request in batch order; where the pool cannot hold them all (the smaller caches), each
+    request claims on its own, as before, and those that fit get their slot."""
+    import torch
+    from moeserve.runtime.request import Req
+
+    def state(bulk):
+        pool = KVCachePool(1, kv_tokens, 1, 2, dtype=torch.float32, page_size=page_size)
+        kv = KVManager(pool, ReqToTokenPool(9, 64), prefix_cache=False)
+        rng = random.Random(page_size * 1000 + kv_tokens)
+        reqs = []
+        for i in range(6):
+            params = SamplingParams(max_new_tokens=8, temperature=0)
+            req = Req(RequestInput(f"r{i}", (1,) * 4, params), frozenset(), i, 64)
+            assert kv.admit(req) and kv.claim(req, rng.randint(1, 3))
+            reqs.append(req)
+        got = []
+        for _ in range(3):
+            got.append([r.rid for r in (kv.claim_next(reqs) if bulk
+                                        else [r for r in reqs if kv.claim(r, 1)])])
+        return got, [list(r.slots) for r in reqs], [r.kv_len for r in reqs], \
+            pool.available_slots
+
+    assert state(True) == state(False)

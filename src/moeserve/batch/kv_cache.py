@@ -62,9 +62,10 @@ class PagedKVPool:
     def available_slots(self) -> int:
         return (len(self._free_pages) + self.num_pages - self._fresh) * self.page_size
 
-    def _take_pages(self, n: int) -> Optional[list[int]]:
-        """The n lowest free pages (a prefill's thousands of slots: the fresh range's part
-        costs one slice, not a heap operation per page)."""
+    def take_pages(self, n: int) -> Optional[list[int]]:
+        """The n lowest free pages in ascending order, or None (taking nothing) when fewer
+        are free (a prefill's thousands of slots: the fresh range's part costs one slice, not
+        a heap operation per page)."""
         given_back = min(n, len(self._free_pages))
         if n - given_back > self.num_pages - self._fresh:
             return None
@@ -98,7 +99,7 @@ class PagedKVPool:
             page_end = (last_slot // self.page_size + 1) * self.page_size
             slots = list(range(last_slot + 1, min(page_end, last_slot + 1 + n)))
         rest = n - len(slots)
-        pages = self._take_pages(-(-rest // self.page_size))
+        pages = self.take_pages(-(-rest // self.page_size))
         if pages is None:
             return None
         if self.page_size == 1:

@@ -65,6 +65,25 @@ class KVManager:
         fit. `record` writes a step's claims into the request table in one copy."""
         return self._take(req, n) is not None
 
+    def claim_next(self, reqs: list[Req]) -> list[Req]:
+        """One slot for the next token of each of `reqs` (a decode step's); those that got
+        it, in order. The same slots as claiming one request after another: the fresh pages
+        the step needs (a request whose last slot ends its page) come from the pool in one
+        take, lowest first in batch order, and each other request takes the slot after its
+        last. When the pool lacks some of them, each request claims on its own (the prefix
+        cache gives up LRU entries)."""
+        ps = self.page_size
+        fresh = [not r.slots or (r.slots[-1] + 1) % ps == 0 for r in reqs]
+        pages = self.kv_pool.take_pages(sum(fresh))
+        if pages is None:
+            return [r for r in reqs if self.claim(r, 1)]
+        it = iter(pages)
+        for req, new_page in zip(reqs, fresh):
+            assert req.row is not None
+            req.slots.append(next(it) * ps if new_page else req.slots[-1] + 1)
+            req.kv_len += 1
+        return reqs
+
     def record(self, reqs: list[Req], takes: list[int]) -> torch.Tensor:
         """The slots each request claimed for its last `take` positions, and those of a
         cached prefix admit gave it, into the request table in one write (a copy that does

@@ -227,7 +227,7 @@ class Scheduler:
         if not reqs:
             return None
         if decoding and sum(takes) + len(decoding) <= b.extend:  # (a whole prompt may not)
-            got = [r for r in decoding if self.kv.claim(r, 1)]
+            got = self.kv.claim_next(list(decoding))
             reqs += got  # (one the cache could not hold a slot for sits this step out)
             takes += [1] * len(got)
         return self._batch(ForwardMode.EXTEND, reqs, takes, self.kv.record(reqs, takes))
@@ -245,7 +245,7 @@ class Scheduler:
                 break  # one request left: claim() below decides
             self._retract(req)
         want = self._decoding()
-        reqs = [r for r in want if self.kv.claim(r, 1)]
+        reqs = self.kv.claim_next(want)
         got = set(reqs)
         for req in [r for r in want if r not in got]:
             self.running.remove(req)
