@@ -9,9 +9,10 @@ of runtime/worker.py runs the next launch in between); `run` is the two together
 steps replay a CUDA graph of the plan's buckets when every rank of the step decodes (or idles)
 and the batch fits a bucket (runtime/cuda_graph.py); the other steps that fit the plan's
 prefill sizes (a decode only while decode graphs are on) replay the prefill graphs' pieces,
-with their attention eager between them (runtime/prefill_graph.py); the rest run eagerly. On a GPU, before the graphs are captured,
-the warm-up list of the plan runs (plan/warmup.py, runtime/warmup.py), so that no request
-waits for a compile; the startup's phases are timed (runtime/startup.py).
+with their attention eager between them (runtime/prefill_graph.py); the rest run eagerly. On
+a GPU, before the graphs are captured, the warm-up list of the plan runs (plan/warmup.py,
+runtime/warmup.py), so that no request waits for a compile; the startup's phases are timed
+(runtime/startup.py).
 """
 
 from __future__ import annotations
