@@ -1,6 +1,6 @@
 """MOESERVE_PROFILE_DIR: every rank writes the host phases of its loop per kind of iteration,
-and with MOESERVE_PROFILE_KERNELS the ops of a window of forwards; off, the loop writes
-nothing."""
+with MOESERVE_PROFILE_KERNELS the ops of a window of forwards, with MOESERVE_PROFILE_STACKS
+its loop's sampled stacks per phase; off, the loop writes nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import json
 import pytest
 
 from moeserve.runtime.engine import Engine, EngineError
-from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV, StepProfile
+from moeserve.runtime.host_stacks import HostStacks
+from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV, STACKS_ENV, StepProfile
 
 FLAGS = dict(load_format="dummy", device="cpu", skip_tokenizer_init=True, max_total_tokens=2048,
              context_length=128, max_running_requests=8, cpu_threads_per_rank=1)
@@ -55,6 +56,12 @@ def test_off_without_the_folder_and_a_bad_window_is_named(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "200")
     with pytest.raises(ValueError, match="expected START:COUNT"):
         StepProfile.from_env(0)
+    monkeypatch.delenv(KERNELS_ENV)
+    monkeypatch.setenv(STACKS_ENV, "fast")
+    with pytest.raises(ValueError, match="interval in milliseconds"):
+        StepProfile.from_env(0)
+    with pytest.raises(ValueError, match="give one > 0"):
+        HostStacks(0)
 
 
 def test_a_window_on_demand_profiles_the_forwards_after_the_skip(tmp_path, monkeypatch):
@@ -98,3 +105,42 @@ def test_exclusive_times_count_an_overlap_once_per_stream():
                         "(the kernels' exclusive times; their spans summed: 16.5 us)")
     assert [ln.split()[-1] for ln in lines[2:]] == ["a", "b", "c"]  # most exclusive first
     assert lines[2].split()[:3] == ["7.5", "7.5", "1.0"]
+
+
+def test_stacks_count_where_the_open_phase_waits():
+    """A phase that blocks in one function gets the samples taken while it is open, and its
+    stacks name that function innermost-first; nothing is counted before a phase opens."""
+    import sys
+    import time
+
+    def held_in_here():
+        time.sleep(0.12)
+
+    switch = sys.getswitchinterval()
+    stacks = HostStacks(2)
+    time.sleep(0.02)  # no phase opened yet: no thread to sample
+    assert not stacks.counts
+    stacks.enter("wait")
+    held_in_here()
+    stacks.leave()
+    stacks.stop()
+    assert sys.getswitchinterval() == switch
+    waits = stacks.counts["wait"]
+    assert sum(waits.values()) >= 10
+    top, _ = waits.most_common(1)[0]
+    assert top.startswith("test_step_profile.py:") and "held_in_here" in top.split(" < ")[0]
+    report = stacks.report(0)
+    assert report[0].startswith("rank 0: ") and any(line.startswith("wait: ") for line in report)
+
+
+def test_the_engine_loop_writes_its_stacks_per_phase(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(STACKS_ENV, "0.5")
+    with Engine("preset:tiny", **FLAGS) as e:
+        out = e.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    assert all(o["error"] is None for o in out)
+    lines = (tmp_path / "rank0_stacks.txt").read_text().splitlines()
+    assert lines[0].startswith("rank 0: ")
+    phases = {line.split(":")[0] for line in lines[1:] if line and not line.startswith(" ")}
+    assert "launch.forward" in phases, lines
+    assert any(".py:" in line for line in lines if line.startswith("  "))

@@ -11,6 +11,9 @@ Off unless the environment names a folder (the worker processes inherit it):
                                          # forward, exclusive and span (exclusive_times;
                                          # host time per op on a CPU); these forwards are
                                          # left out of the phases
+    MOESERVE_PROFILE_STACKS=1            # the loop thread's Python stack sampled every 1 ms:
+                                         # rank{r}_stacks.txt, per phase its most common
+                                         # stacks (runtime/host_stacks.py)
 
 or, with the folder set, Engine.profile_kernels(count, skip) at any time: every rank profiles
 the same window, `count` forwards after the next `skip` (tools take a window of a pass that
@@ -35,16 +38,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from moeserve.runtime.host_stacks import HostStacks
+
 DIR_ENV = "MOESERVE_PROFILE_DIR"
 KERNELS_ENV = "MOESERVE_PROFILE_KERNELS"
+STACKS_ENV = "MOESERVE_PROFILE_STACKS"
 
 
 class StepProfile:
     """Host phase timings of one rank's loop (`phase`), per kind of iteration (`end`)."""
 
-    def __init__(self, rank: int, folder: Path, kernels: Optional[tuple[int, int]] = None
-                 ) -> None:
+    def __init__(self, rank: int, folder: Path, kernels: Optional[tuple[int, int]] = None,
+                 stacks_ms: Optional[float] = None) -> None:
         self.rank, self.folder, self.kernels = rank, folder, kernels
+        self.stacks = None if stacks_ms is None else HostStacks(stacks_ms)
         self.times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.current: dict[str, float] = defaultdict(float)
         self.started = time.perf_counter()
@@ -68,16 +75,26 @@ class StepProfile:
                 raise ValueError(f"{KERNELS_ENV}={spec!r}: expected START:COUNT (forwards), "
                                  "e.g. 200:50") from None
             window = (start, count)
+        stacks = os.environ.get(STACKS_ENV)
+        try:
+            stacks_ms = None if not stacks else float(stacks)
+        except ValueError:
+            raise ValueError(f"{STACKS_ENV}={stacks!r}: expected the sampling interval in "
+                             "milliseconds, e.g. 1") from None
         Path(folder).mkdir(parents=True, exist_ok=True)
-        return StepProfile(rank, Path(folder), window)
+        return StepProfile(rank, Path(folder), window, stacks_ms)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        if self.stacks is not None:
+            self.stacks.enter(name)
         try:
             yield
         finally:
             self.current[name] += time.perf_counter() - t0
+            if self.stacks is not None:
+                self.stacks.leave()
 
     def start_window(self, count: int, skip: int = 0) -> None:
         """Profile the `count` forwards that follow the next `skip` (a window already
@@ -149,6 +166,10 @@ class StepProfile:
         return out
 
     def write(self) -> None:
+        if self.stacks is not None:  # (first: the writing below is not the loop's)
+            self.stacks.stop()
+            (self.folder / f"rank{self.rank}_stacks.txt").write_text(
+                "\n".join(self.stacks.report(self.rank)) + "\n")
         if self.torch_profiler is not None:
             self._write_kernels()
         path = self.folder / f"rank{self.rank}_steps.json"
