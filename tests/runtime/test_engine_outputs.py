@@ -130,7 +130,7 @@ def test_a_dead_rank_reaches_every_callback_and_later_submits_are_refused():
 
 def test_an_output_pickles_with_every_field():
     out = TokenOutput("rid", [1, 2], Finish("stop", "x"), "text", [{"logprob": -1.0}], 7, 3,
-                      "an error", [{"token_id": 4}])
+                      "an error", [{"token_id": 4}], True)
     back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
     assert back == out and type(back) is TokenOutput
     defaults = TokenOutput("rid", [])

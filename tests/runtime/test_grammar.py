@@ -12,7 +12,8 @@ import xgrammar as xgr
 
 from moeserve.runtime.engine import Engine
 from moeserve.runtime.grammar import (MAX_UNROLL, GrammarBackend, GrammarError, GrammarSpec,
-                                      fill_bitmask, tokenizer_info, unroll_bounded_strings)
+                                      can_start, fill_bitmask, tokenizer_info,
+                                      unroll_bounded_strings)
 from moeserve.runtime.sampler import Sampler, SamplingBatch
 from moeserve.runtime.sampling import SamplingParams
 from moeserve.runtime.tokenizer import load_tokenizer
@@ -103,6 +104,49 @@ def test_matcher_masks_follow_the_grammar(backend):
 def test_invalid_grammars_say_why(spec):
     with pytest.raises(GrammarError, match=f"invalid {spec.kind.replace('_', ' ')}: .+"):
         spec.check()
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema({"$ref": "#"}),
+                                  GrammarSpec("regex", r"[^\s\S]"),
+                                  GrammarSpec("ebnf", 'root ::= [^\\x00-\\U0010FFFF]')])
+def test_grammars_that_match_no_text_say_so(spec):
+    assert not can_start(spec.grammar())
+    with pytest.raises(GrammarError, match="matches no text"):
+        spec.check()
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("regex", ""), GrammarSpec("regex", "é+"),
+                                  GrammarSpec("regex", r"a[^\s\S]"),
+                                  GrammarSpec("ebnf", 'root ::= "a" root'),
+                                  GrammarSpec("json_object")])
+def test_grammars_that_can_begin_pass(spec):
+    r"""The empty text alone (the stop token first), a multi-byte first character, and
+    languages whose first steps parse although no text ends them (`a[^\s\S]` is empty,
+    `root ::= "a" root` infinite): their dead end comes in generation."""
+    assert can_start(spec.grammar())
+    spec.check()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_grammar_dead_end_fails_its_request_alone(overlap):
+    r"""After `a`, `a[^\s\S]` allows no token: its request ends with an error that says so,
+    marked as the request's own; a request beside it goes on."""
+    torch.set_num_threads(1)
+    dead = GrammarSpec("regex", r"a[^\s\S]")
+    with Engine("preset:tiny", load_format="dummy", device="cpu", max_total_tokens=4096,
+                disable_overlap_schedule=not overlap) as engine:
+        outs = []
+        _, q_dead = engine.submit(list(b"say a"), SamplingParams(max_new_tokens=8), grammar=dead)
+        _, q_free = engine.submit(list(b"say a"), SamplingParams(max_new_tokens=8,
+                                                                 ignore_eos=True))
+        while True:
+            out = q_dead.get(timeout=60)
+            outs.append(out)
+            if out.finish is not None or out.error is not None:
+                break
+        assert outs[-1].invalid_request, outs[-1]
+        assert "grammar allows no token after 1 output token:" in outs[-1].error
+        assert engine._collect("", q_free)["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -167,12 +167,37 @@ def test_regex_choice_ebnf_and_json_object(client):
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#"}}}}, "response_format"),  # matches no text
+    ({"regex": "[^\\s\\S]"}, "regex"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nope"}}}], "tool_choice": "required"}, "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools.0.function.parameters"),
 ])
 def test_bad_grammars_and_tool_choices_are_400(server, body, field):
     status, _, err = http(server, "POST", "/v1/chat/completions",
                           {"model": MODEL, "messages": USER, "max_tokens": 5, **body})
     assert status == 400, err
     assert err["error"]["param"] == field, err
+
+
+def test_a_grammar_dead_end_is_the_requests_400(server):
+    """`a[^\\s\\S]` parses and begins, then allows no token after `a`: a 400 that says so
+    (in a stream, an error event of the same type), and the server serves on."""
+    body = {"model": MODEL, "prompt": "say a", "max_tokens": 8, "regex": "a[^\\s\\S]"}
+    status, _, err = http(server, "POST", "/v1/completions", body)
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert "grammar allows no token after 1 output token" in err["error"]["message"], err
+    status, _, text = http(server, "POST", "/v1/completions", {**body, "stream": True})
+    assert status == 200
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error", events
+    status, _, ok = http(server, "POST", "/v1/completions", {**body, "regex": "a+"})
+    assert status == 200 and set(ok["choices"][0]["text"]) == {"a"}, ok
 
 
 def _calls(message):

@@ -44,6 +44,7 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?"
 _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.M)
 _CLASS_RULE = re.compile(r"\(\(\[(?:\\.|[^\]\\])*\]\)\)")
 _RULE = re.compile(r"^(\w+) ::= (.*)$", re.M)
+BYTE_VOCAB = 257  # the vocabulary of `can_start`: the 256 bytes and a stop token
 MAX_UNROLL = 256  # longer bounds stay xgrammar's repetition (a rule per character compiles slowly)
 
 
@@ -88,8 +89,17 @@ class GrammarSpec:
             raise GrammarError(f"invalid {self.kind.replace('_', ' ')}: {_reason(exc)}") from None
 
     def check(self) -> None:
-        """Raise GrammarError unless the grammar parses."""
-        self.grammar()
+        """Raise GrammarError unless the grammar parses and some text can begin it
+        (`can_start`; the answers of the last CACHE_SIZE specs are kept: a schema with
+        counted repetitions takes tens of ms to compile even over 257 tokens)."""
+        if not _spec_can_start(self):
+            raise GrammarError(f"the {self.kind.replace('_', ' ')} matches no text: no output "
+                               "can satisfy it")
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _spec_can_start(spec: GrammarSpec) -> bool:
+    return can_start(spec.grammar())
 
 
 def _reason(exc: BaseException) -> str:
@@ -97,6 +107,42 @@ def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.split("\n", 1)[0]
     return (_CPP_PREFIX.sub("", first) or text)[:500]
+
+
+def can_start(grammar: Any) -> bool:
+    """Whether `grammar` allows a first step: its first mask over a vocabulary of the 256
+    bytes and a stop token allows one. Every text is spelled in those bytes, so a grammar whose
+    language has a text allows its first byte (or, for the empty text alone, the stop); one
+    that allows nothing (`{"$ref": "#"}`, the regex `[^\\s\\S]`) matches no text. A language
+    that is empty although its first bytes parse (`a[^\\s\\S]`) passes, and stops at its
+    dead end (`allows_no_token`)."""
+    import xgrammar as xgr
+
+    compiler = _byte_compiler()
+    with compiler.lock:
+        compiled = compiler.compile_grammar(grammar)
+    return not allows_no_token(xgr.GrammarMatcher(compiled), BYTE_VOCAB)
+
+
+def allows_no_token(matcher: Any, vocab_size: int) -> bool:
+    """Whether `matcher`'s next mask allows no token of the vocabulary: its grammar cannot go
+    on from here with these tokens (nor end)."""
+    bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
+
+
+@functools.cache
+def _byte_compiler() -> Any:
+    """A grammar compiler over the 256 bytes and a stop token (for `can_start`), made once,
+    with a lock: the server checks requests' grammars from several threads."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"],
+                             vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiler.lock = threading.Lock()
+    return compiler
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:

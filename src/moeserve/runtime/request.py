@@ -50,6 +50,9 @@ class TokenOutput:
     # prompt logprobs (SamplingParams.prompt_logprobs) of prompt tokens 1.. as they are computed:
     # {"token_id", "logprob", "rank", "top": [(id, logprob), ...]} each
     prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # the error is the request's own (its prompt, or a grammar that no text satisfies): the
+    # server answers it with a 400, not a 500
+    invalid_request: bool = False
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # the fields as a tuple: the ranks pickle every output of a step onto the engine's
@@ -57,7 +60,7 @@ class TokenOutput:
         # of attributes each) takes it 1.6x the time to load
         return TokenOutput, (self.rid, self.token_ids, self.finish, self.text, self.logprobs,
                              self.prompt_tokens, self.cached_tokens, self.error,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, self.invalid_request)
 
 
 class Req:

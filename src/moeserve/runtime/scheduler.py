@@ -36,7 +36,7 @@ import torch
 
 from moeserve.plan.budget import TokenBudget
 from moeserve.batch.forward_batch import ForwardMode
-from moeserve.runtime.grammar import GrammarBackend, GrammarError
+from moeserve.runtime.grammar import GrammarBackend, GrammarError, allows_no_token
 from moeserve.runtime.kv_manager import KVManager
 from moeserve.runtime.limits import PromptError, check_prompt
 from moeserve.runtime.request import Req, ReqState, RequestInput, TokenOutput
@@ -100,7 +100,8 @@ class Scheduler:
         try:
             check_prompt(len(inp.input_ids), ctx, "shorten the prompt or raise --context-length")
         except PromptError as exc:
-            self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc)))
+            self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc),
+                                             invalid_request=True))
             return
         req = Req(inp, self.eos, self._arrivals, ctx)
         if inp.grammar is not None:
@@ -111,7 +112,8 @@ class Scheduler:
                     raise GrammarError("this scheduler has no grammar backend")
                 req.matcher = self.grammars().matcher(inp.grammar)
             except (GrammarError, TokenizerError) as exc:
-                self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc)))
+                self.rejected.append(TokenOutput(inp.rid, [], Finish("error"), error=str(exc),
+                                                 invalid_request=True))
                 return
         self._arrivals += 1
         self.waiting.append(req)
@@ -337,9 +339,8 @@ class Scheduler:
             if logprobs is not None and req.params.logprobs:
                 req.logprobs.append(logprobs[i])
             if req.matcher is not None and not req.matcher.accept_token(token):
-                self.running.remove(req)  # (the mask allows no such token: our own bug)
-                outputs.append(self._finish(req, Finish("error"), error=(
-                    f"the sampled token {token} does not follow the request's grammar")))
+                self.running.remove(req)
+                outputs.append(self._grammar_failed(req, token))
                 continue
             finish = req.stop.check_token(token, len(req.output_ids))
             if finish is None and req.matcher is not None and req.matcher.is_terminated():
@@ -361,13 +362,27 @@ class Scheduler:
         req.sent_prompt_logprobs = len(req.prompt_logprobs)
         return out
 
-    def _finish(self, req: Req, finish: Finish, error: Optional[str] = None) -> TokenOutput:
+    def _finish(self, req: Req, finish: Finish, error: Optional[str] = None,
+                invalid_request: bool = False) -> TokenOutput:
         self.kv.release(req)
         req.state = ReqState.FINISHED
         req.finish = finish
         out = self._delta(req)
-        out.finish, out.error = finish, error
+        out.finish, out.error, out.invalid_request = finish, error, invalid_request
         return out
+
+    def _grammar_failed(self, req: Req, token: int) -> TokenOutput:
+        """The end of a request whose sampled `token` (its last output id) its grammar
+        refuses: a dead end of the grammar, where its mask allowed no token of this vocabulary
+        (the request's fault), or else a mask that was not applied (ours)."""
+        if allows_no_token(req.matcher, self.grammars().vocab_size):
+            n = len(req.output_ids) - 1
+            return self._finish(req, Finish("error"), invalid_request=True, error=(
+                f"the request's grammar allows no token after {n} output token"
+                f"{'' if n == 1 else 's'}: no text that this model's vocabulary can write "
+                "continues it"))
+        return self._finish(req, Finish("error"), error=(
+            f"the sampled token {token} does not follow the request's grammar"))
 
 
 def _prompt_logprob_rows(reqs: list[Req], prefix: list[int],

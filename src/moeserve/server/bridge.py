@@ -115,7 +115,7 @@ class EngineClient:
                 self._observe(seqs[i], out)
                 if seqs[i].done:
                     left -= 1
-                if out.error is not None:
+                if out.error is not None and not out.invalid_request:
                     out = dataclasses.replace(out, error=self._public(out.error, request_id))
                 yield i, out
         finally:

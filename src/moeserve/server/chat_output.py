@@ -18,7 +18,7 @@ from moeserve.server.errors import bad_request
 from moeserve.server.reasoning import REASONING_PARSERS, ReasoningParser
 from moeserve.server.structured import request_grammar
 from moeserve.server.tool_parsers import ToolCall, ToolCallStream, ToolParser, create_tool_parser
-from moeserve.runtime.grammar import GrammarSpec
+from moeserve.runtime.grammar import GrammarError, GrammarSpec
 
 RESERVED_TEMPLATE_KEYS = ("messages", "tools")
 
@@ -135,9 +135,13 @@ class ChatPlanner:
                 raise bad_request("response_format (or a guided field) and a forced "
                                   "tool_choice both constrain the output: give only one",
                                   "tool_choice")
+            _check_forced_tools(tools, named)
             grammar = self.tool_parser.grammar(tools, named, req.parallel_tool_calls
                                                is not False)
-            grammar.check()
+            try:
+                grammar.check()
+            except GrammarError as exc:
+                raise bad_request(f"tools: {exc}", "tools") from None
         messages = [_template_message(m) for m in req.messages]
         out = None
         if calls or self.reasoning is not None:
@@ -164,3 +168,18 @@ def _arguments(text: str) -> Any:
         raise bad_request(f"a tool call's arguments are not JSON: {text[:80]!r}",
                           "messages") from None
     return value
+
+
+def _check_forced_tools(tools: list[dict[str, Any]], named: Optional[str]) -> None:
+    """A 400 naming the tool whose parameters schema is invalid or matches no arguments, of
+    the tools that a forced tool_choice may call (a call of it could never be completed)."""
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if named is not None and fn["name"] != named:
+            continue
+        try:
+            GrammarSpec.json_schema(fn.get("parameters") or {"type": "object"}).check()
+        except GrammarError as exc:
+            raise bad_request(f"tools[{i}] ({fn['name']!r}): parameters: {exc}",
+                              f"tools.{i}.function.parameters") from None
+

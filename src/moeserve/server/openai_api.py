@@ -355,6 +355,8 @@ def _finish_reason(out: TokenOutput) -> str:
 
 
 def _check(out: TokenOutput) -> None:
+    if out.error is not None and out.invalid_request:
+        raise bad_request(out.error, None)
     if out.error is not None:
         raise APIError(500, f"generation failed: {out.error}", None, "generation_failed")
 
