@@ -30,6 +30,7 @@ TEMPLATE = (
     "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
     "<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -167,6 +168,7 @@ def test_regex_choice_ebnf_and_json_object(client):
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#"}}}}, "response_format"),  # matches no text
     ({"regex": "[^\\s\\S]"}, "regex"),
@@ -283,4 +285,12 @@ def test_reasoning_is_split_streamed_alike_and_thinking_can_be_off(client):
                                          extra_body={"chat_template_kwargs": {
                                              "enable_thinking": False}})
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + len("<think>\n\n</think>\n\n")
+    # reasoning_effort reaches it as a variable; chat_template_kwargs may set it instead
+    high = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1,
+                                          reasoning_effort="high")
+    assert high.usage.prompt_tokens == on.usage.prompt_tokens + len("Reasoning: high\n")
+    low = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1,
+                                         reasoning_effort="high", extra_body={
+                                             "chat_template_kwargs": {"reasoning_effort": "lo"}})
+    assert low.usage.prompt_tokens == on.usage.prompt_tokens + len("Reasoning: lo\n")
     assert off.choices[0].message.model_extra["reasoning_content"] is None

@@ -114,6 +114,8 @@ class ChatPlanner:
         if bad:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}: give them "
                               "as the request's fields", "chat_template_kwargs")
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         grammar = request_grammar(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice if req.tool_choice is not None else (

@@ -222,7 +222,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
     parallel_tool_calls: Optional[bool] = None  # false: one call at most (chat_output.py)
-    reasoning_effort: Optional[str] = None  # accepted: no reasoning parser reads it
+    # reaches the chat template as its variable `reasoning_effort` (gpt-oss's templates read
+    # it; chat_template_kwargs may set it instead)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high",
+                                       "xhigh"]] = None
     # not implemented
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
