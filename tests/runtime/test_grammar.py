@@ -146,6 +146,7 @@ def test_a_grammar_dead_end_fails_its_request_alone(overlap):
                 break
         assert outs[-1].invalid_request, outs[-1]
         assert "grammar allows no token after 1 output token:" in outs[-1].error
+        assert [t for o in outs for t in o.token_ids] == [ord("a")]  # not the refused one
         assert engine._collect("", q_free)["finish_reason"] == "length"
 
 

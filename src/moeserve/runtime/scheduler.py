@@ -374,15 +374,21 @@ class Scheduler:
     def _grammar_failed(self, req: Req, token: int) -> TokenOutput:
         """The end of a request whose sampled `token` (its last output id) its grammar
         refuses: a dead end of the grammar, where its mask allowed no token of this vocabulary
-        (the request's fault), or else a mask that was not applied (ours)."""
+        (the request's fault), or else a mask that was not applied (ours). The token stays in
+        output_ids (a step in flight may hold its K/V slot) but is not sent."""
+        n = len(req.output_ids) - 1
         if allows_no_token(req.matcher, self.grammars().vocab_size):
-            n = len(req.output_ids) - 1
-            return self._finish(req, Finish("error"), invalid_request=True, error=(
+            out = self._finish(req, Finish("error"), invalid_request=True, error=(
                 f"the request's grammar allows no token after {n} output token"
                 f"{'' if n == 1 else 's'}: no text that this model's vocabulary can write "
                 "continues it"))
-        return self._finish(req, Finish("error"), error=(
-            f"the sampled token {token} does not follow the request's grammar"))
+        else:
+            out = self._finish(req, Finish("error"), error=(
+                f"the sampled token {token} does not follow the request's grammar"))
+        if len(out.logprobs) == len(out.token_ids):
+            out.logprobs = out.logprobs[:-1]
+        out.token_ids = out.token_ids[:-1]
+        return out
 
 
 def _prompt_logprob_rows(reqs: list[Req], prefix: list[int],
