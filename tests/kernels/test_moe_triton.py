@@ -7,6 +7,7 @@ Legend: N rows, K top-k, E experts (all ranks), H hidden, I intermediate.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import itertools
 import json
@@ -133,6 +134,22 @@ def test_triton_runner_refuses_cpu_tensors(monkeypatch):
     ids, w = routing(2, spec.top_k, spec.num_experts, "uniform", seed=1)
     with pytest.raises(ValueError, match="needs CUDA"):
         experts(torch.randn(2, spec.hidden_size), ids, w)
+
+
+def test_one_row_decode_defaults_are_the_shipped_tables_most_common_tiles():
+    """An untuned shape at one row takes the GEMV tiles that most shipped bf16 tables chose
+    there (the tables' tiles as (BLOCK_N, BLOCK_K, num_warps), gate_up and down apart)."""
+    picks: dict[str, collections.Counter] = {"gate_up": collections.Counter(),
+                                             "down": collections.Counter()}
+    for path in configs.CONFIG_DIR.glob("*dtype=bfloat16*.json"):
+        entry = json.loads(path.read_text()).get("1", {}).get("decode")
+        for gemv in picks if entry else ():
+            picks[gemv][tuple(entry[gemv][k] for k in configs.DECODE_KEYS)] += 1
+    assert sum(picks["down"].values()) >= 5
+    default = configs.default_config(1, 8, 128)["decode"]
+    for gemv, counts in picks.items():
+        assert tuple(default[gemv][k] for k in configs.DECODE_KEYS) == \
+            counts.most_common(1)[0][0], (gemv, counts)
 
 
 def test_configs_nearest_entry_and_defaults(tmp_path):
