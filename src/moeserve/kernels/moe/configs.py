@@ -120,9 +120,10 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
 
 def decode_default(num_tokens: int) -> dict[str, Any]:
     """The GEMV tiles most shipped bf16 tables chose (kernels/moe/configs/): gate_up 16 x 128
-    with 8 warps; down at one row 2 x 128 with 4 warps (7 of the 10 tables with a one-row
-    entry; the rest 4 columns: its grid is hidden / BLOCK_N programs, about a thousand, where
-    16 columns leave a one-row step a program or less per SM), at more rows 16 x 128."""
+    with 8 warps (10 of the 12 tables with a one-row entry); down at one row 2 x 128 with 4
+    warps (7 of 12; 2 columns in 8, 4 in the rest: its grid is hidden / BLOCK_N programs,
+    about a thousand, where 16 columns leave a one-row step a program or less per SM), at
+    more rows 16 x 128."""
     down = _gemv(2, 128, 4) if num_tokens == 1 else _gemv(16, 128, 8)
     return {"gate_up": _gemv(16, 128, 8), "down": down}
 
