@@ -384,7 +384,9 @@ small = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4},
          "down": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 2}}
 large = {**small, "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1}}
 ahead = {**small, "gate_up": {**small["gate_up"], "PREFETCH": 1}}  # the next chunk loaded first
+narrow = {**small, "down": {"BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 1}}  # one-row width
 for gemv, act, (ep, rank), n, h in [(small, "silu", (1, 0), 1, 48),
+                                    (narrow, "silu", (1, 0), 1, 48),
                                     (large, "silu", (1, 0), 1, 48),
                                     (small, "gelu", (2, 1), 4, 40),
                                     (large, "silu", (2, 0), 7, 64),
