@@ -8,7 +8,8 @@ r"""GQA attention over the paged KV cache, Qwen3-30B-A3B's heads (32 query, 4 KV
            replay of 20 calls, GB/s on the KV bytes a step must read
   extend   the extend (prefill) kernel: one prompt, a chunk after a cached prefix, 8 prompts;
            CUDA events, median of 10 after 3; beside torch's SDPA and varlen_attn
-  kernels  the skinny projections, add + RMSNorm and rope of a decode step (step_kernels.py)
+  kernels  the skinny projections, add + RMSNorm and rope of a decode step (step_kernels.py);
+           with --fp8 the projections in block-scaled FP8 beside bf16, a section of their own
 --sweep times every tile config too (the shipped tiles are chosen from such sweeps) and checks
 each one's output against the shipped config's.
 """

@@ -4,7 +4,10 @@ kernels/skinny/tiles.py says it beats cuBLAS, else cuBLAS) against F.linear (cuB
 RMSNorm in one kernel against the add and the norm kernel; q/k norm + rope against one
 program per token; rope that writes K/V into their slots against rope then store_kv.
 --try-tiles times every skinny tile alternative and rope head-block count and prints the best
-(kernels/skinny/tiles.py TILES and the rope's head blocks come from such sweeps)."""
+(kernels/skinny/tiles.py TILES and the rope's head blocks come from such sweeps).
+--fp8: the projections with block-scaled FP8 weights (kernels/fp8/gemm.fp8_linear) beside the
+bf16 pick, their own section; with --try-tiles it sweeps the FP8 GEMV's tiles at its rows
+(kernels/fp8/gemm.gemv_tiles comes from such sweeps)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ TRY_FMA = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4
 TRY_MMA = [t for t in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (3, 4))
            if t[0] * t[1] * 2 * t[3] <= 160 << 10]  # (BLOCK_N, BLOCK_K, warps, stages)
 TRY_HEAD_BLOCKS = (1, 2, 4, 8, 16, 32)
+FP8_BLOCK = (128, 128)
+# the FP8 GEMV's (BLOCK_N, K step, warps) tried: a program's tile 2 to 32 KB of weight
+TRY_FP8_GEMV = [t for t in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048,
+                                                                      4096), (2, 4, 8))
+                if 2 << 10 <= t[0] * t[1] <= 32 << 10]
+TITLE_FP8 = "Decode-step kernels, FP8"
 KV_SLOTS = 1 << 16
 METHOD = """\
 A CUDA graph of 20 back-to-back calls (launch gaps count, as in the engine's decode graphs),
@@ -44,13 +53,24 @@ every layer reads its own weights). Floor of a projection = its weight bytes ove
 bandwidth, the same at 1 and 16 rows. Cells: moeserve (the linear layer's pick, its kernel
 named where it changes) / cuBLAS, µs."""
 
+METHOD_FP8 = """\
+The projections with block-scaled FP8 weights (float8_e4m3fn, a float32 scale per 128 x 128
+block; W8A8, the activation quantized per row per 128 columns), timed as above: fp8_linear
+(up to 2 rows the GEMV with the quantizer inside it; then cuBLAS's block-scaled GEMM where it
+takes the shape, else the quantizer and moeserve's block GEMM) beside the bf16 pick of the same
+shape in the same run. Floor = the FP8 weight and scale bytes over the copy bandwidth. Cells:
+FP8 / bf16 µs."""
+
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_SHAPES),
                    help="whose projections (kernels part; norm and rope are Qwen3-30B-A3B's)")
     p.add_argument("--try-tiles", action="store_true",
-                   help="kernels part: sweep the skinny tiles and the rope head blocks")
+                   help="kernels part: sweep the skinny tiles and the rope head blocks (with "
+                        "--fp8: the FP8 GEMV's tiles)")
+    p.add_argument("--fp8", action="store_true",
+                   help="kernels part: the projections in block-scaled FP8 beside bf16")
 
 
 def repeated(fn: Callable[[], object]) -> float:
@@ -78,6 +98,38 @@ class Projection:
         return harness.graphs_us([lambda g=g: [call(w)() for w in g] for g in groups], CALLS)
 
 
+class FP8Projection:
+    """Copies of one [N, K] weight quantized to FP8 with its block scales (FP8_BLOCK)."""
+
+    def __init__(self, n: int, k: int) -> None:
+        from moeserve.kernels.fp8.reference import quantize_blocks
+
+        wq, ws = quantize_blocks(torch.randn(n, k, device="cuda") * k ** -0.5, FP8_BLOCK)
+        self.n, self.k = n, k
+        self.bytes = wq.numel() * wq.element_size() + ws.numel() * ws.element_size()
+        groups = max(1, -(-COLD_BYTES // (CALLS * self.bytes)))
+        self.weights = [(wq.clone(), ws.clone()) for _ in range(groups * CALLS)]
+
+    def us(self, x: torch.Tensor, tiles: Any = None) -> float:
+        """fp8_linear's µs a call, or with `tiles` the GEMV's with those tiles."""
+        from moeserve.kernels.fp8.gemm import fp8_gemv, fp8_linear
+
+        def call(w: torch.Tensor, s: torch.Tensor) -> Callable[[], object]:
+            if tiles is not None:
+                return lambda: fp8_gemv(x, w, s, FP8_BLOCK, tiles=tiles)
+            return lambda: fp8_linear(x, w, s, FP8_BLOCK)
+
+        groups = [self.weights[i:i + CALLS] for i in range(0, len(self.weights), CALLS)]
+        return harness.graphs_us([lambda g=g: [call(*w)() for w in g] for g in groups], CALLS)
+
+    def kind(self, x: torch.Tensor) -> str:
+        from moeserve.kernels.fp8.gemm import cublas_takes, gemv_takes
+
+        if gemv_takes(x.shape[0], FP8_BLOCK):
+            return "GEMV"
+        return "cuBLAS" if cublas_takes(x, *self.weights[0], FP8_BLOCK) else "block GEMM"
+
+
 def kind(m: int, n: int, k: int) -> str:
     from moeserve.kernels.skinny.tiles import beats_cublas, tiles_for
 
@@ -102,6 +154,37 @@ def bench_projections(shapes: dict, rows: list[int], ceil: Ceilings) -> list[dic
         del proj
         torch.cuda.empty_cache()
     return out
+
+
+def bench_fp8_projections(shapes: dict, rows: list[int], ceil: Ceilings) -> list[dict]:
+    out = []
+    for name, (n, k) in shapes.items():
+        fp8, bf16 = FP8Projection(n, k), Projection(n, k)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            r = {"name": f"{name} {k}->{n}", "rows": m, "kind": fp8.kind(x),
+                 "floor_us": ceil.floor_us(fp8.bytes), "us": fp8.us(x), "bf16_us": bf16.us(x)}
+            print(r, flush=True)
+            out.append(r)
+        del fp8, bf16
+        torch.cuda.empty_cache()
+    return out
+
+
+def try_fp8_tiles(shapes: dict, rows: list[int]) -> None:
+    from moeserve.kernels.fp8.gemm import GEMV_MAX_ROWS
+
+    for name, (n, k) in shapes.items():
+        fp8 = FP8Projection(n, k)
+        for m in (r for r in rows if r <= GEMV_MAX_ROWS):
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            timed = [(fp8.us(x, tiles=t), t) for t in TRY_FP8_GEMV
+                     if t[1] <= max(FP8_BLOCK[1], 1 << (k - 1).bit_length())]
+            for us, t in sorted(timed)[:5]:
+                print(f"fp8 {name} {k}->{n} rows {m}: {t} {us:.2f} us", flush=True)
+            print(f"fp8 {name} {k}->{n} rows {m}: the default's {fp8.us(x):.2f} us", flush=True)
+        del fp8
+        torch.cuda.empty_cache()
 
 
 def bench_fused(rows: list[int]) -> list[dict]:
@@ -167,21 +250,16 @@ def try_tiles(shapes: dict, rows: list[int]) -> None:
 
 def run(args: Any, info: RunInfo, ceil: Ceilings) -> None:
     shapes = MODEL_SHAPES[args.model]
+    if args.fp8:
+        run_fp8(args, info, ceil, {k: v for k, v in shapes.items() if k != "router"})
+        return
     projections = bench_projections(shapes, args.rows, ceil)
     fused = bench_fused(args.rows) if args.model == "qwen3-30b-a3b" else []
     if args.try_tiles:
         try_tiles(shapes, args.rows)
     body = [f"Projections of {args.model} (tp = 1):", ""]
-    pivot = []
-    for name in dict.fromkeys(r["name"] for r in projections):
-        cells, last = [], None
-        mine = [r for r in projections if r["name"] == name]
-        for r in mine:
-            tag = f" ({r['kind']})" if r["kind"] != last else ""
-            cells.append(f"{r['us']:.2f} / {r['cublas_us']:.2f}{tag}")
-            last = r["kind"]
-        pivot.append([name, f"{mine[0]['floor_us']:.1f}", *cells])
-    body += table(["projection", "floor µs", *map(str, args.rows)], pivot)
+    body += table(["projection", "floor µs", *map(str, args.rows)],
+                  pivot(projections, "cublas_us"))
     if fused:
         body += ["", "Fused elementwise kernels (Qwen3-30B-A3B), moeserve / baseline µs:", ""]
         names = list(dict.fromkeys((r["kernel"], r["baseline"]) for r in fused))
@@ -191,3 +269,31 @@ def run(args: Any, info: RunInfo, ceil: Ceilings) -> None:
     text = harness.section(TITLE, METHOD, info, ceil, body)
     harness.save(Path(args.out), "attention_kernels", {"info": info, "ceilings": ceil,
                  "projections": projections, "fused": fused}, text, args.results)
+
+
+def run_fp8(args: Any, info: RunInfo, ceil: Ceilings, shapes: dict) -> None:
+    """The FP8 section (the router stays in bf16 in an FP8 model: not among `shapes`)."""
+    found = bench_fp8_projections(shapes, args.rows, ceil)
+    if args.try_tiles:
+        try_fp8_tiles(shapes, args.rows)
+    body = [f"Projections of {args.model} (tp = 1), FP8 / bf16 µs:", ""]
+    body += table(["projection", "FP8 floor µs", *map(str, args.rows)],
+                  pivot(found, "bf16_us"))
+    text = harness.section(TITLE_FP8, METHOD_FP8, info, ceil, body)
+    harness.save(Path(args.out), "attention_kernels_fp8", {"info": info, "ceilings": ceil,
+                 "projections": found}, text, args.results)
+
+
+def pivot(found: list[dict], baseline: str) -> list[list[str]]:
+    """A row per projection: its floor, then a cell per row count (ours / the `baseline`
+    key's µs, our kernel named where it changes)."""
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in found):
+        mine = [r for r in found if r["name"] == name]
+        cells, last = [], None
+        for r in mine:
+            tag = f" ({r['kind']})" if r["kind"] != last else ""
+            cells.append(f"{r['us']:.2f} / {r[baseline]:.2f}{tag}")
+            last = r["kind"]
+        rows.append([name, f"{mine[0]['floor_us']:.1f}", *cells])
+    return rows

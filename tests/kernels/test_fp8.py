@@ -171,6 +171,16 @@ xx[0, 128:256] = 0
 got = gemm.fp8_gemv(xx, wq, ws, (128, 128))
 ref = R.fp8_linear(xx, wq, ws, (128, 128))
 assert float((got - ref).norm() / ref.norm()) < 1e-6
+# the benchmarks' tiles: the whole K in one step (four groups, past K's three), 2 columns a
+# program and 2 warps, or a group a step; BLOCK_N not a power of two is refused
+for tiles in ((2, 512, 2), (8, 128, 4)):
+    got = gemm.fp8_gemv(xx, wq, ws, (128, 128), tiles=tiles)
+    assert float((got - ref).norm() / ref.norm()) < 1e-6, tiles
+try:
+    gemm.fp8_gemv(xx, wq, ws, (128, 128), tiles=(3, 128, 4))
+    raise RuntimeError("BLOCK_N 3 ran")
+except AssertionError:
+    pass
 print("interpreter ok")
 """
 

@@ -206,11 +206,17 @@ def gemv_takes(rows: int, block: tuple[int, int]) -> bool:
     return rows <= GEMV_MAX_ROWS and bk >= 16 and bk & (bk - 1) == 0
 
 
+GEMV_WARPS = 4
+
+
 def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
              block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+             residual: Optional[torch.Tensor] = None,
+             tiles: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual) for a few rows in one launch, the activation
-    quantized per row per bk columns inside it; out in x's dtype."""
+    quantized per row per bk columns inside it; out in x's dtype. `tiles` (BLOCK_N, K step,
+    warps) in place of gemv_tiles' and GEMV_WARPS (the benchmarks' sweep): BLOCK_N a power of
+    two, the step a power-of-two multiple of bk."""
     m, k = x_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
@@ -221,13 +227,17 @@ def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
         return out
     res = residual if residual is not None else out
     assert res.stride(-1) == 1
-    block_n, step = gemv_tiles(k, bk)
+    block_n, step, warps = tiles or (*gemv_tiles(k, bk), GEMV_WARPS)
+    groups = step // bk
+    assert step % bk == 0 and groups & (groups - 1) == 0 and block_n & (block_n - 1) == 0, \
+        (tiles, bk)
     grid = (triton.cdiv(n, block_n), m)
     _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
                            n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
                            res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=block_n,
-                           BLOCK_K=bk, GROUPS=step // bk, HAS_BIAS=bias is not None,
-                           HAS_RES=residual is not None, num_warps=4, **pdl_args(x_MK.device))
+                           BLOCK_K=bk, GROUPS=groups, HAS_BIAS=bias is not None,
+                           HAS_RES=residual is not None, num_warps=warps,
+                           **pdl_args(x_MK.device))
     return out
 
 
