@@ -184,4 +184,3 @@ def _check_forced_tools(tools: list[dict[str, Any]], named: Optional[str]) -> No
         except GrammarError as exc:
             raise bad_request(f"tools[{i}] ({fn['name']!r}): parameters: {exc}",
                               f"tools.{i}.function.parameters") from None
-
