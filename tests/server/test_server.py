@@ -99,6 +99,38 @@ def test_chat_equals_completion_of_the_template(client):
     assert r2.choices[0].message.content == c.message.content
 
 
+def test_tokenize_counts_what_the_endpoints_count_and_detokenize_inverts_it(server, client):
+    """/tokenize (vLLM's): a prompt's ids are the completion's prompt tokens, a chat's those
+    the chat endpoint renders (without the generation prompt, its 14 bytes fewer); /detokenize
+    gives the text back; bad bodies are 400s, an unknown model a 404."""
+    status, _, tok = http(server, "POST", "/tokenize", {"model": MODEL, "prompt": "hello"})
+    assert status == 200 and tok["tokens"] == list(b"hello") and tok["count"] == 5
+    assert tok["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"]
+    used = complete(client, "hello", 1).usage.prompt_tokens
+    assert used == tok["count"]
+    msgs = [{"role": "user", "content": "hi there"}]
+    status, _, chat = http(server, "POST", "/tokenize", {"messages": msgs})
+    assert status == 200 and chat["tokens"] == list(chat_template(msgs).encode())
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, **GREEDY)
+    assert r.usage.prompt_tokens == chat["count"]
+    status, _, bare = http(server, "POST", "/tokenize",
+                           {"messages": msgs, "add_generation_prompt": False})
+    assert bare["count"] == chat["count"] - len("<|assistant|>\n")
+    status, _, back = http(server, "POST", "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and back == {"prompt": chat_template(msgs)}
+    for path, body, param in [("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
+                              ("/tokenize", {"messages": msgs, "chat_template_kwargs": {
+                                  "tools": []}}, "chat_template_kwargs"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "ab"}, "tokens")]:
+        status, _, err = http(server, "POST", path, body)
+        assert status == 400 and err["error"]["param"] == param, (path, body, err)
+    status, _, err = http(server, "POST", "/tokenize", {"model": "other", "prompt": "a"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+
+
 def test_max_tokens_and_max_completion_tokens(client):
     msgs = [{"role": "user", "content": "count"}]
     a = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=3,

@@ -47,10 +47,11 @@ from moeserve.server.guard import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_RE
                                    RequestGuard)
 from moeserve.server.openai_api import Job, OpenAIHandlers
 from moeserve.server.text import TextCodec
+from moeserve.server.tokenize_api import TokenizeHandlers
 
 log = logging.getLogger("moeserve.server")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/plan", "/health",
-             "/metrics")
+             "/metrics", "/tokenize", "/detokenize")
 ENGINE_WATCH_S = 1.0
 DRAIN_POLL_S = 0.1
 DRAIN_GRACE_S = 5.0  # after the drain: for the last responses and error events to go out
@@ -85,6 +86,7 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     client = EngineClient(engine, max_queue)
     codec = TextCodec(engine.tokenizer, engine.spec.vocab_size, chat_template)
     handlers = OpenAIHandlers(client, codec, served, ctx, tool_call_parser, reasoning_parser)
+    tokens = TokenizeHandlers(codec, served, ctx)
     state = ServerState()
     created = int(time.time())
 
@@ -176,6 +178,14 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
         finally:
             seats.release()
         return JSONResponse(body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(tokens.tokenize, await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(tokens.detokenize, await request.body()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

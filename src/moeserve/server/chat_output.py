@@ -109,11 +109,7 @@ class ChatPlanner:
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
 
     def plan(self, req: Any) -> ChatPlan:
-        kwargs = dict(req.chat_template_kwargs or {})
-        bad = [k for k in RESERVED_TEMPLATE_KEYS if k in kwargs]
-        if bad:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}: give them "
-                              "as the request's fields", "chat_template_kwargs")
+        kwargs = template_kwargs(req.chat_template_kwargs)
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         grammar = request_grammar(req)
@@ -144,7 +140,7 @@ class ChatPlanner:
                 grammar.check()
             except GrammarError as exc:
                 raise bad_request(f"tools: {exc}", "tools") from None
-        messages = [_template_message(m) for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
         out = None
         if calls or self.reasoning is not None:
             out = ChatOutput("", self.reasoning, self.tool_parser if calls else None,
@@ -152,7 +148,18 @@ class ChatPlanner:
         return ChatPlan(messages, tools if calls else None, kwargs, grammar, out)
 
 
-def _template_message(m: Any) -> dict[str, Any]:
+def template_kwargs(given: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A request's chat_template_kwargs (a copy), a 400 where they set what the request's own
+    fields give (RESERVED_TEMPLATE_KEYS)."""
+    kwargs = dict(given or {})
+    bad = [k for k in RESERVED_TEMPLATE_KEYS if k in kwargs]
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}: give them as "
+                          "the request's fields", "chat_template_kwargs")
+    return kwargs
+
+
+def template_message(m: Any) -> dict[str, Any]:
     """A message as chat templates take it: text content, and an assistant's tool calls with
     their arguments as objects (the templates write them with tojson)."""
     out = m.model_dump(exclude_none=True) | {"content": m.text()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -42,6 +42,11 @@ class APIError(Exception):
 def bad_request(message: str, param: Optional[str] = None,
                 code: Optional[str] = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
+
+
+def unknown_model(name: str, served: Sequence[str]) -> APIError:
+    return APIError(404, f"the model '{name}' does not exist; this server serves "
+                    f"{served[0]!r} (GET /v1/models)", "model", "model_not_found")
 
 
 def from_validation(exc: ValidationError) -> APIError:

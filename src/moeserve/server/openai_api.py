@@ -30,7 +30,7 @@ from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams, SamplingParamsError, choice_seed
 from moeserve.server.bridge import EngineClient, Seats
 from moeserve.server.errors import (APIError, bad_request, from_validation, internal_error,
-                                   unsupported)
+                                   unknown_model, unsupported)
 from moeserve.server.formatting import (chat_logprobs, completion_logprobs, echo_entries,
                                        vllm_prompt_logprobs)
 from moeserve.runtime.grammar import GrammarSpec
@@ -109,9 +109,7 @@ class OpenAIHandlers:
         except ValidationError as exc:
             raise from_validation(exc) from None
         if req.model not in self.served_names:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
-                           f"{self.served_names[0]!r} (GET /v1/models)", "model",
-                           "model_not_found")
+            raise unknown_model(req.model, self.served_names)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true",
                               "stream_options")

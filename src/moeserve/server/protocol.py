@@ -244,3 +244,19 @@ class ChatCompletionRequest(_Sampling):
         are given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages as the chat template renders them."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    add_special_tokens: bool = True  # a prompt's BOS etc. (a rendered chat writes its own)
+    messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
