@@ -3,13 +3,14 @@
 The engine's ranks run in worker processes; this process tokenizes, renders chat templates,
 formats responses and streams them. The server listens while the engine starts (its ranks load
 their weights, compile every kernel variant of the plan and capture their graphs): until it is
-ready, /health answers 503 "starting" and every other route 503 with Retry-After. SIGTERM or SIGINT (Ctrl-C) drains: /health and new
-requests answer 503 (the socket stays open, so that a load balancer sees the 503 rather than a
-refused connection), requests in flight finish; those left after --drain-timeout seconds end
-with an error (a stream: an error event, then [DONE]); the engine shuts down, and the process
-exits 0. A second signal stops at once. When the engine fails (a rank died, or the watchdog
-found no step finished in --watchdog-timeout seconds), every request in flight gets an error,
-/health answers 503, and the process exits 1, for a supervisor to restart it.
+ready, /health answers 503 "starting" and every other route 503 with Retry-After. SIGTERM or
+SIGINT (Ctrl-C) drains (server/lifecycle.py): /health and new requests answer 503 (the socket
+stays open, so that a load balancer sees the 503 rather than a refused connection), requests
+in flight finish; those left after --drain-timeout seconds end with an error (a stream: an
+error event, then [DONE]; server/streaming.py); the engine shuts down, and the process exits 0.
+A second signal stops at once. When the engine fails (a rank died, or the watchdog found no
+step finished in --watchdog-timeout seconds), every request in flight gets an error, /health
+answers 503, and the process exits 1, for a supervisor to restart it.
 
 With --api-key every route but /health asks for `Authorization: Bearer KEY`; POST bodies are
 JSON only and at most --max-request-bytes (server/guard.py); CORS headers are sent only for the
@@ -22,13 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import signal
 import socket
 import time
-import traceback
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -42,29 +41,21 @@ from moeserve.config import EngineConfig
 from moeserve.runtime.engine import Engine
 from moeserve.server.bridge import EngineClient
 from moeserve.server.connection import timed_h11_protocol
-from moeserve.server.errors import APIError, internal_error, new_request_id, public_line
+from moeserve.server.errors import (APIError, internal_error, new_request_id, public_line,
+                                   traceback_text)
 from moeserve.server.guard import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S,
                                    RequestGuard)
+from moeserve.server.lifecycle import (DRAIN_GRACE_S, ServerState, drain_when_asked,
+                                      wait_for_engine, watch_engine)
 from moeserve.server.openai_api import Job, OpenAIHandlers
+from moeserve.server.streaming import EventStream, unless_disconnected
 from moeserve.server.text import TextCodec
 from moeserve.server.tokenize_api import TokenizeHandlers
 
 log = logging.getLogger("moeserve.server")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/plan", "/health",
              "/metrics", "/tokenize", "/detokenize")
-ENGINE_WATCH_S = 1.0
-DRAIN_POLL_S = 0.1
-DRAIN_GRACE_S = 5.0  # after the drain: for the last responses and error events to go out
 STARTING_RETRY_S = 5  # Retry-After while the engine starts
-FAILED_LINGER_S = 1.0  # a failed engine's /health 503 stays visible this long before the exit
-
-
-@dataclasses.dataclass
-class ServerState:
-    draining: bool = False  # set by a signal handler; the drain task acts on it
-    engine_failed: Optional[str] = None
-    # set when --drain-timeout runs out: the requests still open end with an error
-    drain_expired: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_queue: int = 1024,
@@ -92,9 +83,9 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        start = asyncio.create_task(_wait_for_engine(engine))
-        watch = asyncio.create_task(_watch_engine(client, state, on_engine_death))
-        drain = asyncio.create_task(_drain_when_asked(client, state, drain_timeout, on_drained))
+        start = asyncio.create_task(wait_for_engine(engine))
+        watch = asyncio.create_task(watch_engine(client, state, on_engine_death))
+        drain = asyncio.create_task(drain_when_asked(client, state, drain_timeout, on_drained))
         yield
         for task in (start, watch, drain):
             task.cancel()
@@ -123,7 +114,7 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
         return internal_error(log, new_request_id(), "internal error",
-                              _traceback(exc)).response()
+                              traceback_text(exc)).response()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
@@ -173,7 +164,7 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
             return EventStream(handlers.stream(job, seats), on_close=seats.release,
                                request_id=job.id, expired=state.drain_expired)
         try:
-            body = await _unless_disconnected(request, handlers.respond(job, seats),
+            body = await unless_disconnected(request, handlers.respond(job, seats),
                                               state.drain_expired)
         finally:
             seats.release()
@@ -206,21 +197,6 @@ def build_app(engine: Engine, *, served_model_name: Optional[str] = None, max_qu
     return app
 
 
-def _traceback(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))
-
-
-async def _wait_for_engine(engine: Engine) -> None:
-    """Let an engine that was created with wait=False finish starting (its ranks load, warm up
-    and capture while the server answers /health with 503)."""
-    if engine.ready:
-        return
-    try:
-        await asyncio.to_thread(engine.wait_ready)
-    except Exception as exc:  # EngineError: the engine is failed; the watch task acts on it
-        log.error("the engine failed to start: %s", exc)
-
-
 class StartingGate:
     """ASGI middleware: until the engine is ready, every route but /health answers 503 with
     Retry-After (inside the guard, so that the API key is checked first)."""
@@ -236,136 +212,6 @@ class StartingGate:
                        "capturing graphs); retry shortly", None, "starting",
                        headers={"Retry-After": str(STARTING_RETRY_S)})
         await err.response()(scope, receive, send)
-
-
-async def _watch_engine(client: EngineClient, state: ServerState,
-                        on_death: Optional[Callable[[str], None]]) -> None:
-    while client.alive:
-        await asyncio.sleep(ENGINE_WATCH_S)
-    if client.failure is None:  # shut down, not failed
-        return
-    state.engine_failed = client.failure
-    log.error("the engine failed, the server stops: %s", state.engine_failed)
-    # the engine has failed every request; their responses go out, and a health probe sees
-    # the 503, before the server stops
-    await asyncio.sleep(FAILED_LINGER_S)
-    await _until_idle(client, DRAIN_GRACE_S)
-    if on_death is not None:
-        on_death(state.engine_failed)
-
-
-async def _until_idle(client: EngineClient, timeout: float) -> None:
-    """Wait until no sequence is in flight, or `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while client.in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(DRAIN_POLL_S)
-
-
-async def _drain_when_asked(client: EngineClient, state: ServerState, drain_timeout: float,
-                            on_drained: Optional[Callable[[], None]]) -> None:
-    """Once a signal sets `state.draining`: let the requests in flight finish, for at most
-    drain_timeout seconds; then end those left with an error, and stop the server. Polling
-    keeps the signal handler trivial (it runs between any two bytecodes of the loop)."""
-    while not state.draining:
-        await asyncio.sleep(DRAIN_POLL_S)
-    log.info("draining: %d sequences in flight, for at most %g s", client.in_flight,
-             drain_timeout)
-    await _until_idle(client, drain_timeout)
-    if client.in_flight:
-        log.warning("--drain-timeout %g s ran out: %d sequences end with an error",
-                    drain_timeout, client.in_flight)
-        state.drain_expired.set()
-        await _until_idle(client, DRAIN_GRACE_S)
-    if on_drained is not None:
-        on_drained()
-
-
-def _drain_error() -> APIError:
-    return APIError(503, "the server shut down before the request finished (--drain-timeout "
-                    "ran out); retry it", None, "draining", headers={"Retry-After": "1"})
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any],
-                               expired: asyncio.Event) -> Any:
-    """Await `work`, unless the client disconnects or the drain runs out of time first: then
-    cancel it (which aborts its sequences and frees their KV pages)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
-    drain = asyncio.ensure_future(expired.wait())
-    done, _ = await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
-    watch.cancel()
-    drain.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    if drain in done:
-        raise _drain_error()
-    raise APIError(499, "the client closed the connection", None, "client_closed")
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class EventStream(Response):
-    """A text/event-stream response that stops (and closes its generator, which aborts the
-    request's sequences) as soon as the client disconnects, even while no event is due; when
-    the drain runs out of time (`expired`), it ends with an error event and [DONE]."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
-                 request_id: str, expired: asyncio.Event) -> None:
-        super().__init__(status_code=200, media_type="text/event-stream")
-        self.events, self.on_close, self.request_id = events, on_close, request_id
-        self.expired = expired
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = [False]
-
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-            started[0] = True
-            try:
-                async for chunk in self.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except OSError:  # the client went away
-                raise
-            except Exception as exc:  # the headers are out: the error goes as an event
-                err = internal_error(log, self.request_id, "the stream failed", _traceback(exc))
-                event = b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        task = asyncio.ensure_future(pump())
-        watch = asyncio.ensure_future(_disconnected(receive))
-        drain = asyncio.ensure_future(self.expired.wait())
-        try:
-            await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
-            if drain.done() and not task.done() and not watch.done():
-                task.cancel()  # ends the generator, which aborts the request's sequences
-                await asyncio.gather(task, return_exceptions=True)
-                await self._end_with(send, started[0], _drain_error())
-        finally:
-            for t in (task, watch, drain):
-                t.cancel()
-            done = await asyncio.gather(task, watch, drain, return_exceptions=True)
-            await self.events.aclose()  # type: ignore[attr-defined]
-            self.on_close()  # for a stream whose generator never started
-        if isinstance(done[0], Exception) and not isinstance(done[0], OSError):
-            log.error("a stream failed", exc_info=done[0])  # OSError: the client went away
-
-    @staticmethod
-    async def _end_with(send: Send, started: bool, err: APIError) -> None:
-        """End the stream with `err` as an event, then [DONE]."""
-        if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8")]})
-        event = b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class CountRequests:
@@ -461,7 +307,7 @@ def serve(cfg: EngineConfig, *, host: str = "127.0.0.1", port: int = 30000,
                         request_read_timeout=request_read_timeout,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         chat_template=read_chat_template(chat_template))
-        # the app drains first (_drain_when_asked); uvicorn's own wait is only a backstop
+        # the app drains first (drain_when_asked); uvicorn's own wait is only a backstop
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=DRAIN_GRACE_S, http=protocol)
         server = _Server(config, app.state.server)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import traceback
 import uuid
 from typing import Any, Optional, Sequence
 
@@ -42,6 +43,10 @@ class APIError(Exception):
 def bad_request(message: str, param: Optional[str] = None,
                 code: Optional[str] = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
+
+
+def traceback_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
 
 
 def unknown_model(name: str, served: Sequence[str]) -> APIError:
