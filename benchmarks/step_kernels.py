@@ -6,7 +6,7 @@ program per token; rope that writes K/V into their slots against rope then store
 --try-tiles times every skinny tile alternative and rope head-block count and prints the best
 (kernels/skinny/tiles.py TILES and the rope's head blocks come from such sweeps).
 --fp8: the projections with block-scaled FP8 weights (kernels/fp8/gemm.fp8_linear) beside the
-bf16 pick, their own section; with --try-tiles it sweeps the FP8 GEMV's tiles at its rows
+bf16 pick, their own section; with --try-tiles it sweeps the FP8 GEMV's tiles at one row
 (kernels/fp8/gemm.gemv_tiles comes from such sweeps)."""
 
 from __future__ import annotations
@@ -171,18 +171,17 @@ def bench_fp8_projections(shapes: dict, rows: list[int], ceil: Ceilings) -> list
     return out
 
 
-def try_fp8_tiles(shapes: dict, rows: list[int]) -> None:
-    from moeserve.kernels.fp8.gemm import GEMV_MAX_ROWS
-
+def try_fp8_tiles(shapes: dict) -> None:
+    """The FP8 GEMV's tiles at one row (a batch-1 decode; the sweep compiles each tile once,
+    and takes a few minutes): the five fastest and the default's time, printed."""
     for name, (n, k) in shapes.items():
         fp8 = FP8Projection(n, k)
-        for m in (r for r in rows if r <= GEMV_MAX_ROWS):
-            x = torch.randn(m, k, device="cuda", dtype=DT)
-            timed = [(fp8.us(x, tiles=t), t) for t in TRY_FP8_GEMV
-                     if t[1] <= max(FP8_BLOCK[1], 1 << (k - 1).bit_length())]
-            for us, t in sorted(timed)[:5]:
-                print(f"fp8 {name} {k}->{n} rows {m}: {t} {us:.2f} us", flush=True)
-            print(f"fp8 {name} {k}->{n} rows {m}: the default's {fp8.us(x):.2f} us", flush=True)
+        x = torch.randn(1, k, device="cuda", dtype=DT)
+        timed = [(fp8.us(x, tiles=t), t) for t in TRY_FP8_GEMV
+                 if t[1] <= max(FP8_BLOCK[1], 1 << (k - 1).bit_length())]
+        for us, t in sorted(timed)[:5]:
+            print(f"fp8 {name} {k}->{n} rows 1: {t} {us:.2f} us", flush=True)
+        print(f"fp8 {name} {k}->{n} rows 1: the default's {fp8.us(x):.2f} us", flush=True)
         del fp8
         torch.cuda.empty_cache()
 
@@ -275,7 +274,7 @@ def run_fp8(args: Any, info: RunInfo, ceil: Ceilings, shapes: dict) -> None:
     """The FP8 section (the router stays in bf16 in an FP8 model: not among `shapes`)."""
     found = bench_fp8_projections(shapes, args.rows, ceil)
     if args.try_tiles:
-        try_fp8_tiles(shapes, args.rows)
+        try_fp8_tiles(shapes)
     body = [f"Projections of {args.model} (tp = 1), FP8 / bf16 µs:", ""]
     body += table(["projection", "FP8 floor µs", *map(str, args.rows)],
                   pivot(found, "bf16_us"))
