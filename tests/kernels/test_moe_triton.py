@@ -152,6 +152,22 @@ def test_one_row_decode_defaults_are_the_shipped_tables_most_common_tiles():
             counts.most_common(1)[0][0], (gemv, counts)
 
 
+def test_tiles_source_names_the_tuned_table_or_the_one_tune_moe_would_write(tmp_path):
+    name = configs.config_file_name(128, 2048, 384, torch.bfloat16, "NVIDIA H200")
+    src = lambda device, quant=None: configs.tiles_source(  # noqa: E731
+        128, 2048, 384, torch.bfloat16, device, quant, config_dir=tmp_path)
+    assert src("NVIDIA H200") == (f"defaults: no tuned table {name} (`python -m benchmarks "
+                                  "tune-moe` writes it)")
+    (tmp_path / name).write_text("{}")
+    assert src("NVIDIA H200") == f"tuned ({name})"
+    assert "fp8_w8a8_128x128" in src("NVIDIA H200", (128, 128))
+    assert "tune-moe --fp8" in src("NVIDIA H200", (128, 128))
+    assert src(None).startswith("the tuned table of E=128,H=2048,I=384,dtype=bfloat16 for "
+                                "the GPU it runs on")
+    shipped = configs.tiles_source(128, 2048, 768, torch.bfloat16, "NVIDIA H200")
+    assert shipped.startswith("tuned (") and (configs.CONFIG_DIR / shipped[7:-1]).is_file()
+
+
 def test_configs_nearest_entry_and_defaults(tmp_path):
     table = {"1": configs.default_config(1, 8, 128), "64": configs.default_config(64, 8, 128),
              "4096": configs.default_config(4096, 8, 128)}

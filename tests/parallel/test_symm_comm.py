@@ -104,6 +104,8 @@ def test_one_rank_has_no_window_and_a_bad_size_is_a_problem_with_its_fix():
                                              max_total_tokens=2048), tiny_spec("qwen3"))
     assert one.ok and not any(r.name.startswith("comm.") for r in one.buffers)
     assert "step collectives: none (one rank)" in _report(one)
+    # the triton runner's tiles: the shape's table for the GPU it runs on (none here)
+    assert "MoE tiles: the tuned table of E=8,H=" in _report(one)
     # DP attention over every rank and the all-to-all: nothing crosses attn_tp or the world
     cfg = EngineConfig(model="preset:qwen3-30b-a3b", tp_size=2, ep_size=2, dp_size=2,
                        enable_dp_attention=True, moe_a2a_backend="nvlink", device="cuda")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from moeserve.plan.capacity import CapacityPlan
+from moeserve.kernels.moe.configs import tiles_source
+from moeserve.plan.capacity import CapacityPlan, local_gpu_name
 from moeserve.plan.memory import GB
 
 MIB = 1024 ** 2
@@ -18,6 +19,15 @@ def _graphs_line(sizes: tuple[int, ...]) -> str:
         return ", ".join(map(str, sizes))
     head = ", ".join(map(str, sizes[:8]))
     return f"{head}, ..., {sizes[-1]}  ({len(sizes)} sizes)"
+
+
+def _tiles_line(plan: CapacityPlan) -> str:
+    """Where the triton expert runner's tiles come from on this machine's GPU."""
+    spec, layout = plan.spec, plan.layout
+    assert layout is not None
+    return tiles_source(spec.num_experts // layout.ep, spec.hidden_size,
+                        spec.moe_intermediate_size // layout.moe_tp, plan.dtype,
+                        local_gpu_name(plan.config), plan.expert_block)
 
 
 def _comm_line(plan: CapacityPlan) -> str:
@@ -52,6 +62,8 @@ def print_plan(plan: CapacityPlan, console: Console | None = None) -> None:
         graphs = "" if be.graph_blocker is None else f"; no CUDA graphs: {be.graph_blocker}"
         console.print(f"backends on {be.device}: attention {be.attention}, experts {be.experts} "
                       f"({plan.moe_runner_rows} rows at most){graphs}")
+        if be.experts == "triton" and plan.layout is not None:
+            console.print(f"MoE tiles: {_tiles_line(plan)}")
     if plan.budget is not None:
         b = plan.budget
         t = Table(title="token budget per forward, per DP rank")

@@ -313,6 +313,22 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
     return default_config(num_tokens, top_k, num_local, hopper=hopper)
 
 
+def tiles_source(num_local: int, hidden: int, inter: int, dtype: Any,
+                 device_name: Optional[str], quant_block: Optional[tuple[int, int]] = None,
+                 config_dir: Path = CONFIG_DIR) -> str:
+    """Where a runner's tiles come from, for `moeserve plan`: the tuned table of this shape
+    and device, or the defaults (naming the table that `tune-moe` would write)."""
+    dtype_key = table_dtype(dtype, quant_block)
+    if device_name is None:
+        return (f"the tuned table of E={num_local},H={hidden},I={inter},dtype={dtype_key} for "
+                "the GPU it runs on, else defaults (no GPU here)")
+    name = config_file_name(num_local, hidden, inter, dtype_key, device_name)
+    if (config_dir / name).is_file():
+        return f"tuned ({name})"
+    return (f"defaults: no tuned table {name} (`python -m benchmarks tune-moe"
+            f"{' --fp8' if quant_block else ''}` writes it)")
+
+
 def _last_rows(table: dict[int, dict[str, Any]], max_rows: int, takes: Any) -> int:
     """The most rows (at most max_rows) whose nearest entry `takes` holds for, 0 for none
     (nearest is monotone in rows)."""
