@@ -77,6 +77,13 @@ def repeated(fn: Callable[[], object]) -> float:
     return harness.graphs_us([lambda: [fn() for _ in range(CALLS)]], CALLS)
 
 
+def cold_us(weights: list, call: Callable[[Any], Callable[[], object]]) -> float:
+    """µs a call of call(w)(), CALLS calls a graph, one graph per CALLS of the weight copies,
+    replayed in turn: no copy is in L2 when it is read."""
+    groups = [weights[i:i + CALLS] for i in range(0, len(weights), CALLS)]
+    return harness.graphs_us([lambda g=g: [call(w)() for w in g] for g in groups], CALLS)
+
+
 class Projection:
     """Copies of one [N, K] weight, enough to read each from HBM."""
 
@@ -94,8 +101,7 @@ class Projection:
                 return lambda: F.linear(x, w)
             return lambda: skinny_linear(x, w, tiles=tiles)
 
-        groups = [self.weights[i:i + CALLS] for i in range(0, len(self.weights), CALLS)]
-        return harness.graphs_us([lambda g=g: [call(w)() for w in g] for g in groups], CALLS)
+        return cold_us(self.weights, call)
 
 
 class FP8Projection:
@@ -119,8 +125,7 @@ class FP8Projection:
                 return lambda: fp8_gemv(x, w, s, FP8_BLOCK, tiles=tiles)
             return lambda: fp8_linear(x, w, s, FP8_BLOCK)
 
-        groups = [self.weights[i:i + CALLS] for i in range(0, len(self.weights), CALLS)]
-        return harness.graphs_us([lambda g=g: [call(*w)() for w in g] for g in groups], CALLS)
+        return cold_us(self.weights, lambda w: call(*w))
 
     def kind(self, x: torch.Tensor) -> str:
         from moeserve.kernels.fp8.gemm import cublas_takes, gemv_takes

@@ -158,7 +158,8 @@ def test_tiles_source_names_the_tuned_table_or_the_one_tune_moe_would_write(tmp_
         128, 2048, 384, torch.bfloat16, device, quant, config_dir=tmp_path)
     assert src("NVIDIA H200") == (f"defaults: no tuned table {name} (`python -m benchmarks "
                                   "tune-moe` writes it)")
-    (tmp_path / name).write_text("{}")
+    (tmp_path / name).write_text(json.dumps({"1": configs.default_config(1, 8, 128)}))
+    configs.load_tuned.cache_clear()
     assert src("NVIDIA H200") == f"tuned ({name})"
     assert "fp8_w8a8_128x128" in src("NVIDIA H200", (128, 128))
     assert "tune-moe --fp8" in src("NVIDIA H200", (128, 128))

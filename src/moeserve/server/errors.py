@@ -54,6 +54,18 @@ def unknown_model(name: str, served: Sequence[str]) -> APIError:
                     f"{served[0]!r} (GET /v1/models)", "model", "model_not_found")
 
 
+def parse_body(cls: Any, body: bytes, served: Sequence[str]) -> Any:
+    """`body` as the strict pydantic model `cls` (a 400 naming the field), whose `model`, when
+    given, is one of the `served` names (else a 404)."""
+    try:
+        req = cls.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    if req.model is not None and req.model not in served:
+        raise unknown_model(req.model, served)
+    return req
+
+
 def from_validation(exc: ValidationError) -> APIError:
     """The first problem pydantic found, with the field path as OpenAI's `param`."""
     err = exc.errors()[0]

@@ -23,14 +23,12 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from pydantic import ValidationError
-
 from moeserve.runtime.limits import PromptError, check_prompt, output_limit
 from moeserve.runtime.request import TokenOutput
 from moeserve.runtime.sampling import SamplingParams, SamplingParamsError, choice_seed
 from moeserve.server.bridge import EngineClient, Seats
-from moeserve.server.errors import (APIError, bad_request, from_validation, internal_error,
-                                   unknown_model, unsupported)
+from moeserve.server.errors import (APIError, bad_request, internal_error, parse_body,
+                                   unsupported)
 from moeserve.server.formatting import (chat_logprobs, completion_logprobs, echo_entries,
                                        vllm_prompt_logprobs)
 from moeserve.runtime.grammar import GrammarSpec
@@ -104,12 +102,7 @@ class OpenAIHandlers:
 
     # --- parsing ----------------------------------------------------------------------------
     def _parse(self, cls: Any, body: bytes) -> Any:
-        try:
-            req = cls.model_validate_json(body, strict=True)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        if req.model not in self.served_names:
-            raise unknown_model(req.model, self.served_names)
+        req = parse_body(cls, body, self.served_names)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true",
                               "stream_options")

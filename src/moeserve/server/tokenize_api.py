@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from pydantic import ValidationError
-
 from moeserve.server.chat_output import template_kwargs, template_message
-from moeserve.server.errors import bad_request, from_validation, unknown_model
+from moeserve.server.errors import bad_request, parse_body
 from moeserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from moeserve.server.text import TextCodec
 
@@ -28,17 +26,8 @@ class TokenizeHandlers:
                  context_length: int) -> None:
         self.codec, self.served_names, self.context_length = codec, served_names, context_length
 
-    def _parse(self, cls: Any, body: bytes) -> Any:
-        try:
-            req = cls.model_validate_json(body, strict=True)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        if req.model is not None and req.model not in self.served_names:
-            raise unknown_model(req.model, self.served_names)
-        return req
-
     def tokenize(self, body: bytes) -> dict[str, Any]:
-        req: TokenizeRequest = self._parse(TokenizeRequest, body)
+        req: TokenizeRequest = parse_body(TokenizeRequest, body, self.served_names)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give a prompt or messages (one of them)", "prompt")
         if req.prompt is not None:
@@ -57,7 +46,7 @@ class TokenizeHandlers:
         return {"count": len(ids), "max_model_len": self.context_length, "tokens": ids}
 
     def detokenize(self, body: bytes) -> dict[str, Any]:
-        req: DetokenizeRequest = self._parse(DetokenizeRequest, body)
+        req: DetokenizeRequest = parse_body(DetokenizeRequest, body, self.served_names)
         bad = [t for t in req.tokens if not 0 <= t < self.codec.vocab_size]
         if bad:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary "

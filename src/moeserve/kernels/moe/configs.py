@@ -323,8 +323,8 @@ def tiles_source(num_local: int, hidden: int, inter: int, dtype: Any,
         return (f"the tuned table of E={num_local},H={hidden},I={inter},dtype={dtype_key} for "
                 "the GPU it runs on, else defaults (no GPU here)")
     name = config_file_name(num_local, hidden, inter, dtype_key, device_name)
-    if (config_dir / name).is_file():
-        return f"tuned ({name})"
+    if load_tuned(num_local, hidden, inter, dtype_key, device_name, config_dir):
+        return f"tuned ({name})"  # (get_config's test: a table with entries)
     return (f"defaults: no tuned table {name} (`python -m benchmarks tune-moe"
             f"{' --fp8' if quant_block else ''}` writes it)")
 
