@@ -6,8 +6,7 @@ program per token; rope that writes K/V into their slots against rope then store
 --try-tiles times every skinny tile alternative and rope head-block count and prints the best
 (kernels/skinny/tiles.py TILES and the rope's head blocks come from such sweeps).
 --fp8: the projections with block-scaled FP8 weights (kernels/fp8/gemm.fp8_linear) beside the
-bf16 pick, their own section; with --try-tiles it sweeps the FP8 GEMV's tiles at one row
-(kernels/fp8/gemm.gemv_tiles comes from such sweeps)."""
+bf16 pick, their own section."""
 
 from __future__ import annotations
 
@@ -39,10 +38,6 @@ TRY_MMA = [t for t in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (
            if t[0] * t[1] * 2 * t[3] <= 160 << 10]  # (BLOCK_N, BLOCK_K, warps, stages)
 TRY_HEAD_BLOCKS = (1, 2, 4, 8, 16, 32)
 FP8_BLOCK = (128, 128)
-# the FP8 GEMV's (BLOCK_N, K step, warps) tried: a program's tile 2 to 32 KB of weight
-TRY_FP8_GEMV = [t for t in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048,
-                                                                      4096), (2, 4, 8))
-                if 2 << 10 <= t[0] * t[1] <= 32 << 10]
 TITLE_FP8 = "Decode-step kernels, FP8"
 KV_SLOTS = 1 << 16
 METHOD = """\
@@ -56,9 +51,9 @@ named where it changes) / cuBLAS, µs."""
 METHOD_FP8 = """\
 The projections with block-scaled FP8 weights (float8_e4m3fn, a float32 scale per 128 x 128
 block; W8A8, the activation quantized per row per 128 columns), timed as above: fp8_linear
-(up to 2 rows the GEMV with the quantizer inside it; then cuBLAS's block-scaled GEMM where it
-takes the shape, else the quantizer and moeserve's block GEMM) beside the bf16 pick of the same
-shape in the same run. Floor = the FP8 weight and scale bytes over the copy bandwidth. Cells:
+(cuBLAS's block-scaled GEMM where it takes the shape, else the quantizer and moeserve's block
+GEMM, whose tiles up to 8 rows are swapped: the weight the MMA's M side) beside the bf16 pick of
+the same shape in the same run. Floor = the FP8 weight and scale bytes over the copy bandwidth. Cells:
 FP8 / bf16 µs."""
 
 
@@ -67,8 +62,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_SHAPES),
                    help="whose projections (kernels part; norm and rope are Qwen3-30B-A3B's)")
     p.add_argument("--try-tiles", action="store_true",
-                   help="kernels part: sweep the skinny tiles and the rope head blocks (with "
-                        "--fp8: the FP8 GEMV's tiles)")
+                   help="kernels part: sweep the skinny tiles and the rope head blocks")
     p.add_argument("--fp8", action="store_true",
                    help="kernels part: the projections in block-scaled FP8 beside bf16")
 
@@ -116,23 +110,20 @@ class FP8Projection:
         groups = max(1, -(-COLD_BYTES // (CALLS * self.bytes)))
         self.weights = [(wq.clone(), ws.clone()) for _ in range(groups * CALLS)]
 
-    def us(self, x: torch.Tensor, tiles: Any = None) -> float:
-        """fp8_linear's µs a call, or with `tiles` the GEMV's with those tiles."""
-        from moeserve.kernels.fp8.gemm import fp8_gemv, fp8_linear
+    def us(self, x: torch.Tensor) -> float:
+        """fp8_linear's µs a call."""
+        from moeserve.kernels.fp8.gemm import fp8_linear
 
-        def call(w: torch.Tensor, s: torch.Tensor) -> Callable[[], object]:
-            if tiles is not None:
-                return lambda: fp8_gemv(x, w, s, FP8_BLOCK, tiles=tiles)
-            return lambda: fp8_linear(x, w, s, FP8_BLOCK)
-
-        return cold_us(self.weights, lambda w: call(*w))
+        return cold_us(self.weights, lambda w: (lambda: fp8_linear(x, w[0], w[1], FP8_BLOCK)))
 
     def kind(self, x: torch.Tensor) -> str:
-        from moeserve.kernels.fp8.gemm import cublas_takes, gemv_takes
+        from moeserve.kernels.fp8.gemm import _sm_count, cublas_takes
+        from moeserve.kernels.fp8.tiles import gemm_tiles
 
-        if gemv_takes(x.shape[0], FP8_BLOCK):
-            return "GEMV"
-        return "cuBLAS" if cublas_takes(x, *self.weights[0], FP8_BLOCK) else "block GEMM"
+        if cublas_takes(x, *self.weights[0], FP8_BLOCK):
+            return "cuBLAS"
+        tiles = gemm_tiles(x.shape[0], self.n, self.k, _sm_count(x.device.index or 0))
+        return "block GEMM, swapped" if tiles.swap else "block GEMM"
 
 
 def kind(m: int, n: int, k: int) -> str:
@@ -174,21 +165,6 @@ def bench_fp8_projections(shapes: dict, rows: list[int], ceil: Ceilings) -> list
         del fp8, bf16
         torch.cuda.empty_cache()
     return out
-
-
-def try_fp8_tiles(shapes: dict) -> None:
-    """The FP8 GEMV's tiles at one row (a batch-1 decode; the sweep compiles each tile once,
-    and takes a few minutes): the five fastest and the default's time, printed."""
-    for name, (n, k) in shapes.items():
-        fp8 = FP8Projection(n, k)
-        x = torch.randn(1, k, device="cuda", dtype=DT)
-        timed = [(fp8.us(x, tiles=t), t) for t in TRY_FP8_GEMV
-                 if t[1] <= max(FP8_BLOCK[1], 1 << (k - 1).bit_length())]
-        for us, t in sorted(timed)[:5]:
-            print(f"fp8 {name} {k}->{n} rows 1: {t} {us:.2f} us", flush=True)
-        print(f"fp8 {name} {k}->{n} rows 1: the default's {fp8.us(x):.2f} us", flush=True)
-        del fp8
-        torch.cuda.empty_cache()
 
 
 def bench_fused(rows: list[int]) -> list[dict]:
@@ -278,8 +254,6 @@ def run(args: Any, info: RunInfo, ceil: Ceilings) -> None:
 def run_fp8(args: Any, info: RunInfo, ceil: Ceilings, shapes: dict) -> None:
     """The FP8 section (the router stays in bf16 in an FP8 model: not among `shapes`)."""
     found = bench_fp8_projections(shapes, args.rows, ceil)
-    if args.try_tiles:
-        try_fp8_tiles(shapes)
     body = [f"Projections of {args.model} (tp = 1), FP8 / bf16 µs:", ""]
     body += table(["projection", "FP8 floor µs", *map(str, args.rows)],
                   pivot(found, "bf16_us"))

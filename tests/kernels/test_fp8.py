@@ -79,6 +79,7 @@ def test_w8a8_equals_block_by_block_fp8_dots():
 KERNEL_SCRIPT = r"""
 import torch
 from moeserve.kernels.fp8 import gemm, reference as R
+from moeserve.kernels.fp8.tiles import GemmTiles
 torch.manual_seed(0)
 dev = "{device}"
 # 37 rows: a program a row and group; 150: tiles of rows, the last one partly empty
@@ -95,7 +96,7 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
     w = torch.randn(n, k, device=dev)
     wq, ws = R.quantize_blocks(w, block)
     bias, res = torch.randn(n, device=dev), torch.randn(9, n, device=dev)
-    for m in (1, 2, 9, 70, 130):  # 1 and 2 rows: the GEMV
+    for m in (1, 2, 9, 70, 130):  # up to 8 rows: swapped tiles
         xx = torch.randn(m, k, device=dev)
         ref = R.fp8_linear(xx, wq, ws, block)
         got = gemm.fp8_linear(xx, wq, ws, block)
@@ -107,10 +108,11 @@ for (n, k, block) in (((48, 80, small)), ((200, 300, (128, 128)))):
             got = gemm.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             ref = R.fp8_linear(xx.bfloat16(), wq, ws, block).float()
             assert float((got - ref).norm() / ref.norm()) < 1e-2
-    for rows in (1, 9):  # the GEMV's epilogue and the GEMM's
+    for rows in (1, 9):  # the epilogue of swapped tiles and of the others
         got = gemm.fp8_linear(xx[:rows], wq, ws, block, bias, res[:rows])
         ref = R.fp8_linear(xx[:rows], wq, ws, block, bias) + res[:rows]
-        assert float((got - ref).norm() / ref.norm()) < 1e-5, rows
+        err = float((got - ref).norm() / ref.norm())
+        assert err < (1e-5 if dev == "cpu" else 1e-3), (rows, err)
 # K split into parts (a GPU's decode tiles): each part stores its partial, the tile's last
 # part sums them and adds bias and residual; 5 groups of K in 2 and 4 parts (the last part
 # short, then empty), 20 rows in two row tiles; twice, as the tiles' counters carry over
@@ -121,10 +123,11 @@ xx, bias = torch.randn(20, k, device=dev), torch.randn(96, device=dev)
 res = torch.randn(20, 96, device=dev)
 xq, xs = gemm.quantize_groups(xx, small[1])
 ref = R.fp8_linear(xx, wq, ws, small, bias) + res
-for split in (2, 4, 2):
-    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
-                          tiles=(16, 32, 2, split))
-    assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
+# both tile orientations: rows x weight^T, and the weight's 64 rows as the MMA's M side
+for split, swap in ((2, False), (4, False), (2, False), (2, True), (4, True), (2, True)):
+    tiles = GemmTiles(16, 64 if swap else 32, 2, split, swap)
+    got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res, tiles=tiles)
+    assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), tiles
 # with the plan's workspace bound (fp8.gemm.*) the launches take views of it, and one whose
 # parts it cannot hold splits K into fewer: room for 2 parts of 20 x 96 runs the 4-part
 # launch in 2; the counters are left at zero; unbound once the workspace is dropped
@@ -136,7 +139,7 @@ assert gemm._split_buffers(xq.device, 4, 20, 96, 6)[0] == 2
 assert gemm._split_buffers(xq.device, 2, 20, 96, 65)[0] == 1  # more tiles than counters
 for split in (2, 4):
     got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
-                          tiles=(16, 32, 2, split))
+                          tiles=GemmTiles(16, 64, 2, split, True))
     assert float((got - ref).norm() / ref.norm()) < (1e-5 if dev == "cpu" else 1e-3), split
 assert not room.partials.isnan().any() and not room.counters.any()
 del room
@@ -162,25 +165,16 @@ for m in (8, 256, 301):
     got = gemm.fp8_linear(xx, wq, ws, (128, 128), bias.bfloat16(), res[:m].bfloat16()).float()
     ref = (R.fp8_linear(xx.float(), wq, ws, (128, 128), bias) + res[:m])
     assert float((got - ref).norm() / ref.norm()) < 1e-2, m
-# the GEMV quantizes the row as the quantizer does: a row whose group is all zeros, and
-# values on the e4m3 grid's edges, give the reference's products (float32 out, K = 3 groups)
+# the quantizer's edges (a row whose group is all zeros, values on the e4m3 grid's edges)
+# through the swapped tiles of a few rows: the reference's products (float32 out, K = 3
+# groups, the last column tile partly empty)
 w = torch.randn(40, 384, device=dev)
 wq, ws = R.quantize_blocks(w, (128, 128))
 xx = torch.randn(2, 384, device=dev) * 300
 xx[0, 128:256] = 0
-got = gemm.fp8_gemv(xx, wq, ws, (128, 128))
+got = gemm.fp8_linear(xx, wq, ws, (128, 128))
 ref = R.fp8_linear(xx, wq, ws, (128, 128))
-assert float((got - ref).norm() / ref.norm()) < 1e-6
-# the benchmarks' tiles: the whole K in one step (four groups, past K's three), 2 columns a
-# program and 2 warps, or a group a step; BLOCK_N not a power of two is refused
-for tiles in ((2, 512, 2), (8, 128, 4)):
-    got = gemm.fp8_gemv(xx, wq, ws, (128, 128), tiles=tiles)
-    assert float((got - ref).norm() / ref.norm()) < 1e-6, tiles
-try:
-    gemm.fp8_gemv(xx, wq, ws, (128, 128), tiles=(3, 128, 4))
-    raise RuntimeError("BLOCK_N 3 ran")
-except AssertionError:
-    pass
+assert float((got - ref).norm() / ref.norm()) < (1e-6 if dev == "cpu" else 1e-3)
 print("interpreter ok")
 """
 
@@ -206,7 +200,7 @@ def test_split_partials_stay_within_the_planned_bound():
         for m in range(1, DECODE_GEMM_ROWS + 1):
             for n in (128, 1024, 2048, 2816, 5120, 7168, 24576, 32768):
                 for k in (512, 768, 2048, 4096, 16384):
-                    _, _, _, split = gemm_tiles(m, n, k, sms)
+                    split = gemm_tiles(m, n, k, sms).split
                     most = max(most, split * m * n if split > 1 else 0)
         assert 0 < most <= bound < 2 * most, (sms, most, bound)
 
@@ -215,17 +209,20 @@ def test_decode_tiles_split_k_until_the_weight_fills_the_device():
     pytest.importorskip("triton")
     from moeserve.kernels.fp8.tiles import gemm_tiles
 
-    # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages, parts of K); 132 programs:
-    # an H100's SMs
-    assert gemm_tiles(1, 2048, 2048, 0) == (16, 32, 4, 1)  # no device to fill (the interpreter)
-    assert gemm_tiles(8, 2048, 4096, 132) == (16, 32, 5, 4)  # 64 tiles x 4 >= 198
-    assert gemm_tiles(8, 5120, 2048, 132) == (16, 32, 4, 2)  # 160 tiles x 2
-    assert gemm_tiles(16, 32768, 2048, 132) == (16, 32, 4, 1)  # 1024 tiles fill it unsplit
-    assert gemm_tiles(1, 128, 8192, 132) == (16, 32, 5, 8)  # 4 tiles: at most 8 parts
-    assert gemm_tiles(64, 2048, 4096, 132) == (64, 32, 5, 2)  # 64-row tiles: 7/8 an SM
-    assert gemm_tiles(64, 5120, 2048, 132) == (64, 32, 4, 1)
-    assert gemm_tiles(8, 2048, 384, 132) == (16, 32, 4, 1)  # 3 groups: no part under 2
-    assert gemm_tiles(200, 2048, 4096, 132) == (64, 64, 5, 1)  # decode rows: 64 x 64 tiles
-    assert gemm_tiles(200, 1024, 4096, 132) == (64, 64, 5, 2)
-    assert gemm_tiles(257, 5120, 2048, 132) == (128, 64, 3, 1)  # past them 128, unsplit
-    assert gemm_tiles(8192, 2048, 2048, 132) == (128, 128, 3, 1)
+    # (rows, columns, K, programs) -> (BLOCK_M, BLOCK_N, stages, parts of K, swapped); 132
+    # programs: an H100's SMs. Up to 8 rows the weight's 64 rows are the MMA's M side
+    assert gemm_tiles(1, 2048, 2048, 0) == (16, 64, 3, 1, True)  # no device to fill
+    assert gemm_tiles(1, 5120, 2048, 132) == (16, 64, 3, 4, True)  # 80 tiles x 4 >= 198
+    assert gemm_tiles(8, 2048, 4096, 132) == (16, 64, 3, 8, True)  # 32 tiles x 8
+    assert gemm_tiles(1, 1536, 2048, 132) == (16, 64, 3, 8, True)  # 24 x 8: 2 groups a part
+    assert gemm_tiles(9, 2048, 4096, 132) == (16, 32, 5, 4, False)  # 64 tiles x 4
+    assert gemm_tiles(9, 5120, 2048, 132) == (16, 32, 4, 2, False)  # 160 tiles x 2
+    assert gemm_tiles(16, 32768, 2048, 132) == (16, 32, 4, 1, False)  # 1024 tiles: unsplit
+    assert gemm_tiles(1, 128, 8192, 132) == (16, 64, 3, 8, True)  # 2 tiles: at most 8 parts
+    assert gemm_tiles(64, 2048, 4096, 132) == (64, 32, 5, 2, False)  # 64-row tiles: 7/8 an SM
+    assert gemm_tiles(64, 5120, 2048, 132) == (64, 32, 4, 1, False)
+    assert gemm_tiles(8, 2048, 384, 132) == (16, 64, 3, 1, True)  # 3 groups: no part under 2
+    assert gemm_tiles(200, 2048, 4096, 132) == (64, 64, 5, 1, False)  # decode rows: 64 x 64
+    assert gemm_tiles(200, 1024, 4096, 132) == (64, 64, 5, 2, False)
+    assert gemm_tiles(257, 5120, 2048, 132) == (128, 64, 3, 1, False)  # past them 128, unsplit
+    assert gemm_tiles(8192, 2048, 2048, 132) == (128, 128, 3, 1, False)

@@ -12,18 +12,15 @@ weight streams through every SM; prefills take 128-row tiles (kernels/fp8/tiles.
 The partials and the tiles' counters are views of the plan's fp8.gemm.* workspace, which the
 model binds for its device (bind_workspace); kernels called outside an engine make their own.
 
-Up to GEMV_MAX_ROWS rows (a batch-1 decode step) the product is a GEMV instead, in one launch
-with the quantizer inside it: each program streams BLOCK_N rows of the weight along K,
-quantizes each group of the activation row itself (the quantizer's arithmetic, so the same
-codes and scales), and accumulates codes x scales x weight x block scale in float32 on CUDA
-cores; a step takes several groups (a quarter of K, gemv_tiles), so that a row is four steps
-of a latency-bound loop, with the next step's loads issued before this step's arithmetic, and
-reduces its products at once, so that the registers hold tiles in flight rather than
-accumulators. A 16-row MMA tile would waste 15 of its rows there, and the separate quantizer
-launch costs as much as the product.
+Up to SWAP_MAX_ROWS rows (kernels/fp8/tiles.py) a tile is swapped: the weight's 64 rows are
+the MMA's M side, so that Hopper's fp8 wgmma takes the tile from shared memory, and the rows its
+N side. A GEMV on CUDA cores with the quantizer inside it is slower at one row than the
+quantizer's launch and the swapped GEMM together (H200, 5120 x 2048: 7.6 against 6.9 us): its
+programs convert every fp8 weight to float32, and at the memory's rate that conversion alone
+keeps the SMs busy.
 
 The kernels launch with PDL (kernels/launch/pdl.py), gated before their first load of what
-the kernel before wrote (the GEMV loads its first weight tile before the gate).
+the kernel before wrote.
 
 Rounding: a value is rounded to the e4m3 grid in float32 (nearest, ties to even) before the
 cast, so the cast is exact: the GPU's cast and Triton's interpreter, whose cast rounds a carry
@@ -40,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, SplitWorkspace, gemm_tiles
+from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, GemmTiles, SplitWorkspace, gemm_tiles
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
@@ -134,19 +131,6 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
     return q, s
 
 
-GEMV_MAX_ROWS = 2  # up to this many rows fp8_linear takes the GEMV
-GEMV_TILE = 8192  # weight bytes a GEMV program loads a step: BLOCK_N rows x its K step
-
-
-def gemv_tiles(k: int, bk: int) -> tuple[int, int]:
-    """(BLOCK_N, K step): a step takes a quarter of K (whole scale groups, 256 to 1024
-    columns), so a row is four steps; the rows fill GEMV_TILE bytes (H100, one row, cold
-    weights: 5120 x 2048 in 7.7 us with 16 x 512 tiles, 2048 x 4096 in 7.3 us with 8 x 1024,
-    where 16 x 512 takes 10.4)."""
-    step = max(bk, min(1024, max(256, triton.next_power_of_2(k) // 4)))
-    return max(1, GEMV_TILE // step), step
-
-
 @triton.jit
 def _quantized_groups(x):
     """The activation's groups x [GROUPS, bk] (float32, zero outside K) as the quantizer codes
@@ -156,89 +140,47 @@ def _quantized_groups(x):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, res_ptr, y_ptr, N, K, stride_xm,
-                     stride_wn, stride_wsn, stride_rm, stride_ym, GROUP_N: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    # program (column block, row): BLOCK_N weight rows against one activation row, GROUPS
-    # scale groups of BLOCK_K (= bk) columns a step, as [BLOCK_N, GROUPS, BLOCK_K] tiles, each
-    # step's products reduced at once (a [BLOCK_N] accumulator leaves the registers to the
-    # tiles in flight)
-    pid_n, row = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    gs = tl.arange(0, GROUPS)
-    k_in = gs[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [GROUPS, BLOCK_K]
-    col_ok = cols < N
-    w_rows = w_ptr + cols.to(tl.int64)[:, None, None] * stride_wn
-    s_rows = ws_ptr + (cols // GROUP_N)[:, None] * stride_wsn
-    # the first weight tile before the gate: no kernel writes weights
-    w = tl.load(w_rows + k_in[None, :, :], mask=col_ok[:, None, None] & (k_in < K)[None, :, :],
-                other=0.0)
-    pdl_gate(PDL)
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    x = tl.load(x_row + k_in, mask=k_in < K, other=0.0)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, GROUPS * BLOCK_K):
-        g = k0 // BLOCK_K + gs
-        w_s = tl.load(s_rows + g[None, :], mask=col_ok[:, None] & (g * BLOCK_K < K)[None, :],
+def _tile_products(a_ptr, b_ptr, as_ptr, bs_ptr, rows, cols, row_ok, col_ok, k_lo, k_hi, K,
+                   stride_am, stride_bn, stride_asm, stride_bsn, GROUP_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's float32 [BLOCK_M, BLOCK_N] sum over the scale groups of K in [k_lo, k_hi):
+    rows x weight^T."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
+                    mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
+                    mask=col_ok[None, :] & (k[:, None] < K), other=0.0)
+        a_s = tl.load(as_ptr + rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + k0 // BLOCK_K, mask=col_ok,
                       other=0.0)
-        # the next step's loads go out before this step's arithmetic
-        nk = k0 + GROUPS * BLOCK_K + k_in
-        w_next = tl.load(w_rows + nk[None, :, :],
-                         mask=col_ok[:, None, None] & (nk < K)[None, :, :], other=0.0)
-        x_next = tl.load(x_row + nk, mask=nk < K, other=0.0)
-        xq = _quantized_groups(x.to(tl.float32))
-        y += tl.sum(tl.sum(w.to(tl.float32) * xq[None, :, :], axis=2) * w_s, axis=1)
-        w, x = w_next, x_next
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(res_ptr + row.to(tl.int64) * stride_rm + cols, mask=col_ok,
-                     other=0.0).to(tl.float32)
-    tl.store(y_ptr + row.to(tl.int64) * stride_ym + cols, y.to(y_ptr.dtype.element_ty),
-             mask=col_ok)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    return acc
 
 
-def gemv_takes(rows: int, block: tuple[int, int]) -> bool:
-    """Whether fp8_linear runs `rows` rows as the GEMV: a few rows, and scale groups along K
-    that a step's tile holds whole (a power of two, at least 16 wide)."""
-    bk = block[1]
-    return rows <= GEMV_MAX_ROWS and bk >= 16 and bk & (bk - 1) == 0
-
-
-GEMV_WARPS = 4
-
-
-def fp8_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
-             block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-             residual: Optional[torch.Tensor] = None,
-             tiles: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """W8A8 x @ W.T (+ bias) (+ residual) for a few rows in one launch, the activation
-    quantized per row per bk columns inside it; out in x's dtype. `tiles` (BLOCK_N, K step,
-    warps) in place of gemv_tiles' and GEMV_WARPS (the benchmarks' sweep): BLOCK_N a power of
-    two, the step a power-of-two multiple of bk."""
-    m, k = x_MK.shape
-    n = w_NK.shape[0]
-    bn, bk = block
-    assert gemv_takes(0, block), block
-    assert x_MK.stride(-1) == 1 and w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1
-    out = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
-    if m == 0:
-        return out
-    res = residual if residual is not None else out
-    assert res.stride(-1) == 1
-    block_n, step, warps = tiles or (*gemv_tiles(k, bk), GEMV_WARPS)
-    groups = step // bk
-    assert step % bk == 0 and groups & (groups - 1) == 0 and block_n & (block_n - 1) == 0, \
-        (tiles, bk)
-    grid = (triton.cdiv(n, block_n), m)
-    _fp8_gemv_kernel[grid](x_MK, w_NK, w_scale, bias if bias is not None else out, res, out,
-                           n, k, x_MK.stride(0), w_NK.stride(0), w_scale.stride(0),
-                           res.stride(0), out.stride(0), GROUP_N=bn, BLOCK_N=block_n,
-                           BLOCK_K=bk, GROUPS=groups, HAS_BIAS=bias is not None,
-                           HAS_RES=residual is not None, num_warps=warps,
-                           **pdl_args(x_MK.device))
-    return out
+@triton.jit
+def _swapped_tile_products(a_ptr, b_ptr, as_ptr, bs_ptr, rows, cols, row_ok, col_ok, k_lo,
+                           k_hi, K, stride_am, stride_bn, stride_asm, stride_bsn,
+                           GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same sum as weight x rows^T, transposed at the end: the weight's BLOCK_N rows are
+    the MMA's M side, which Hopper's fp8 wgmma takes from 64 up and reads from shared memory
+    (a tile of 16 rows of x runs there as mma.sync on operands converted to fp16)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + ks
+        w = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :],
+                    mask=col_ok[:, None] & (k[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + rows[None, :] * stride_am + k[:, None],
+                    mask=row_ok[None, :] & (k[:, None] < K), other=0.0)
+        a_s = tl.load(as_ptr + rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
+        w_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + k0 // BLOCK_K, mask=col_ok,
+                      other=0.0)
+        acc += tl.dot(w, a) * w_s[:, None] * a_s[None, :]
+    return tl.trans(acc)
 
 
 @triton.jit
@@ -246,7 +188,8 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, p
                        M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                        stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                       SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       PDL: tl.constexpr):
     # program (row tile, column tile, K part): the K part's scale groups of the tile; with
     # SPLIT parts, each stores its float32 partial in PART [SPLIT, M, N], and the tile's last
     # part to finish sums them in part order and runs the epilogue
@@ -254,20 +197,17 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, p
     pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K  # columns of K a part takes
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(part * span, tl.minimum(K, part * span + span), BLOCK_K):
-        kb = k0 // BLOCK_K
-        k = k0 + ks
-        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
-                    mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
-                    mask=col_ok[None, :] & (k[:, None] < K), other=0.0)
-        a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    k_lo, k_hi = part * span, tl.minimum(K, part * span + span)
+    if SWAP:
+        acc = _swapped_tile_products(a_ptr, b_ptr, as_ptr, bs_ptr, rows, cols, row_ok, col_ok,
+                                     k_lo, k_hi, K, stride_am, stride_bn, stride_asm,
+                                     stride_bsn, GROUP_N, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _tile_products(a_ptr, b_ptr, as_ptr, bs_ptr, rows, cols, row_ok, col_ok, k_lo,
+                             k_hi, K, stride_am, stride_bn, stride_asm, stride_bsn, GROUP_N,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
     mask = row_ok[:, None] & col_ok[None, :]
     at = rows[:, None] * N + cols[None, :]
     last = True
@@ -344,7 +284,7 @@ def _split_buffers(device: torch.device, split: int, m: int, n: int, tiles: int
 def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
                bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-               tiles: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+               tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """fp8 rows (with per-group scales) x fp8 weight (with block scales)^T, in out_dtype;
     `tiles` (gemm_tiles' answer) for the table's."""
     m, k = xq_MK.shape
@@ -358,7 +298,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
         return out
     assert w_NK.stride(-1) == 1 and w_scale.stride(-1) == 1 and xq_MK.stride(-1) == 1
     programs = _sm_count(xq_MK.device.index or 0) if xq_MK.is_cuda else 0
-    block_m, block_n, stages, split = tiles or gemm_tiles(m, n, k, programs, bk)
+    block_m, block_n, stages, split, swap = tiles or gemm_tiles(m, n, k, programs, bk)
     tiles_mn = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     res = residual if residual is not None else out
     part, cnt = out, out
@@ -371,7 +311,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                              bias if bias is not None else out, res, part, cnt, m, n, k,
                              xq_MK.stride(0), w_NK.stride(0), out.stride(0), x_scale.stride(0),
                              w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
-                             BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split,
+                             BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split, SWAP=swap,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                              num_stages=stages, **pdl_args(xq_MK.device))
     return out
@@ -429,15 +369,12 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
-    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's (up to GEMV_MAX_ROWS
-    rows: both in the GEMV's one launch); out in x's dtype."""
+    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's; out in x's dtype."""
     x_TK = x.reshape(-1, x.shape[-1])
     if x_TK.stride(-1) != 1:
         x_TK = x_TK.contiguous()
     res = None if residual is None else residual.reshape(-1, w_NK.shape[0])
-    if gemv_takes(x_TK.shape[0], block):
-        y = fp8_gemv(x_TK, w_NK, w_scale, block, bias, res)
-    elif cublas_takes(x_TK, w_NK, w_scale, block):
+    if cublas_takes(x_TK, w_NK, w_scale, block):
         y = cublas_block_gemm(x_TK, w_NK, w_scale, bias)
         if res is not None:
             y += res

@@ -1,11 +1,11 @@
-"""The fp8 block GEMM's decode tiles, the bound of its split-K partials and the workspace that
+"""The fp8 block GEMM's tiles, the bound of its split-K partials and the workspace that
 holds them: no Triton here, so that the plan (plan/buffers.py) sizes that workspace and the
 binder hands it out on any install."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -20,14 +20,23 @@ def _pow2(n: int) -> int:
 
 
 DECODE_GEMM_ROWS = 256  # up to this many rows the GEMM takes decode tiles (at most 64 rows)
+SWAP_MAX_ROWS = 8  # up to this many rows the weight is the MMA's M side (swapped tiles)
 MAX_SPLIT = 8  # the most parts a decode tile's K is split into
 MIN_PART_STEPS = 2  # scale groups each part takes at the least
 
 
+class GemmTiles(NamedTuple):
+    block_m: int  # rows of x a tile takes
+    block_n: int  # output columns (weight rows) a tile takes
+    stages: int  # loads in flight along K
+    split: int  # parts K is split into
+    swap: bool  # the weight's rows the MMA's M side, x's rows its N
+
+
 def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
-               block_k: int = 128) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages, SPLIT) for m rows of an n-column output along k (scale
-    groups of block_k), on a device of `programs` SMs.
+               block_k: int = 128) -> GemmTiles:
+    """The tiles of m rows of an n-column output along k (scale groups of block_k), on a
+    device of `programs` SMs.
 
     Up to DECODE_GEMM_ROWS rows (decode steps) the row tile is the power of two (16 to 64)
     that holds m, the column tile 32 wide (64 past 64 rows), and K is split into the fewest
@@ -35,17 +44,18 @@ def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
     3/2 a program an SM for tiles of up to 32 rows, 7/8 for 64-row ones (whose partials
     cost twice the bytes). A weight this small streams at the memory's rate only from every
     SM at once, and a column tile narrowed instead would have each program read all of the
-    rows' K (from L2) for a sliver of the weight. Measured on H100 with 24 cold weights in a
-    CUDA graph: 2048 x 4096 at 8 rows 10.1 -> 6.4 us (4 parts), at 64 rows 10.3 -> 8.9 (2),
-    at 200 rows 20.2 -> 15.1; 6144 x 4096 at 8 rows 13.8 -> 12.3; 5120 x 2048 at 64 rows
-    level (8.8, unsplit). Past DECODE_GEMM_ROWS rows
-    128 x 128 tiles (down to 16 columns to fill the device), unsplit. More stages in flight
-    along a long K."""
+    rows' K (from L2) for a sliver of the weight. Up to SWAP_MAX_ROWS rows the tile is
+    swapped: 64 weight rows (the least M of Hopper's fp8 wgmma) are the MMA's M side and
+    the rows its N side, where a 16-row tile of rows runs as mma.sync on operands converted
+    to fp16 in registers (H200, cold weights, one run: 5120 x 2048 at 1 row 5.9 against
+    6.5 us, at 4 rows 6.0 against 6.6, at 16 rows 7.0 against 6.9; 2048 x 4096 at 1 row 5.5
+    against 5.8). Past DECODE_GEMM_ROWS rows 128 x 128 tiles (down to 16 columns to fill the
+    device), unsplit. More stages in flight along a long K."""
     if m > DECODE_GEMM_ROWS:
         for block_n in (128, 64, 32, 16):
             if _cdiv(m, 128) * _cdiv(n, block_n) >= programs:
                 break
-        return 128, block_n, 3, 1
+        return GemmTiles(128, block_n, 3, 1, False)
     block_m, block_n, want = _decode_tile(m, programs)
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     steps = _cdiv(k, block_k)
@@ -53,13 +63,15 @@ def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
     while (tiles * split < want and split < MAX_SPLIT
            and steps >= 2 * split * MIN_PART_STEPS):
         split *= 2
-    return block_m, block_n, 5 if k >= 4096 else 4, split
+    if m <= SWAP_MAX_ROWS:
+        return GemmTiles(block_m, block_n, 3, split, True)
+    return GemmTiles(block_m, block_n, 5 if k >= 4096 else 4, split, False)
 
 
 def _decode_tile(m: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, the programs K is split to reach) of m <= DECODE_GEMM_ROWS rows."""
     block_m = min(64, max(16, _pow2(m)))
-    block_n = 32 if m <= 64 else 64
+    block_n = 64 if m <= SWAP_MAX_ROWS or m > 64 else 32
     return block_m, block_n, programs * 3 // 2 if block_m <= 32 else programs * 7 // 8
 
 
