@@ -89,6 +89,10 @@ class Projection:
 
     def us(self, x: torch.Tensor, tiles: Any = None, cublas: bool = False) -> float:
         from moeserve.kernels.skinny.gemm import skinny_linear
+        from moeserve.kernels.skinny.tiles import beats_cublas
+
+        # the linear layer's pick (layers/linear.py): cuBLAS past the table's rows for the shape
+        cublas = cublas or (tiles is None and not beats_cublas(x.shape[0], self.n, self.k))
 
         def call(w: torch.Tensor) -> Callable[[], object]:
             if cublas:
