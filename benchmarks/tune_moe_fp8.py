@@ -45,7 +45,7 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
 
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
     """Decode tiles by the fp8 rules (a K step whole groups; the products reduced a step)
-    whose weight tiles take 8..64 fp8 values a thread."""
+    whose weight tiles take 8..64 fp8 values a thread, and gate_up's MMA tiles."""
     if gemm == "gate_up":
         space = itertools.product((4, 8, 16, 32), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
@@ -53,8 +53,12 @@ def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
         tk = 1 << (top_k - 1).bit_length()
         space = itertools.product((1, 2, 4, 8, 16), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: tk * bn * bk  # noqa: E731
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
-            if 8 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
+    tiles = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
+             if 8 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
+    if gemm == "gate_up":  # the MMA kernel: a group a step, the weight's rows the M side
+        tiles += [{"BLOCK_N": bn, "BLOCK_K": GROUP, "num_warps": w, "num_stages": st, "MMA": 1}
+                  for bn, w, st in itertools.product((64, 128), (4, 8), (4, 6))]
+    return tiles
 
 
 def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
@@ -125,21 +129,22 @@ def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
     calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
               torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
               torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    # gate_up on the rows quantized, as the decode step hands them over (by the router's
+    # launch, or the all-to-all)
+    quantized = [(quantize_groups(x, GROUP), i, wt) for x, i, wt in calls]
     t_up, up = best_in_graph("decode gate_up", lambda c: [
-        lambda x=x, i=i: decode_gate_up_fp8(x, None, w13, w13_s, i.view(-1), k, 0, "silu",
-                                            BLOCK, c)
-        for x, i, _ in calls], gemv_candidates("gate_up", k))
-    hs = [decode_gate_up_fp8(x, None, w13, w13_s, i.view(-1), k, 0, "silu", BLOCK, up).clone()
-          for x, i, _ in calls]
+        lambda xq=xq, i=i: decode_gate_up_fp8(xq[0], xq[1], w13, w13_s, i.view(-1), k, 0,
+                                              "silu", BLOCK, c)
+        for xq, i, _ in quantized], gemv_candidates("gate_up", k))
+    hs = [decode_gate_up_fp8(xq[0], xq[1], w13, w13_s, i.view(-1), k, 0, "silu", BLOCK,
+                             up).clone() for xq, i, _ in quantized]
     t_down, dn = best_in_graph("decode down", lambda c: [
         lambda hb=hb, i=i, wt=wt: decode_down_fp8(hb, w2, w2_s, i.view(-1), wt.view(-1), n, k,
                                                   0, BLOCK, c, torch.bfloat16)
         for hb, (_, i, wt) in zip(hs, calls)], gemv_candidates("down", k))
     decode = {**cfg, "decode": {"gate_up": up, "down": dn}}
-    # the whole paths as the decode step runs them: the rows quantized (by the router's
-    # launch, or the all-to-all), alternating, best of 3 (one graph of each swung between
-    # runs by more than the paths differ)
-    quantized = [(quantize_groups(x, GROUP), i, wt) for x, i, wt in calls]
+    # the whole paths as the decode step runs them, alternating, best of 3 (one graph of each
+    # swung between runs by more than the paths differ)
     runs = [{name: graph_us([lambda xq=xq, i=i, wt=wt, c=c: fused_experts_fp8(
         xq[0], xq[1], w13, w13_s, w2, w2_s, i, wt, 0, "silu", BLOCK, c, torch.bfloat16)
         for xq, i, wt in quantized]) for name, c in (("aligned", cfg), ("gemv", decode))}

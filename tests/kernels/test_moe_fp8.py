@@ -70,6 +70,23 @@ def test_fp8_tile_rules():
     assert "decode.gate_up.BLOCK_K 384 is not a power-of-two multiple" in msg, msg
     assert "decode.down.BLOCK_K 192 is not a power-of-two multiple" in msg, msg
     assert "decode.gate_up sets PREFETCH" in msg, msg
+    # the MMA decode gate_up: a group a step, BLOCK_N a power of two from 16, its stages;
+    # no other kernel (nor a bf16 table's) takes MMA
+    mma = {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "MMA": 1},
+           "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "MMA": 1}}
+    good = {**bad, "down": {**bad["down"], "BLOCK_K": 128, "WS": 0},
+            "gate_up": {**bad["gate_up"], "BLOCK_N": 128}}
+    with pytest.raises(ValueError) as err:
+        configs.validate({**good, "decode": mma}, "t.json", 128)
+    msg = str(err.value)
+    assert "decode.gate_up.BLOCK_K 256 is not the scale group 128" in msg, msg
+    assert "decode.gate_up.BLOCK_N 8 is not a power of two from 16" in msg, msg
+    assert "decode.gate_up sets MMA without num_stages" in msg, msg
+    assert "decode.down sets MMA, which only the decode gate_up takes" in msg, msg
+    ok = {"gate_up": configs.fp8_decode_gate_up(128), "down": decode["down"] | {"BLOCK_K": 128}}
+    configs.validate({**good, "decode": ok}, "t.json", 128)
+    with pytest.raises(ValueError, match="bf16 table"):
+        configs.validate({**good, "decode": ok}, "t.json")
     assert configs.table_dtype(torch.bfloat16, (128, 128)) == "fp8_w8a8_128x128"
     assert configs.table_dtype(torch.bfloat16) == "bfloat16"
     assert configs.fp8_group("fp8_w8a8_128x64") == 64 and configs.fp8_group("bfloat16") is None
@@ -136,10 +153,15 @@ def run(tri, x, ids, w, cfg, x_scale=None, ws=None):
 # groups of 16 and of 32 (BLOCK_K 16 dividing it), H not a multiple of the group, gate_up
 # tiles of one and of two groups, TMA weights, half tiles, the top-k summed by atomics in
 # down; decode tiles wider and narrower than the group, of one group a step and of several
-# (down's 4 groups of 32 past I = 64: a step partly past I); EP ranks, -1 ids
+# (down's 4 groups of 32 past I = 64: a step partly past I), and the MMA gate_up; EP ranks,
+# -1 ids
 def decode_cfg(group, up_n=16, up_k=1, down_n=8, down_k=1):
     return {"gate_up": {"BLOCK_N": up_n, "BLOCK_K": up_k * group, "num_warps": 4},
             "down": {"BLOCK_N": down_n, "BLOCK_K": down_k * group, "num_warps": 2}}
+
+
+def mma_cfg(block_n, group):
+    return {"BLOCK_N": block_n, "BLOCK_K": group, "num_warps": 4, "num_stages": 2, "MMA": 1}
 
 
 gemv = decode_cfg(16)
@@ -152,6 +174,9 @@ cases = [
     ((32, 16), "silu", {"decode": gemv}),
     ((16, 32), "gelu", {"decode": decode_cfg(32, up_n=64, up_k=2, down_n=2, down_k=4)}),
     ((16, 16), "silu", {"decode": decode_cfg(16, up_n=4, up_k=4, down_n=16, down_k=2)}),
+    # the MMA gate_up: the weight's rows the dot's M side, a group a step
+    ((16, 32), "silu", {"decode": {**decode_cfg(32), "gate_up": mma_cfg(64, 32)}}),
+    ((16, 16), "gelu", {"decode": {**gemv, "gate_up": mma_cfg(16, 16)}}),
 ]
 for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64),
                                                                     ((2, 1), 40)]):

@@ -29,7 +29,10 @@ FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keye
 BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". Their
 "decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
-PREFETCH. A table may carry a "note" (a string, ignored).
+PREFETCH. Their decode gate_up may set "MMA": 1 with a num_stages: the kernel whose weight
+tiles are the fp8 dot's M side (BLOCK_N a power of two from 16; 64 and up run as Hopper's
+wgmma), a group a K step (BLOCK_K the group, at least MIN_MMA_K), on rows quantized before it.
+A table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
 """
@@ -47,6 +50,7 @@ BLOCK_MS = (16, 32, 64, 128)  # the BLOCK_M a config may take (the plan's worksp
 MIN_TILE_M = 16  # the fewest rows of an MMA tile (tl.dot)
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+MIN_MMA_K = 32  # the least K of a GPU's fp8 dot (kernels/fp8/gemm.MIN_GPU_BLOCK_K)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -154,8 +158,18 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
     cfg: dict[str, Any] = {"BLOCK_M": base["BLOCK_M"], "gate_up": gemm(base["gate_up"], True),
                            "down": gemm(base["down"], False)}
     if "decode" in base:  # the fastest tiles at one row on H100 (rows quantized before)
-        cfg["decode"] = {"gate_up": _gemv(8, 2 * group, 4), "down": _gemv(8, group, 8)}
+        cfg["decode"] = {"gate_up": fp8_decode_gate_up(group), "down": _gemv(8, group, 8)}
     return cfg
+
+
+def fp8_decode_gate_up(group: int) -> dict[str, int]:
+    """The MMA kernel with 64 weight rows a program, 4 warps and 6 stages where the group is a
+    GPU dot's K (H100, one row, cold experts: Qwen3-30B-A3B's gate_up 11.9 us against the
+    CUDA-core kernel's 13.7 at its tuned tiles, DeepSeek-V2-Lite's 14.8 against 17.2); else
+    the CUDA-core kernel's 8 x 2 groups."""
+    if group >= MIN_MMA_K:
+        return {**_gemv(64, group, 4), "num_stages": 6, "MMA": 1}
+    return _gemv(8, 2 * group, 4)
 
 
 def _hopper_config(rows: float) -> dict[str, Any]:
@@ -187,7 +201,14 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
     WS, nor a decode PREFETCH."""
     bad = []
     n, k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if decode:
+    if cfg.get("MMA"):  # the MMA decode gate_up: a group a step, the dot's M side
+        if k != group:
+            bad.append(f"BLOCK_K {k} is not the scale group {group} (MMA takes a group a step)")
+        if n < 16 or n & (n - 1):
+            bad.append(f"BLOCK_N {n} is not a power of two from 16 (MMA)")
+        if "num_stages" not in cfg:
+            bad.append("sets MMA without num_stages")
+    elif decode:
         groups = k // group if k % group == 0 else 0
         if groups < 1 or groups & (groups - 1):
             bad.append(f"BLOCK_K {k} is not a power-of-two multiple of the scale group {group}")
@@ -210,6 +231,8 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
     bad = [f"{name}.{p}" if p[0].isupper() else f"{name} {p}"
            for name, c, whole, decode in kernels
            for p in fp8_tile_problems(c, group, whole, decode)]
+    bad += [f"{name} sets MMA, which only the decode gate_up takes"
+            for name, c, _, _ in kernels if c.get("MMA") and name != "decode.gate_up"]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")
@@ -257,6 +280,10 @@ def validate(cfg: dict[str, Any], where: str, group: Optional[int] = None) -> di
                          "python -m benchmarks tune-moe")
     if group is not None:
         validate_fp8(cfg, where, group)
+    elif cfg.get("decode", {}).get("gate_up", {}).get("MMA"):
+        raise ValueError(f"MoE tile config in {where} sets MMA for the decode gate_up of a "
+                         "bf16 table: only fp8's has that kernel; drop it or re-run "
+                         "python -m benchmarks tune-moe")
     return cfg
 
 

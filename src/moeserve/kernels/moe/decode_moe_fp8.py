@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import _quantized_groups
+from moeserve.kernels.fp8.gemm import _quantized_groups, quantize_groups
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
+from moeserve.kernels.moe.configs import MIN_MMA_K
 from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
 from moeserve.kernels.moe.fp8_tiles import check_tiles
 
@@ -96,6 +97,53 @@ def _decode_gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, ids_ptr, hidde
     tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, h, mask=n_ok)
 
 
+MMA_COLS = 16  # the dot's N side in the MMA gate_up: the pair's row, then zeros
+
+
+@triton.jit(do_not_specialize=_ARGS)
+def _decode_gate_up_mma_kernel(xq_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, ids_ptr, hidden, inter,
+                               top_k, first_expert, num_local, stride_x, stride_xs, stride_we,
+                               stride_wn, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                               COLS: tl.constexpr, PDL: tl.constexpr):
+    # program (pair, BLOCK_N columns of I): the weight's rows the dot's M side against the
+    # pair's quantized row (column 0 of a [G, COLS] tile, the rest zeros), a group a step
+    pdl_gate(PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair) - first_expert
+    if (expert < 0) | (expert >= num_local):
+        return
+    token = (pair // top_k).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    ks = tl.arange(0, GROUP_K)
+    first = tl.arange(0, COLS) == 0
+    g_rows = (w13_ptr + expert.to(tl.int64) * 2 * inter * hidden
+              + offs_n.to(tl.int64)[:, None] * hidden)
+    u_rows = g_rows + inter * hidden
+    s_base = ws_ptr + expert.to(tl.int64) * stride_we
+    gs_rows = s_base + (offs_n // GROUP_N) * stride_wn
+    us_rows = s_base + ((inter + offs_n) // GROUP_N) * stride_wn
+    x_cols = xq_ptr + token * stride_x + tl.zeros([1, COLS], dtype=tl.int64)
+    acc_g = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+    for k0 in range(0, hidden, GROUP_K):
+        k = k0 + ks
+        k_ok = k < hidden
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(g_rows + k[None, :], mask=w_ok, other=0.0)
+        u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+        x = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & first[None, :], other=0.0)
+        xs = tl.load(xs_ptr + token * stride_xs + k0 // GROUP_K)
+        g_s = tl.load(gs_rows + k0 // GROUP_K, mask=n_ok, other=0.0)
+        u_s = tl.load(us_rows + k0 // GROUP_K, mask=n_ok, other=0.0)
+        acc_g += tl.dot(g, x) * (g_s * xs)[:, None]
+        acc_u += tl.dot(u, x) * (u_s * xs)[:, None]
+    # the zero columns add nothing: the sums are column 0
+    h = _act(tl.sum(acc_g, axis=1), ACT) * tl.sum(acc_u, axis=1)
+    tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, h, mask=n_ok)
+
+
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter,
                         top_k, first_expert, num_local, stride_we, stride_wn,
@@ -146,23 +194,37 @@ def decode_gate_up_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: to
                        w13_s: torch.Tensor, ids_P: torch.Tensor, top_k: int, first_expert: int,
                        act: str, block: tuple[int, int], cfg: dict[str, Any],
                        ws: Optional[Workspace] = None) -> torch.Tensor:
-    """h float32 [P, I]: x in bf16 (quantized here) or fp8 with its [N, ceil(H/G)] scales;
-    rows of pairs this rank does not own are left unwritten (down skips them)."""
+    """h float32 [P, I]: x in bf16 or fp8 with its [N, ceil(H/G)] scales; rows of pairs this
+    rank does not own are left unwritten (down skips them). cfg MMA: the MMA kernel, which
+    takes the rows quantized (bf16 rows are quantized first, in a launch of their own)."""
     num_local, two_i, hidden = w13.shape
     inter, group = two_i // 2, block[1]
     check_tiles(cfg, group, "decode gate_up", whole_groups=False, decode=True)
     pairs = ids_P.shape[0]
     h = take(ws and ws.act_f32, pairs, "act_f32", inter, dtype=torch.float32, device=x.device)
-    if pairs:
-        quant = x_scale is None
-        xs = x if quant else x_scale
-        grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
-        _decode_gate_up_kernel[grid](x, xs, w13, w13_s, h, ids_P, hidden, inter, top_k,
-                                     first_expert, num_local, x.stride(0), xs.stride(0),
-                                     w13_s.stride(0), w13_s.stride(1), ACT=ACT_CODES[act],
-                                     BLOCK_N=cfg["BLOCK_N"], GROUPS=cfg["BLOCK_K"] // group,
-                                     GROUP_N=block[0], GROUP_K=group, QUANT_X=quant,
-                                     num_warps=cfg["num_warps"], **pdl_args(x.device))
+    if not pairs:
+        return h
+    grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
+    args = (h, ids_P, hidden, inter, top_k, first_expert, num_local)
+    if cfg.get("MMA"):
+        if x.is_cuda and group < MIN_MMA_K:
+            raise ValueError(f"fp8 scale blocks {block} are {group} wide along K; the MMA "
+                             f"decode gate_up's fp8 dot needs at least {MIN_MMA_K}")
+        xq, xs = (x, x_scale) if x_scale is not None else quantize_groups(x, group)
+        _decode_gate_up_mma_kernel[grid](xq, xs, w13, w13_s, *args, xq.stride(0), xs.stride(0),
+                                         w13_s.stride(0), w13_s.stride(1),
+                                         ACT=ACT_CODES[act], BLOCK_N=cfg["BLOCK_N"],
+                                         GROUP_N=block[0], GROUP_K=group, COLS=MMA_COLS,
+                                         num_warps=cfg["num_warps"],
+                                         num_stages=cfg["num_stages"], **pdl_args(x.device))
+        return h
+    quant = x_scale is None
+    xs = x if quant else x_scale
+    _decode_gate_up_kernel[grid](x, xs, w13, w13_s, *args, x.stride(0), xs.stride(0),
+                                 w13_s.stride(0), w13_s.stride(1), ACT=ACT_CODES[act],
+                                 BLOCK_N=cfg["BLOCK_N"], GROUPS=cfg["BLOCK_K"] // group,
+                                 GROUP_N=block[0], GROUP_K=group, QUANT_X=quant,
+                                 num_warps=cfg["num_warps"], **pdl_args(x.device))
     return h
 
 
