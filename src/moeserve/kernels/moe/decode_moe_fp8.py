@@ -1,6 +1,6 @@
 """The MoE experts for a few rows with block-scaled FP8 weights: decode_moe.py's two launches
-with fp8 operands, and no quantizer launch of their own (legend as there and in
-fused_moe_fp8.py).
+with fp8 operands, and no quantizer launch of their own on quantized rows (legend as there and
+in fused_moe_fp8.py).
 
     gate_up   one program per (pair, BLOCK_N columns of I), BLOCK_K columns of H (whole
               scale groups) a step: the pair's row quantized in the kernel per group (the
@@ -14,12 +14,18 @@ fused_moe_fp8.py).
                 acc[j] += sum_k w2q[e_j, n, k] * (hq hs)[j, k] w_j * w2_s[e_j, n // bn, kb]
               the top-k sum in registers in a fixed order, one rounding at the store
 
-The products are fp32 multiply-adds on CUDA cores: at a few rows a step is bound by the time
-its weight bytes are in flight. Each step's products are reduced at once, so the registers
-hold the next step's tiles, loaded before this step's arithmetic, rather than [BLOCK_N,
-BLOCK_K] accumulators. down reads its ids and top-k weights and its first tiles before the
-PDL gate (decode_moe.py's down says why that is safe), so they stream in while gate_up ends.
-Pairs of other ranks and ids of -1 read nothing.
+With "MMA" in its tiles, gate_up is instead one program per (pair, BLOCK_N rows of I) whose
+weight tile is the fp8 dot's M side against the pair's quantized row (column 0 of a [G,
+MMA_COLS] tile, the rest zeros), a group a step: the tensor cores multiply the fp8 codes as
+they are, where the CUDA-core kernels convert every weight byte to float32, which at the
+memory's rate keeps the SMs busy (H100, one row: 11.8 against 13.5 us for Qwen3-30B-A3B's
+experts). It takes the rows quantized; bf16 rows are quantized first, in a launch.
+
+The other products are fp32 multiply-adds on CUDA cores. Each step's products are reduced at
+once, so the registers hold the next step's tiles, loaded before this step's arithmetic,
+rather than [BLOCK_N, BLOCK_K] accumulators. down reads its ids and top-k weights and its
+first tiles before the PDL gate (decode_moe.py's down says why that is safe), so they stream
+in while gate_up ends. Pairs of other ranks and ids of -1 read nothing.
 """
 
 from __future__ import annotations
