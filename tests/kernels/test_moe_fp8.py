@@ -421,3 +421,17 @@ def test_the_tuner_note_names_every_size_it_tuned():
     table = json.loads(path.read_text())
     assert tuned_sizes(table["note"]) == {1, 2, 4, 8, 16, 64, 512, 2048, 8192}
     assert tuned_sizes(table["note"]) <= {int(k) for k in table if k != "note"}
+
+
+def test_the_tuners_decode_candidates_obey_the_fp8_rules():
+    """tune-moe --fp8 tries only decode tiles that load and launch: the CUDA-core tiles and,
+    for gate_up, the MMA kernel's (a group a step), none of them MMA for down."""
+    from benchmarks.tune_moe_fp8 import GROUP, gemv_candidates
+
+    for gemm in ("gate_up", "down"):
+        tiles = gemv_candidates(gemm, 8)
+        for t in tiles:
+            assert not configs.fp8_tile_problems(t, GROUP, False, decode=True), (gemm, t)
+        mma = [t for t in tiles if t.get("MMA")]
+        assert (len(mma) > 0) == (gemm == "gate_up") and len(mma) < len(tiles)
+    assert configs.fp8_decode_gate_up(GROUP) in gemv_candidates("gate_up", 8)
