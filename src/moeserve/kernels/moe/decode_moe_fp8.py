@@ -37,12 +37,12 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import _quantized_groups, quantize_groups
+from moeserve.kernels.fp8.gemm import _quantized_groups
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.configs import MIN_MMA_K
 from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
-from moeserve.kernels.moe.fp8_tiles import check_tiles
+from moeserve.kernels.moe.fp8_tiles import check_tiles, quantize_input
 
 
 @triton.jit
@@ -202,7 +202,8 @@ def decode_gate_up_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: to
                        ws: Optional[Workspace] = None) -> torch.Tensor:
     """h float32 [P, I]: x in bf16 or fp8 with its [N, ceil(H/G)] scales; rows of pairs this
     rank does not own are left unwritten (down skips them). cfg MMA: the MMA kernel, which
-    takes the rows quantized (bf16 rows are quantized first, in a launch of their own)."""
+    takes the rows quantized (bf16 rows are quantized first, in a launch of their own, into
+    the workspace's input records where it has them)."""
     num_local, two_i, hidden = w13.shape
     inter, group = two_i // 2, block[1]
     check_tiles(cfg, group, "decode gate_up", whole_groups=False, decode=True)
@@ -216,7 +217,7 @@ def decode_gate_up_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: to
         if x.is_cuda and group < MIN_MMA_K:
             raise ValueError(f"fp8 scale blocks {block} are {group} wide along K; the MMA "
                              f"decode gate_up's fp8 dot needs at least {MIN_MMA_K}")
-        xq, xs = (x, x_scale) if x_scale is not None else quantize_groups(x, group)
+        xq, xs = (x, x_scale) if x_scale is not None else quantize_input(x, group, ws)
         _decode_gate_up_mma_kernel[grid](xq, xs, w13, w13_s, *args, xq.stride(0), xs.stride(0),
                                          w13_s.stride(0), w13_s.stride(1),
                                          ACT=ACT_CODES[act], BLOCK_N=cfg["BLOCK_N"],

@@ -1,15 +1,17 @@
 """What the fp8 MoE kernels share (fused_moe_fp8.py, decode_moe_fp8.py): the epilogue's
-per-group quantization of a float32 tile and the tile rules of block-scaled operands."""
+per-group quantization of a float32 tile, the tile rules of block-scaled operands and the
+quantizer launch of rows that arrive in 16 bits."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
+from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale, quantize_groups
+from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.configs import fp8_tile_problems
 
 FP8 = torch.float8_e4m3fn
@@ -31,3 +33,15 @@ def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,
     if bad:
         raise ValueError(f"fp8 MoE tile config for {what}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")
+
+
+def quantize_input(x_NH: torch.Tensor, group: int, ws: Optional[Workspace]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows quantized per token per `group` columns, into the workspace's input records
+    when it has them."""
+    n, hidden = x_NH.shape
+    groups = triton.cdiv(hidden, group)
+    q = take(ws and ws.input, n, "input", hidden, dtype=FP8, device=x_NH.device)
+    s = take(ws and ws.input_scale, n, "input_scale", groups, dtype=torch.float32,
+             device=x_NH.device)
+    return quantize_groups(x_NH, group, out=(q, s))

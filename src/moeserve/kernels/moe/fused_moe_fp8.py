@@ -32,12 +32,11 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import quantize_groups
 from moeserve.kernels.launch.pdl import pdl_args
 from moeserve.kernels.moe.align import align_triton
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.decode_moe_fp8 import decode_experts_fp8
-from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_rows
+from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_input, quantize_rows
 from moeserve.kernels.moe.fused_moe import (_block_pairs, _launch_opts, _row_tile, _store_down,
                                             _tile_of, _weight_tile, _weights_arg, topk_sum)
 
@@ -166,18 +165,6 @@ def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_
                    pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_we,
                    stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
                    ATOMIC_SUM)
-
-
-def quantize_input(x_NH: torch.Tensor, group: int, ws: Optional[Workspace]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows quantized per token per `group` columns, into the workspace's input records
-    when it has them."""
-    n, hidden = x_NH.shape
-    groups = triton.cdiv(hidden, group)
-    q = take(ws and ws.input, n, "input", hidden, dtype=FP8, device=x_NH.device)
-    s = take(ws and ws.input_scale, n, "input_scale", groups, dtype=torch.float32,
-             device=x_NH.device)
-    return quantize_groups(x_NH, group, out=(q, s))
 
 
 def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any],
