@@ -37,13 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8.tiles import MAX_SPLIT_TILES, GemmTiles, SplitWorkspace, gemm_tiles
+from moeserve.kernels.fp8.tiles import (MAX_SPLIT_TILES, MIN_GPU_BLOCK_K, GemmTiles,
+                                        SplitWorkspace, gemm_tiles)
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 AMAX_FLOOR = tl.constexpr(1e-10)  # reference.AMAX_FLOOR
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # reference.INV_FP8_MAX
-MIN_GPU_BLOCK_K = 32  # the K of an fp8 tl.dot on the GPU
 
 
 @triton.jit
@@ -129,14 +129,6 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
             GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=rows,
             **pdl_args(x_TK.device))
     return q, s
-
-
-@triton.jit
-def _quantized_groups(x):
-    """The activation's groups x [GROUPS, bk] (float32, zero outside K) as the quantizer codes
-    them, dequantized: codes x scale."""
-    scale = group_scale(tl.max(tl.abs(x), axis=1))
-    return e4m3_codes(x, scale[:, None]) * scale[:, None]
 
 
 @triton.jit
@@ -281,6 +273,14 @@ def _split_buffers(device: torch.device, split: int, m: int, n: int, tiles: int
     return split, torch.empty(split, m, n, dtype=torch.float32, device=device), cnt
 
 
+def check_dot_k(t: torch.Tensor, block: tuple[int, int], what: str) -> None:
+    """A GPU's fp8 dot takes K >= MIN_GPU_BLOCK_K: scale groups narrower than that (the
+    interpreter's tests use them) cannot run there, a group a K step."""
+    if t.is_cuda and block[1] < MIN_GPU_BLOCK_K:
+        raise ValueError(f"fp8 scale blocks {block} are {block[1]} wide along K; {what}'s fp8 "
+                         f"dot needs at least {MIN_GPU_BLOCK_K} (checkpoints use 128)")
+
+
 def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
                bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
@@ -290,9 +290,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     m, k = xq_MK.shape
     n = w_NK.shape[0]
     bn, bk = block
-    if xq_MK.is_cuda and bk < MIN_GPU_BLOCK_K:
-        raise ValueError(f"fp8 scale blocks {block} are {bk} wide along K; a GPU's fp8 dot "
-                         f"needs at least {MIN_GPU_BLOCK_K} (checkpoints use 128)")
+    check_dot_k(xq_MK, block, "the block GEMM")
     out = torch.empty(m, n, dtype=out_dtype, device=xq_MK.device)
     if m == 0:
         return out

@@ -19,6 +19,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+MIN_GPU_BLOCK_K = 32  # the least K of an fp8 tl.dot on the GPU (a scale group's width)
 DECODE_GEMM_ROWS = 256  # up to this many rows the GEMM takes decode tiles (at most 64 rows)
 SWAP_MAX_ROWS = 8  # up to this many rows the weight is the MMA's M side (swapped tiles)
 MAX_SPLIT = 8  # the most parts a decode tile's K is split into

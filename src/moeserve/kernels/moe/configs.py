@@ -31,7 +31,7 @@ BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" o
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
 PREFETCH. Their decode gate_up may set "MMA": 1 with a num_stages: the kernel whose weight
 tiles are the fp8 dot's M side (BLOCK_N a power of two from 16; 64 and up run as Hopper's
-wgmma), a group a K step (BLOCK_K the group, at least MIN_MMA_K), on rows quantized before it.
+wgmma), a group a K step (BLOCK_K the group, at least kernels/fp8/tiles.MIN_GPU_BLOCK_K), on rows quantized before it.
 A table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
@@ -45,12 +45,13 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from moeserve.kernels.fp8.tiles import MIN_GPU_BLOCK_K
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BLOCK_MS = (16, 32, 64, 128)  # the BLOCK_M a config may take (the plan's workspaces assume it)
 MIN_TILE_M = 16  # the fewest rows of an MMA tile (tl.dot)
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
-MIN_MMA_K = 32  # the least K of a GPU's fp8 dot (kernels/fp8/gemm.MIN_GPU_BLOCK_K)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -164,10 +165,10 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
 
 def fp8_decode_gate_up(group: int) -> dict[str, int]:
     """The MMA kernel with 64 weight rows a program, 4 warps and 6 stages where the group is a
-    GPU dot's K (H100, one row, cold experts: Qwen3-30B-A3B's gate_up 11.9 us against the
-    CUDA-core kernel's 13.7 at its tuned tiles, DeepSeek-V2-Lite's 14.8 against 17.2); else
+    GPU dot's K (H100, one row, cold experts: Qwen3-30B-A3B's gate_up 11.8 us against the
+    CUDA-core kernel's 13.5 at its tuned tiles, DeepSeek-V2-Lite's 14.8 against 17.3); else
     the CUDA-core kernel's 8 x 2 groups."""
-    if group >= MIN_MMA_K:
+    if group >= MIN_GPU_BLOCK_K:
         return {**_gemv(64, group, 4), "num_stages": 6, "MMA": 1}
     return _gemv(8, 2 * group, 4)
 

@@ -4,7 +4,7 @@ in fused_moe_fp8.py).
 
     gate_up   one program per (pair, BLOCK_N columns of I), BLOCK_K columns of H (whole
               scale groups) a step: the pair's row quantized in the kernel per group (the
-              quantizer's codes and scales, gemm._quantized_groups), or read quantized where
+              quantizer's codes and scales, fp8_tiles.quantized_groups), or read quantized where
               the dispatcher delivered it so, then
                 g += sum_k w13q[e, n, k] * (xq xs)[tok, k] * w13_s[e, n // bn, k // G]
               (u the same over the up half); h = act(g) * u in float32, [P, I]
@@ -37,12 +37,11 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import _quantized_groups
+from moeserve.kernels.fp8.gemm import check_dot_k
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
-from moeserve.kernels.moe.configs import MIN_MMA_K
 from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
-from moeserve.kernels.moe.fp8_tiles import check_tiles, quantize_input
+from moeserve.kernels.moe.fp8_tiles import check_tiles, quantize_input, quantized_groups
 
 
 @triton.jit
@@ -51,7 +50,7 @@ def _row_groups(x_row, xs_row, k_in, hidden, kb, GROUP_K: tl.constexpr, QUANT_X:
     them: codes x scales, quantized here (QUANT_X) or as delivered."""
     x = tl.load(x_row + k_in, mask=k_in < hidden, other=0.0).to(tl.float32)
     if QUANT_X:
-        return _quantized_groups(x)
+        return quantized_groups(x)
     return x * tl.load(xs_row + kb, mask=kb * GROUP_K < hidden, other=0.0)[:, None]
 
 
@@ -184,7 +183,7 @@ def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hi
         h = tl.load(h_ptrs + k0, mask=mine[:, None, None] & (k0 + ks < inter)[None, :, :],
                     other=0.0)
         # quantize_groups' codes x scales of each pair's groups, times its top-k weight
-        hq = tl.reshape(_quantized_groups(tl.reshape(h, [TOP_K * GROUPS, GROUP_K])),
+        hq = tl.reshape(quantized_groups(tl.reshape(h, [TOP_K * GROUPS, GROUP_K])),
                         [TOP_K, GROUPS, GROUP_K])
         hw = hq * weight[:, None, None]
         kb = k0 // GROUP_K + gs
@@ -214,9 +213,7 @@ def decode_gate_up_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: to
     grid = (pairs, triton.cdiv(inter, cfg["BLOCK_N"]))
     args = (h, ids_P, hidden, inter, top_k, first_expert, num_local)
     if cfg.get("MMA"):
-        if x.is_cuda and group < MIN_MMA_K:
-            raise ValueError(f"fp8 scale blocks {block} are {group} wide along K; the MMA "
-                             f"decode gate_up's fp8 dot needs at least {MIN_MMA_K}")
+        check_dot_k(x, block, "the MMA decode gate_up")
         xq, xs = (x, x_scale) if x_scale is not None else quantize_input(x, group, ws)
         _decode_gate_up_mma_kernel[grid](xq, xs, w13, w13_s, *args, xq.stride(0), xs.stride(0),
                                          w13_s.stride(0), w13_s.stride(1),

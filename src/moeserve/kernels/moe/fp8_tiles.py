@@ -26,6 +26,14 @@ def quantize_rows(h, M: tl.constexpr, N: tl.constexpr, GROUP_K: tl.constexpr):
     return tl.reshape(e4m3_codes(h3, scale[:, :, None]), (M, N)), scale
 
 
+@triton.jit
+def quantized_groups(x):
+    """The activation's groups x [GROUPS, bk] (float32, zero outside K) as the quantizer codes
+    them, dequantized: codes x scale."""
+    scale = group_scale(tl.max(tl.abs(x), axis=1))
+    return e4m3_codes(x, scale[:, None]) * scale[:, None]
+
+
 def check_tiles(cfg: dict[str, Any], group: int, what: str, whole_groups: bool,
                 decode: bool = False) -> None:
     """The fp8 tile rules (configs.fp8_tile_problems), at launch."""
