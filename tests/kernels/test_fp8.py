@@ -153,15 +153,15 @@ st = torch.empty(4, 5, device=dev).t()
 q2 = torch.empty_like(q)
 gemm.quantize_groups(xx, 64, out=(q2, st))
 assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(st, sc)
-# 128 x 128 blocks, K a multiple of 512, 256..512 bf16 rows: cuBLAS's block-scaled GEMM on a
-# GPU (the Triton GEMM elsewhere), against the reference, with bias and residual; 301 rows
-# padded to a multiple of 4 for cuBLAS
+# 128 x 128 blocks, K a multiple of 512, 256..512 or 2048+ bf16 rows: cuBLAS's block-scaled
+# GEMM on a GPU (the Triton GEMM elsewhere: its 128-row prefill tiles at 1024 rows), against
+# the reference, with bias and residual; 301 and 2049 rows padded to a multiple of 4 for cuBLAS
 w = torch.randn(384, 1024, device=dev)
 wq, ws = R.quantize_blocks(w, (128, 128))
-bias, res = torch.randn(384, device=dev), torch.randn(301, 384, device=dev)
-for m in (8, 256, 301):
+bias, res = torch.randn(384, device=dev), torch.randn(2049, 384, device=dev)
+for m in (8, 256, 301, 1024, 2049):
     xx = torch.randn(m, 1024, device=dev).bfloat16()
-    assert gemm.cublas_takes(xx, wq, ws, (128, 128)) == (dev == "cuda" and m >= 256)
+    assert gemm.cublas_takes(xx, wq, ws, (128, 128)) == (dev == "cuda" and m in (256, 301, 2049))
     got = gemm.fp8_linear(xx, wq, ws, (128, 128), bias.bfloat16(), res[:m].bfloat16()).float()
     ref = (R.fp8_linear(xx.float(), wq, ws, (128, 128), bias) + res[:m])
     assert float((got - ref).norm() / ref.norm()) < 1e-2, m

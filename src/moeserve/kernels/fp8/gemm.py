@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8.tiles import (MAX_SPLIT_TILES, MIN_GPU_BLOCK_K, GemmTiles,
-                                        SplitWorkspace, gemm_tiles)
+                                        SplitWorkspace, gemm_tiles, tile_warps)
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
@@ -311,16 +311,21 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
                              w_scale.stride(0), res.stride(0), GROUP_N=bn, BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split, SWAP=swap,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                             num_stages=stages, **pdl_args(xq_MK.device))
+                             num_stages=stages, num_warps=tile_warps(block_m, block_n),
+                             **pdl_args(xq_MK.device))
     return out
 
 
-# the rows for which fp8_linear takes cuBLAS's block-scaled GEMM. Alone, it timed level with
-# or ahead of the Triton GEMM at 3..512 rows on H100 (Qwen3-30B-A3B's and Mixtral's attention
-# projections: 5120 x 2048 at 8 rows 10.4 against 16.2 us, at 512 rows 26.3 against 37.0); in
-# the decode step it is no PDL kernel, so the kernels beside it lose their overlap: the step
-# (Qwen3-30B-A3B in FP8, one run) took 3.6% longer at 8 rows and 2.7% at 64, 3.0% less at 256
+# the rows for which fp8_linear takes cuBLAS's block-scaled GEMM. At decode sizes it timed level
+# with or ahead of the Triton GEMM at 3..512 rows on H100 (Qwen3-30B-A3B's and Mixtral's
+# attention projections: 5120 x 2048 at 8 rows 10.4 against 16.2 us, at 512 rows 26.3 against
+# 37.0); in the decode step it is no PDL kernel, so the kernels beside it lose their overlap:
+# the step (Qwen3-30B-A3B in FP8, one run) took 3.6% longer at 8 rows and 2.7% at 64, 3.0% less
+# at 256. Prefills from CUBLAS_PREFILL_ROWS (H200, cold weights, the quantizer included on both
+# sides): 5120 x 2048 at 1024 rows 73.5 against 53.2 us, at 2048 83.9 against 83.7, at 8192
+# 168 against 296; 2048 x 4096 at 1024 rows 31.9 against 47.8, at 8192 148 against 262.
 CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 256, 512
+CUBLAS_PREFILL_ROWS = 2048
 
 
 def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
@@ -328,12 +333,13 @@ def cublas_takes(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
     """Whether fp8_linear runs these rows through cuBLAS's block-scaled GEMM
     (torch.nn.functional.scaled_mm, 1 x 128 activation and 128 x 128 weight scales): on a
     GPU, 16-bit rows, 128 x 128 blocks with K a multiple of 512 (the weight's contiguous
-    scales then serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows."""
+    scales then serve as they are, transposed), CUBLAS_MIN_ROWS to CUBLAS_MAX_ROWS rows or
+    CUBLAS_PREFILL_ROWS and more."""
     m, k = x_TK.shape
     return (x_TK.is_cuda and _BLOCKWISE is not None and block == (128, 128)
             and x_TK.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0
             and w_NK.shape[0] % 128 == 0 and w_scale.is_contiguous()
-            and CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS)
+            and (CUBLAS_MIN_ROWS <= m <= CUBLAS_MAX_ROWS or m >= CUBLAS_PREFILL_ROWS))
 
 
 def cublas_block_gemm(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,

@@ -69,6 +69,12 @@ def gemm_tiles(m: int, n: int = 0, k: int = 0, programs: int = 0,
     return GemmTiles(block_m, block_n, 5 if k >= 4096 else 4, split, False)
 
 
+def tile_warps(block_m: int, block_n: int) -> int:
+    """Warps of a block GEMM tile: 8 from 128 x 128, whose float32 accumulator and the K step's
+    product then take 128 registers a thread (4 warps spill them)."""
+    return 8 if block_m * block_n >= 128 * 128 else 4
+
+
 def _decode_tile(m: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, the programs K is split to reach) of m <= DECODE_GEMM_ROWS rows."""
     block_m = min(64, max(16, _pow2(m)))
