@@ -53,8 +53,9 @@ The projections with block-scaled FP8 weights (float8_e4m3fn, a float32 scale pe
 block; W8A8, the activation quantized per row per 128 columns), timed as above: fp8_linear
 (cuBLAS's block-scaled GEMM where it takes the shape, else the quantizer and moeserve's block
 GEMM, whose tiles up to 8 rows are swapped: the weight the MMA's M side) beside the bf16 pick of
-the same shape in the same run. Floor = the FP8 weight and scale bytes over the copy bandwidth. Cells:
-FP8 / bf16 µs."""
+the same shape in the same run. Floor = the FP8 weight and scale bytes over the copy bandwidth:
+the bound of decode rows; prefill rows (from 1024) are bound by the GEMM rate instead, and
+there the cells compare FP8 with bf16. Cells: FP8 / bf16 µs."""
 
 
 def add_arguments(p: Any) -> None:
