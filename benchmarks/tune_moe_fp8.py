@@ -45,7 +45,7 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
 
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
     """Decode tiles by the fp8 rules (a K step whole groups; the products reduced a step)
-    whose weight tiles take 8..64 fp8 values a thread, and gate_up's MMA tiles."""
+    whose weight tiles take 8..64 fp8 values a thread, and the MMA kernel's tiles."""
     if gemm == "gate_up":
         space = itertools.product((4, 8, 16, 32), (GROUP, 2 * GROUP, 4 * GROUP), (4, 8))
         elems = lambda bn, bk: 2 * bn * bk  # noqa: E731
@@ -55,9 +55,9 @@ def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:
         elems = lambda bn, bk: tk * bn * bk  # noqa: E731
     tiles = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w} for bn, bk, w in space
              if 8 * 32 * w <= elems(bn, bk) <= 64 * 32 * w]
-    if gemm == "gate_up":  # the MMA kernel: a group a step, the weight's rows the M side
-        tiles += [{"BLOCK_N": bn, "BLOCK_K": GROUP, "num_warps": w, "num_stages": st, "MMA": 1}
-                  for bn, w, st in itertools.product((64, 128), (4, 8), (4, 6))]
+    # the MMA kernels: a group a step, the weight's rows the M side
+    tiles += [{"BLOCK_N": bn, "BLOCK_K": GROUP, "num_warps": w, "num_stages": st, "MMA": 1}
+              for bn, w, st in itertools.product((64, 128), (4, 8), (4, 6))]
     return tiles
 
 

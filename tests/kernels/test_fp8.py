@@ -135,8 +135,8 @@ from moeserve.kernels.fp8.tiles import SplitWorkspace
 room = SplitWorkspace(torch.full((2 * 20 * 96,), float("nan"), device=dev),
                       torch.zeros(64, dtype=torch.int32, device=dev))
 gemm.bind_workspace(room)
-assert gemm._split_buffers(xq.device, 4, 20, 96, 6)[0] == 2
-assert gemm._split_buffers(xq.device, 2, 20, 96, 65)[0] == 1  # more tiles than counters
+assert gemm.split_buffers(xq.device, 4, 20, 96, 6)[0] == 2
+assert gemm.split_buffers(xq.device, 2, 20, 96, 65)[0] == 1  # more tiles than counters
 for split in (2, 4):
     got = gemm.block_gemm(xq, xs, wq, ws, small, torch.float32, bias, res,
                           tiles=GemmTiles(16, 64, 2, split, True))
@@ -145,7 +145,7 @@ assert not room.partials.isnan().any() and not room.counters.any()
 del room
 import gc
 gc.collect()
-assert gemm._split_buffers(xq.device, 4, 20, 96, 6)[0] == 4  # the launch's own partials
+assert gemm.split_buffers(xq.device, 4, 20, 96, 6)[0] == 4  # the launch's own partials
 # scales written outer-dim-major (as cuBLAS reads them): the same values
 xx = torch.randn(5, 256, device=dev)
 q, sc = gemm.quantize_groups(xx, 64)

@@ -70,23 +70,30 @@ def test_fp8_tile_rules():
     assert "decode.gate_up.BLOCK_K 384 is not a power-of-two multiple" in msg, msg
     assert "decode.down.BLOCK_K 192 is not a power-of-two multiple" in msg, msg
     assert "decode.gate_up sets PREFETCH" in msg, msg
-    # the MMA decode gate_up: a group a step, BLOCK_N a power of two from 16, its stages;
-    # no other kernel (nor a bf16 table's) takes MMA
+    # the MMA decode kernels: a group a step, BLOCK_N a power of two from 16, their stages;
+    # neither grouped kernel (nor a bf16 table's decode) takes MMA
     mma = {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "MMA": 1},
-           "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "MMA": 1}}
+           "down": {"BLOCK_N": 48, "BLOCK_K": 64, "num_warps": 4, "MMA": 1}}
     good = {**bad, "down": {**bad["down"], "BLOCK_K": 128, "WS": 0},
             "gate_up": {**bad["gate_up"], "BLOCK_N": 128}}
     with pytest.raises(ValueError) as err:
-        configs.validate({**good, "decode": mma}, "t.json", 128)
+        configs.validate({**good, "down": {**good["down"], "MMA": 1}, "decode": mma}, "t.json",
+                         128)
     msg = str(err.value)
     assert "decode.gate_up.BLOCK_K 256 is not the scale group 128" in msg, msg
     assert "decode.gate_up.BLOCK_N 8 is not a power of two from 16" in msg, msg
     assert "decode.gate_up sets MMA without num_stages" in msg, msg
-    assert "decode.down sets MMA, which only the decode gate_up takes" in msg, msg
-    ok = {"gate_up": configs.fp8_decode_gate_up(128), "down": decode["down"] | {"BLOCK_K": 128}}
+    assert "decode.down.BLOCK_K 64 is not the scale group 128" in msg, msg
+    assert "decode.down.BLOCK_N 48 is not a power of two from 16" in msg, msg
+    assert "decode.down sets MMA without num_stages" in msg, msg
+    assert "down sets MMA, which only the decode kernels take" in msg, msg
+    ok = {"gate_up": configs.fp8_decode_gate_up(128), "down": configs.fp8_decode_down(128)}
     configs.validate({**good, "decode": ok}, "t.json", 128)
-    with pytest.raises(ValueError, match="bf16 table"):
-        configs.validate({**good, "decode": ok}, "t.json")
+    for kernel in ("gate_up", "down"):
+        one = {"gate_up": decode["gate_up"] | {"BLOCK_N": 16, "BLOCK_K": 128, "PREFETCH": 0},
+               "down": decode["down"] | {"BLOCK_K": 128}} | {kernel: ok[kernel]}
+        with pytest.raises(ValueError, match="bf16 table"):
+            configs.validate({**good, "decode": one}, "t.json")
     assert configs.table_dtype(torch.bfloat16, (128, 128)) == "fp8_w8a8_128x128"
     assert configs.table_dtype(torch.bfloat16) == "bfloat16"
     assert configs.fp8_group("fp8_w8a8_128x64") == 64 and configs.fp8_group("bfloat16") is None
@@ -153,8 +160,8 @@ def run(tri, x, ids, w, cfg, x_scale=None, ws=None):
 # groups of 16 and of 32 (BLOCK_K 16 dividing it), H not a multiple of the group, gate_up
 # tiles of one and of two groups, TMA weights, half tiles, the top-k summed by atomics in
 # down; decode tiles wider and narrower than the group, of one group a step and of several
-# (down's 4 groups of 32 past I = 64: a step partly past I), and the MMA gate_up; EP ranks,
-# -1 ids
+# (down's 4 groups of 32 past I = 64: a step partly past I), and the MMA kernels (down's last
+# column tile partly past H); EP ranks, -1 ids; the MMA down's pairs split into parts
 def decode_cfg(group, up_n=16, up_k=1, down_n=8, down_k=1):
     return {"gate_up": {"BLOCK_N": up_n, "BLOCK_K": up_k * group, "num_warps": 4},
             "down": {"BLOCK_N": down_n, "BLOCK_K": down_k * group, "num_warps": 2}}
@@ -177,6 +184,10 @@ cases = [
     # the MMA gate_up: the weight's rows the dot's M side, a group a step
     ((16, 32), "silu", {"decode": {**decode_cfg(32), "gate_up": mma_cfg(64, 32)}}),
     ((16, 16), "gelu", {"decode": {**gemv, "gate_up": mma_cfg(16, 16)}}),
+    # the MMA down: the expert's rows of w2 the dot's M side, each pair's group of h
+    # quantized in the kernel, a group a step
+    ((16, 32), "silu", {"decode": {"gate_up": mma_cfg(64, 32), "down": mma_cfg(64, 32)}}),
+    ((16, 16), "gelu", {"decode": {**gemv, "down": mma_cfg(16, 16)}}),
 ]
 for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64),
                                                                     ((2, 1), 40)]):
@@ -200,6 +211,27 @@ for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64)
         assert torch.equal(run(tri, xq, ids, w, cfg, xs), y)
         # the runner picks these kernels for its fp8 weights
         assert rel_err(tri(x, ids, w), want) <= 1e-4
+
+# the MMA down with the row's pairs split into parts (as on a GPU of 16 SMs: at one row, a part
+# a pair, the last part to finish adding the partials in part order)
+from moeserve.kernels.moe import decode_moe_fp8 as D8
+assert D8.down_split(4, 2, 16) == 2 and D8.down_split(28, 2, 16) == 1
+assert D8.down_split(32, 8, 132) == 8 and D8.down_split(64, 8, 132) == 4
+assert D8.down_split(32, 6, 132) == 6 and D8.down_split(7, 8, 0) == 1
+on_cpu = D8._programs
+D8._programs = lambda device: 16
+try:
+    block, cfg = (16, 16), {"decode": {**gemv, "down": mma_cfg(16, 16)}}
+    for (ep, rank), n in [((1, 0), 1), ((2, 1), 1)]:
+        spec = make_spec(e=8, k=2, h=64, i=64, act="silu")
+        ref = make_fp8_experts("reference", spec, ep, rank, block, seed=n)
+        tri = make_fp8_experts("triton", spec, ep, rank, block, seed=n)
+        x = torch.randn(n, 64) * 2
+        ids, w = routing(n, 2, 8, "uniform", seed=n)
+        err = rel_err(run(tri, x, ids, w, cfg), ref(x, ids, w))
+        assert err <= 1e-4, (ep, n, err)
+finally:
+    D8._programs = on_cpu
 
 # gate_up's epilogue writes the codes and scales that quantize_groups gives the float32 product
 block, act = (16, 16), "silu"
@@ -357,6 +389,38 @@ def test_fp8_runner_matches_the_reference_at_real_shapes_on_gpu(name, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_fp8_mma_decode_kernels_match_the_reference_at_real_shapes_on_gpu(name, n):
+    """Both MMA decode kernels whatever the tables say: the down's pairs split into parts on
+    every SM count (down_split), the same bits eager and replayed in a graph with new ids."""
+    from moeserve.kernels.moe import fused_moe_fp8 as F8
+    from test_moe_triton import make_spec, rel_err, routing
+
+    spec = make_spec(**REAL[name])
+    e, k = REAL[name]["e"], REAL[name]["k"]
+    ref = make_fp8_experts("reference", spec, 1, 0, (128, 128), 0, "cuda", torch.bfloat16)
+    tri = make_fp8_experts("triton", spec, 1, 0, (128, 128), 0, "cuda", torch.bfloat16)
+    cfg = {"decode": {"gate_up": configs.fp8_decode_gate_up(128),
+                      "down": configs.fp8_decode_down(128)}}
+    x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(n, k, e, "uniform", seed=n, device="cuda")
+
+    def run():
+        return F8.fused_experts_fp8(x, None, tri.w13, tri.w13_scale_inv, tri.w2,
+                                    tri.w2_scale_inv, ids, w, 0, tri.kernel_act, (128, 128),
+                                    cfg, torch.bfloat16)
+    assert rel_err(run(), ref(x, ids, w)) <= 1e-2
+    graph, out = captured(run)
+    for seed in (2, 3):
+        new_ids, new_w = routing(n, k, e, "skewed", seed=seed, device="cuda")
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        assert torch.equal(out, run())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 16, 256])
 def test_fp8_runner_replays_in_a_cuda_graph(n):
     from test_moe_triton import make_spec, routing
@@ -430,8 +494,8 @@ def test_the_tuner_note_names_every_size_it_tuned():
 
 
 def test_the_tuners_decode_candidates_obey_the_fp8_rules():
-    """tune-moe --fp8 tries only decode tiles that load and launch: the CUDA-core tiles and,
-    for gate_up, the MMA kernel's (a group a step), none of them MMA for down."""
+    """tune-moe --fp8 tries only decode tiles that load and launch: the CUDA-core tiles and
+    the MMA kernels' (a group a step), the defaults among them."""
     from benchmarks.tune_moe_fp8 import GROUP, gemv_candidates
 
     for gemm in ("gate_up", "down"):
@@ -439,5 +503,6 @@ def test_the_tuners_decode_candidates_obey_the_fp8_rules():
         for t in tiles:
             assert not configs.fp8_tile_problems(t, GROUP, False, decode=True), (gemm, t)
         mma = [t for t in tiles if t.get("MMA")]
-        assert (len(mma) > 0) == (gemm == "gate_up") and len(mma) < len(tiles)
+        assert 0 < len(mma) < len(tiles)
     assert configs.fp8_decode_gate_up(GROUP) in gemv_candidates("gate_up", 8)
+    assert configs.fp8_decode_down(GROUP) in gemv_candidates("down", 8)

@@ -176,6 +176,28 @@ def _swapped_tile_products(a_ptr, b_ptr, as_ptr, bs_ptr, rows, cols, row_ok, col
 
 
 @triton.jit
+def split_sum(acc, part_ptr, cnt_ptr, at, mask, tile, part, size, SPLIT: tl.constexpr):
+    """(whether this program runs the epilogue, the sum it takes) of a tile whose K is split
+    into SPLIT parts: each part stores its float32 partial at `at` in PART [SPLIT, size]
+    and counts itself in on the tile's counter; the last to arrive sums the partials in part
+    order (the same bits run to run) and sets the counter back to 0."""
+    last = True
+    if SPLIT > 1:
+        tl.store(part_ptr + part * size + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial comes before the release
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT - 1
+        tl.debug_barrier()  # every thread's loads come after the acquire
+        if last:  # (.cg: other SMs wrote the partials); the counter back to 0
+            tl.store(cnt_ptr + tile, 0)
+            acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + p * size + at, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+    return last, acc
+
+
+@triton.jit
 def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, part_ptr, cnt_ptr,
                        M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
                        stride_rm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -202,20 +224,8 @@ def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, res_ptr, p
                              BLOCK_M, BLOCK_N, BLOCK_K)
     mask = row_ok[:, None] & col_ok[None, :]
     at = rows[:, None] * N + cols[None, :]
-    last = True
-    if SPLIT > 1:
-        tl.store(part_ptr + part * M * N + at, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial comes before the release
-        tile = pid_m * tl.num_programs(1) + pid_n
-        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        last = ticket == SPLIT - 1
-        tl.debug_barrier()  # every thread's loads come after the acquire
-        if last:  # (.cg: other SMs wrote the partials); the counter back to 0
-            tl.store(cnt_ptr + tile, 0)
-            acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
-            for p in tl.static_range(1, SPLIT):
-                acc += tl.load(part_ptr + p * M * N + at, mask=mask, other=0.0,
-                               cache_modifier=".cg")
+    last, acc = split_sum(acc, part_ptr, cnt_ptr, at, mask, pid_m * tl.num_programs(1) + pid_n,
+                          part, M * N, SPLIT)
     if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -249,8 +259,8 @@ def bind_workspace(ws: SplitWorkspace) -> None:
     _BOUND[_key(ws.partials.device)] = ws
 
 
-def _split_buffers(device: torch.device, split: int, m: int, n: int, tiles: int
-                   ) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def split_buffers(device: torch.device, split: int, m: int, n: int, tiles: int
+                  ) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(parts, partials [parts, m, n], counters) of a split launch of `tiles` tiles: views of
     the bound workspace, with parts halved until its partials fit; without one (kernels
     called outside an engine: tests, benchmarks), partials of the launch's own and counters
@@ -301,7 +311,7 @@ def block_gemm(xq_MK: torch.Tensor, x_scale: torch.Tensor, w_NK: torch.Tensor,
     res = residual if residual is not None else out
     part, cnt = out, out
     if split > 1:  # the parts' float32 partials, the tiles' counters
-        split, p, c = _split_buffers(out.device, split, m, n, tiles_mn[0] * tiles_mn[1])
+        split, p, c = split_buffers(out.device, split, m, n, tiles_mn[0] * tiles_mn[1])
         if split > 1:
             part, cnt = p, c
     grid = tiles_mn + (split,)

@@ -29,9 +29,11 @@ FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keye
 BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". Their
 "decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
-PREFETCH. Their decode gate_up may set "MMA": 1 with a num_stages: the kernel whose weight
-tiles are the fp8 dot's M side (BLOCK_N a power of two from 16; 64 and up run as Hopper's
-wgmma), a group a K step (BLOCK_K the group, at least kernels/fp8/tiles.MIN_GPU_BLOCK_K), on rows quantized before it.
+PREFETCH. Their decode gate_up and down may set "MMA": 1 with a num_stages: the kernels whose
+weight tiles are the fp8 dot's M side (BLOCK_N a power of two from 16; 64 and up run as
+Hopper's wgmma), a group a K step (BLOCK_K the group, at least
+kernels/fp8/tiles.MIN_GPU_BLOCK_K): gate_up on rows quantized before it, down quantizing each
+pair's groups of h itself.
 A table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
@@ -158,8 +160,8 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
                 "down": _gemm(128, 128, 8, 4, 3)}
     cfg: dict[str, Any] = {"BLOCK_M": base["BLOCK_M"], "gate_up": gemm(base["gate_up"], True),
                            "down": gemm(base["down"], False)}
-    if "decode" in base:  # the fastest tiles at one row on H100 (rows quantized before)
-        cfg["decode"] = {"gate_up": fp8_decode_gate_up(group), "down": _gemv(8, group, 8)}
+    if "decode" in base:  # the MMA kernels (their defaults say where they measured faster)
+        cfg["decode"] = {"gate_up": fp8_decode_gate_up(group), "down": fp8_decode_down(group)}
     return cfg
 
 
@@ -171,6 +173,17 @@ def fp8_decode_gate_up(group: int) -> dict[str, int]:
     if group >= MIN_GPU_BLOCK_K:
         return {**_gemv(64, group, 4), "num_stages": 6, "MMA": 1}
     return _gemv(8, 2 * group, 4)
+
+
+def fp8_decode_down(group: int) -> dict[str, int]:
+    """The MMA kernel with 128 weight rows a program, 8 warps and 4 stages where the group is
+    a GPU dot's K (H200, cold experts, against the CUDA-core kernel's 8 x 1 group: Qwen3-30B-A3B
+    at 2, 4 and 8 rows 15.9, 27.8 and 51.2 us against 19.3, 37.7 and 73.2, at one row 11.8
+    against 9.5; DeepSeek-V2-Lite at 1, 2 and 8 rows 18.3, 23.9 and 63.9 against 21.1, 41.5
+    and 160.0); else the CUDA-core kernel's 8 x 1 group."""
+    if group >= MIN_GPU_BLOCK_K:
+        return {**_gemv(128, group, 8), "num_stages": 4, "MMA": 1}
+    return _gemv(8, group, 8)
 
 
 def _hopper_config(rows: float) -> dict[str, Any]:
@@ -202,7 +215,7 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
     WS, nor a decode PREFETCH."""
     bad = []
     n, k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if cfg.get("MMA"):  # the MMA decode gate_up: a group a step, the dot's M side
+    if cfg.get("MMA"):  # the MMA decode kernels: a group a step, the dot's M side
         if k != group:
             bad.append(f"BLOCK_K {k} is not the scale group {group} (MMA takes a group a step)")
         if n < 16 or n & (n - 1):
@@ -232,8 +245,8 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
     bad = [f"{name}.{p}" if p[0].isupper() else f"{name} {p}"
            for name, c, whole, decode in kernels
            for p in fp8_tile_problems(c, group, whole, decode)]
-    bad += [f"{name} sets MMA, which only the decode gate_up takes"
-            for name, c, _, _ in kernels if c.get("MMA") and name != "decode.gate_up"]
+    bad += [f"{name} sets MMA, which only the decode kernels take"
+            for name, c, _, _ in kernels if c.get("MMA") and not name.startswith("decode.")]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")
@@ -281,9 +294,9 @@ def validate(cfg: dict[str, Any], where: str, group: Optional[int] = None) -> di
                          "python -m benchmarks tune-moe")
     if group is not None:
         validate_fp8(cfg, where, group)
-    elif cfg.get("decode", {}).get("gate_up", {}).get("MMA"):
-        raise ValueError(f"MoE tile config in {where} sets MMA for the decode gate_up of a "
-                         "bf16 table: only fp8's has that kernel; drop it or re-run "
+    elif any(c.get("MMA") for c in cfg.get("decode", {}).values()):
+        raise ValueError(f"MoE tile config in {where} sets MMA for a decode kernel of a "
+                         "bf16 table: only fp8's have that kernel; drop it or re-run "
                          "python -m benchmarks tune-moe")
     return cfg
 

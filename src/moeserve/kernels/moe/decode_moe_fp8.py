@@ -21,6 +21,14 @@ they are, where the CUDA-core kernels convert every weight byte to float32, whic
 memory's rate keeps the SMs busy (H100, one row: 11.8 against 13.5 us for Qwen3-30B-A3B's
 experts). It takes the rows quantized; bf16 rows are quantized first, in a launch.
 
+With "MMA" in its tiles, down is one program per (row, BLOCK_N rows of H, part): the row's
+top-k pairs are split into parts (down_split: as many pairs a part as keep two programs an SM
+busy, since a row alone gives H / BLOCK_N programs), each pair's group of h quantized in the
+kernel into column 0 of the dot's [G, MMA_COLS] tile, the expert's weight rows its M side; a
+part's pairs add up in order, and the parts' float32 sums go through the fp8 GEMM's split-K
+partials and counters (gemm.split_sum: the last part to finish adds them in part order, so
+the bits are the same run to run, and rounds once at the store).
+
 The other products are fp32 multiply-adds on CUDA cores. Each step's products are reduced at
 once, so the registers hold the next step's tiles, loaded before this step's arithmetic,
 rather than [BLOCK_N, BLOCK_K] accumulators. down reads its ids and top-k weights and its
@@ -37,7 +45,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
-from moeserve.kernels.fp8.gemm import check_dot_k
+from moeserve.kernels.fp8.gemm import (_sm_count, check_dot_k, e4m3_codes, group_scale,
+                                       split_buffers, split_sum)
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
 from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
@@ -195,6 +204,51 @@ def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hi
     tl.store(out_ptr + row * hidden + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit(do_not_specialize=_ARGS)
+def _decode_down_mma_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr,
+                            weights_ptr, hidden, inter, top_k, first_expert, num_local,
+                            stride_we, stride_wn, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
+                            GROUP_K: tl.constexpr, COLS: tl.constexpr, SPLIT: tl.constexpr,
+                            PDL: tl.constexpr):
+    # program (row, BLOCK_N columns of H, part): the part's pairs of the row (j = part,
+    # part + SPLIT, ...), each a group of I a step: the expert's weight rows the dot's M side
+    # against the pair's group of h quantized (column 0 of a [G, COLS] tile, the rest
+    # zeros); the parts' sums added in part order by the last to finish (gemm.split_sum)
+    pdl_gate(PDL)  # h is gate_up's output, and the split counters the kernel before's
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    ks = tl.arange(0, GROUP_K)
+    first = tl.arange(0, COLS) == 0
+    acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+    for j in range(part, top_k, SPLIT):
+        pair = row.to(tl.int64) * top_k + j
+        expert = tl.load(ids_ptr + pair) - first_expert  # id -1 gives < 0
+        if (expert >= 0) & (expert < num_local):
+            weight = tl.load(weights_ptr + pair).to(tl.float32)
+            w_rows = w2_ptr + (expert.to(tl.int64) * hidden + offs_n)[:, None] * inter
+            s_rows = ws_ptr + expert.to(tl.int64) * stride_we + (offs_n // GROUP_N) * stride_wn
+            for k0 in range(0, inter, GROUP_K):
+                k = k0 + ks
+                k_ok = k < inter
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                h = tl.load(h_ptr + pair * inter + k, mask=k_ok, other=0.0)
+                # quantize_groups' codes and scale of the pair's group
+                scale = group_scale(tl.max(tl.abs(h), axis=0))
+                codes = tl.where(first[None, :], e4m3_codes(h, scale)[:, None], 0.0)
+                w_s = tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0)
+                acc += (tl.dot(w, codes.to(w.dtype)) * (w_s * (scale * weight))[:, None])
+    y = tl.sum(acc, axis=1)  # the zero columns add nothing
+    last, y = split_sum(y, part_ptr, cnt_ptr, row * hidden + offs_n, n_ok,
+                        row * tl.num_programs(1) + pid_n, part, tl.num_programs(0) * hidden,
+                        SPLIT)
+    if last:
+        tl.store(out_ptr + row.to(tl.int64) * hidden + offs_n, y.to(out_ptr.dtype.element_ty),
+                 mask=n_ok)
+
+
 def decode_gate_up_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: torch.Tensor,
                        w13_s: torch.Tensor, ids_P: torch.Tensor, top_k: int, first_expert: int,
                        act: str, block: tuple[int, int], cfg: dict[str, Any],
@@ -239,7 +293,19 @@ def decode_down_fp8(h: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
     num_local, hidden, inter = w2.shape
     check_tiles(cfg, block[1], "decode down", whole_groups=False, decode=True)
     out = torch.empty(num_rows, hidden, dtype=out_dtype, device=h.device)
-    if num_rows:
+    if num_rows and cfg.get("MMA"):
+        check_dot_k(h, block, "the MMA decode down")
+        n_tiles = triton.cdiv(hidden, cfg["BLOCK_N"])
+        split, part, cnt = split_buffers(h.device, down_split(num_rows * n_tiles, top_k,
+                                                              _programs(h.device)),
+                                         num_rows, hidden, num_rows * n_tiles)
+        _decode_down_mma_kernel[(num_rows, n_tiles, split)](
+            h, w2, w2_s, out, out if part is None else part, out if cnt is None else cnt,
+            ids_P, weights_P, hidden, inter, top_k, first_expert, num_local, w2_s.stride(0),
+            w2_s.stride(1), BLOCK_N=cfg["BLOCK_N"], GROUP_N=block[0], GROUP_K=block[1],
+            COLS=MMA_COLS, SPLIT=split, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl_args(h.device))
+    elif num_rows:
         grid = (num_rows, triton.cdiv(hidden, cfg["BLOCK_N"]))
         _decode_down_kernel[grid](h, w2, w2_s, out, ids_P, weights_P, hidden, inter, top_k,
                                   first_expert, num_local, w2_s.stride(0), w2_s.stride(1),
@@ -248,6 +314,20 @@ def decode_down_fp8(h: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
                                   GROUP_K=block[1],
                                   num_warps=cfg["num_warps"], **pdl_args(h.device))
     return out
+
+
+def down_split(tiles: int, top_k: int, programs: int) -> int:
+    """The parts the MMA down splits a row's top-k pairs into: as many pairs a part as keep
+    2 programs an SM busy (tiles x parts >= 2 x programs), from one (a part a pair) up; 1 off
+    a GPU (programs 0)."""
+    if not programs:
+        return 1
+    per_part = max(1, -(-top_k * tiles // (2 * programs)))
+    return -(-top_k // per_part)
+
+
+def _programs(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else 0
 
 
 def decode_experts_fp8(x: torch.Tensor, x_scale: Optional[torch.Tensor], w13: torch.Tensor,
