@@ -193,7 +193,8 @@ def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: in
         fp8_knobs = ("--quantization", *knobs)
         records.append(BufferRecord("moe.runner.act_scale", (grouped, -(-i_local // bk)),
                                     "float32", f"({gf}) x ceil(I/moe_tp/{bk})", fp8_knobs))
-        # the decode gate_up's float32 product (down quantizes it a group at a time)
+        # the decode gate_up's float32 product (the CUDA-core down quantizes it a group at a
+        # time; the MMA down takes it quantized into moe.runner.act and act_scale)
         gemv = gemv_rows(rows, k, e_local, h, i_local, dtype, device_name,
                          quant_block=quant_block)
         if gemv:

@@ -177,10 +177,11 @@ def fp8_decode_gate_up(group: int) -> dict[str, int]:
 
 def fp8_decode_down(group: int) -> dict[str, int]:
     """The MMA kernel with 128 weight rows a program, 8 warps and 4 stages where the group is
-    a GPU dot's K (H200, cold experts, against the CUDA-core kernel's 8 x 1 group: Qwen3-30B-A3B
-    at 2, 4 and 8 rows 15.9, 27.8 and 51.2 us against 19.3, 37.7 and 73.2, at one row 11.8
-    against 9.5; DeepSeek-V2-Lite at 1, 2 and 8 rows 18.3, 23.9 and 63.9 against 21.1, 41.5
-    and 160.0); else the CUDA-core kernel's 8 x 1 group."""
+    a GPU dot's K (H200, cold experts, its quantizer launch included, against the CUDA-core
+    kernel's 8 x 1 group: Qwen3-30B-A3B at 1, 2 and 8 rows 8.6, 10.9 and 27.8 us against 9.3,
+    19.3 and 72.6; DeepSeek-V2-Lite 10.3, 13.3 and 34.2 against 21.0, 41.2 and 158.7; at one
+    row 64 weight rows and 4 warps took 7.7 and 9.3); else the CUDA-core kernel's 8 x 1
+    group."""
     if group >= MIN_GPU_BLOCK_K:
         return {**_gemv(128, group, 8), "num_stages": 4, "MMA": 1}
     return _gemv(8, group, 8)

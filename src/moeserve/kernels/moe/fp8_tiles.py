@@ -47,9 +47,20 @@ def quantize_input(x_NH: torch.Tensor, group: int, ws: Optional[Workspace]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows quantized per token per `group` columns, into the workspace's input records
     when it has them."""
-    n, hidden = x_NH.shape
-    groups = triton.cdiv(hidden, group)
-    q = take(ws and ws.input, n, "input", hidden, dtype=FP8, device=x_NH.device)
-    s = take(ws and ws.input_scale, n, "input_scale", groups, dtype=torch.float32,
-             device=x_NH.device)
-    return quantize_groups(x_NH, group, out=(q, s))
+    return _quantize_into(x_NH, group, ws and ws.input, ws and ws.input_scale, "input")
+
+
+def quantize_act(h_PI: torch.Tensor, group: int, ws: Optional[Workspace]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode gate_up's float32 product quantized per pair per `group` columns, into the
+    workspace's act records (the grouped path's h) when it has them."""
+    return _quantize_into(h_PI, group, ws and ws.act, ws and ws.act_scale, "act")
+
+
+def _quantize_into(x: torch.Tensor, group: int, q_rec: Optional[torch.Tensor],
+                   s_rec: Optional[torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = x.shape
+    q = take(q_rec, n, name, k, dtype=FP8, device=x.device)
+    s = take(s_rec, n, f"{name}_scale", triton.cdiv(k, group), dtype=torch.float32,
+             device=x.device)
+    return quantize_groups(x, group, out=(q, s))
