@@ -258,8 +258,9 @@ assert torch.allclose(hs[rows], want_s, rtol=1e-5, atol=0)
 spec = make_spec(e=8, k=2, h=48, i=64)
 tri = make_fp8_experts("triton", spec, 2, 1, block, seed=7)
 grouped = {"BLOCK_M": 16, "gate_up": gemm_cfg(16, 16), "down": gemm_cfg(16, 16)}
-# decode: its product in act_f32; the MMA gate_up quantizes 16-bit rows into input
-mma = {"decode": {**gemv, "gate_up": mma_cfg(16, 16)}}
+# decode: its product in act_f32; the MMA gate_up quantizes 16-bit rows into input, the MMA
+# down the product into act and act_scale
+mma = {"decode": {"gate_up": mma_cfg(16, 16), "down": mma_cfg(16, 16)}}
 for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, mma)]:
     p = n * 2
     def workspace(short=0):
@@ -271,14 +272,18 @@ for n, cfg in [(30, grouped), (3, {"decode": gemv}), (3, mma)]:
                          torch.empty(align_scratch_len(p, 4), dtype=torch.int32),
                          act_scale=torch.empty(r, 4), input=torch.empty(n, 48, dtype=R.FP8),
                          input_scale=torch.empty(n, 3),
-                         act_f32=torch.empty(p - (short > 0), 64))
+                         # zeros: the rows of other ranks' pairs stay as they are
+                         act_f32=torch.zeros(p - (short > 0), 64))
     x = torch.randn(n, 48)
     ids, w = routing(n, 2, 8, "skewed", seed=n)
     ws = workspace()
     assert torch.equal(run(tri, x, ids, w, cfg, ws=ws), run(tri, x, ids, w, cfg))
-    if cfg is mma:  # the rows' codes where the plan put them
+    if cfg is mma:  # the rows' and the product's codes where the plan put them
         codes = R.quantize_groups(x, 16)[0]
         assert torch.equal(ws.input.view(torch.uint8), codes.view(torch.uint8))
+        h_q, h_s = R.quantize_groups(ws.act_f32[:p], 16)
+        assert torch.equal(ws.act[:p].view(torch.uint8), h_q.view(torch.uint8))
+        assert torch.equal(ws.act_scale[:p], h_s)
     short = padded_rows(p, 4) - (p if "decode" in cfg else max_blocks(p, 16, 4) * 16) + 1
     try:
         run(tri, x, ids, w, cfg, ws=workspace(short))
