@@ -181,10 +181,11 @@ def test_layers_refuse_handles_they_cannot_use_and_need_the_ones_they_gather_int
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # the plan's device; bound on the CPU
 def test_fp8_projections_on_a_gpu_take_the_planned_split_workspace(device):
-    """With fp8 projections a GPU plan records the split-K GEMM's workspace (fp8.gemm.*: the
-    most partials a decode launch stores on PLANNED_SMS SMs, and the tiles' counters, which
-    the binder zeroes); a CPU plan, a bf16 plan and one whose attention and dense projections
-    are all in modules_to_not_convert record none."""
+    """With fp8 projections or fp8 experts on the triton runner (its MMA decode down splits
+    a row's pairs into parts), a GPU plan records the split-K workspace (fp8.gemm.*: the most
+    partials a decode launch stores on PLANNED_SMS SMs, and the tiles' counters, which the
+    binder zeroes); a CPU plan, a bf16 plan and one whose projections and experts are all in
+    modules_to_not_convert record none."""
     import dataclasses
 
     from moeserve.config.quant import QuantSpec
@@ -193,11 +194,12 @@ def test_fp8_projections_on_a_gpu_take_the_planned_split_workspace(device):
 
     cfg = engine_config().replace(device=device, gpu_memory_gb=1.0, max_total_tokens=2048)
     spec = tiny_spec("qwen3")
+    projections = (r"model\.layers\.\d+\.self_attn", r"model\.layers\.\d+\.mlp\.down_proj",
+                   r"model\.layers\.\d+\.mlp\.shared_expert")
+    experts = (r"model\.layers\.\d+\.mlp\.experts",)
     for quant, not_converted, records in ((None, (), False), ("fp8", (), device == "cuda"),
-                                          (None, (r"model\.layers\.\d+\.self_attn",
-                                                  r"model\.layers\.\d+\.mlp\.down_proj",
-                                                  r"model\.layers\.\d+\.mlp\.shared_expert"),
-                                           False)):
+                                          (None, projections, device == "cuda"),
+                                          (None, projections + experts, False)):
         ckpt = (None if not not_converted
                 else QuantSpec(128, 128, from_checkpoint=True, not_converted=not_converted))
         plan = build_plan(cfg.replace(quantization=quant),

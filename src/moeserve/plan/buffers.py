@@ -325,9 +325,9 @@ def attention_records(spec: ModelSpec, layout: ParallelLayout,
 
 
 def fp8_gemm_records() -> list[BufferRecord]:
-    """The fp8 projections' split-K workspace (kernels/fp8/tiles.SplitWorkspace): the most
-    partials a decode-sized launch stores on PLANNED_SMS SMs, and the tiles' counters; shared
-    by every projection of a step."""
+    """The fp8 GEMMs' split-K workspace (kernels/fp8/tiles.SplitWorkspace): the most partials
+    a decode-sized launch stores on PLANNED_SMS SMs, and the tiles' counters; shared by every
+    projection of a step and by the triton runner's MMA decode down (its parts' sums)."""
     rule = (f"2 x the programs a decode tile wants x its BLOCK_M x BLOCK_N, the most on "
             f"{AT.PLANNED_SMS} SMs (K is split only while tiles x parts fall short of them)")
     return [BufferRecord("fp8.gemm.partials", (split_partials_bound(AT.PLANNED_SMS),),

@@ -241,6 +241,7 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
                                  scale_group=quant and quant.block_k)
     runner_rows, rows_formula = B.moe_runner_rows(layout, budget, a2a_cap or worst)
     records += B.router_records(spec, layout, budget)
+    fp8_layers = 0
     if backends.experts == "triton":  # the only runner that takes a static workspace
         fp8_layers, moe_layers = fp8_expert_layers(spec, quant)
         if 0 < fp8_layers < moe_layers:
@@ -251,8 +252,9 @@ def build_plan(cfg: EngineConfig, spec: Optional[ModelSpec] = None) -> CapacityP
         records += B.runner_records(spec, layout, dtype, runner_rows, rows_formula,
                                     down_sum_tables(cfg),
                                     quant.block if quant and fp8_layers else None)
-    if backends.device == "cuda" and fp8_projection_layers(spec, quant):
-        records += B.fp8_gemm_records()  # the fp8 projections' split-K GEMM (GPU kernels)
+    if backends.device == "cuda" and (fp8_projection_layers(spec, quant) or fp8_layers):
+        # the split-K partials of the fp8 projections' GEMM and of the MMA decode down
+        records += B.fp8_gemm_records()
     records += B.gather_records(spec, layout, budget, dtype)
     records += B.comm_records(spec, layout, backends.symm_comm_max_bytes)
     if backends.attention == "triton":  # the backends that take planned partials
