@@ -32,8 +32,8 @@ a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two
 PREFETCH. Their decode gate_up and down may set "MMA": 1 with a num_stages: the kernels whose
 weight tiles are the fp8 dot's M side (BLOCK_N a power of two from 16; 64 and up run as
 Hopper's wgmma), a group a K step (BLOCK_K the group, at least
-kernels/fp8/tiles.MIN_GPU_BLOCK_K): gate_up on rows quantized before it, down quantizing each
-pair's groups of h itself.
+kernels/fp8/tiles.MIN_GPU_BLOCK_K), on operands quantized before them: gate_up's rows, and
+down's h (fp8_tiles.quantize_act's launch).
 A table may carry a "note" (a string, ignored).
 The folder is an argument (`config_dir`, CONFIG_DIR by default), so that a test reads tables
 of its own without changing this module. Pure Python: no triton import.
