@@ -3,7 +3,7 @@ decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
-PAIRED or WS; per token count each BLOCK_M's gate_up and down candidates timed alone (L2
+PAIRED; at BLOCK_M 64 also fp8_ws.py's warp-specialised kernels ("WS"); per token count each BLOCK_M's gate_up and down candidates timed alone (L2
 flushed), HALF_TAIL kept where 1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up
 to DECODE_MAX_TOKENS the GEMV path against the aligned one as CUDA-graph replays of the whole
 experts on quantized rows, as the decode step hands them over (best of 3). The table's
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
+from moeserve.kernels.moe.configs import FP8_WS_BLOCK
 from benchmarks.tune_moe import (ATOMIC_SUM_MIN_TOKENS, DECODE_MAX_TOKENS, DEVICE, a_or_b,
                                  best_in_graph, best_of, block_ms, graph_us, routed,
                                  with_half_tail)
@@ -32,15 +33,21 @@ GROUP = BLOCK[1]
 
 
 def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
-    """GEMM tiles by the fp8 rules whose fp32 accumulators fit 128 registers a thread."""
+    """GEMM tiles by the fp8 rules whose fp32 accumulators fit 128 registers a thread, and at
+    BLOCK_M 64 fp8_ws.py's warp-specialised kernels (their fixed tiles, a K step and the
+    stages of a ring)."""
     bns = (128, 256) if gemm == "gate_up" else (32, 64, 128, 256)
     accs = 2 if gemm == "gate_up" else 1
     tmas = [{"TMA": 0}] if block_m <= 32 else [{"TMA": 0}, {"TMA": 1}]
     group_m = 1 if block_m <= 32 else 8
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": w,
-             "num_stages": s, **tma}
-            for bn, bk, w, s in itertools.product(bns, (64, 128), (4, 8), (3, 4))
-            for tma in tmas if accs * block_m * bn <= 128 * 32 * w]
+    tiles = [{"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": w,
+              "num_stages": s, **tma}
+             for bn, bk, w, s in itertools.product(bns, (64, 128), (4, 8), (3, 4))
+             for tma in tmas if accs * block_m * bn <= 128 * 32 * w]
+    if block_m == FP8_WS_BLOCK[0]:
+        tiles += [{"BLOCK_N": FP8_WS_BLOCK[1], "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
+                   "num_stages": s, "WS": 1} for bk, s in ((64, 6), (128, 3), (128, 4))]
+    return tiles
 
 
 def gemv_candidates(gemm: str, top_k: int) -> list[dict[str, int]]:

@@ -94,6 +94,26 @@ def test_fp8_tile_rules():
                "down": decode["down"] | {"BLOCK_K": 128}} | {kernel: ok[kernel]}
         with pytest.raises(ValueError, match="bf16 table"):
             configs.validate({**good, "decode": one}, "t.json")
+    # the warp-specialised kernels (fp8_ws.py): their fixed tiles, in both grouped GEMMs
+    ws = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 6,
+          "WS": 1}
+    configs.validate({"BLOCK_M": 64, "gate_up": ws, "down": {**ws, "ATOMIC_SUM": 1}},
+                     "t.json", 128)
+    with pytest.raises(ValueError) as err:
+        configs.validate({"BLOCK_M": 32, "gate_up": {**ws, "BLOCK_N": 256},
+                          "down": {**ws, "BLOCK_K": 32, "HALF_TAIL": 1},
+                          "decode": {**ok, "down": {**ok["down"], "WS": 1}}}, "t.json", 128)
+    msg = str(err.value)
+    assert "gate_up sets WS with BLOCK_N 256 (WS: 128)" in msg, msg
+    assert "down sets WS with BLOCK_K 32 (WS: 64 or 128)" in msg, msg
+    assert "down sets WS with HALF_TAIL" in msg, msg
+    assert "a GEMM sets WS with BLOCK_M 32 (WS: 64)" in msg, msg
+    assert "decode.down sets WS, which only the grouped GEMMs take" in msg, msg
+    with pytest.raises(ValueError, match="sets WS with scale group 64"):
+        configs.validate({"BLOCK_M": 64, "gate_up": {**ws, "BLOCK_K": 64}, "down": ws},
+                         "t.json", 64)
+    with pytest.raises(ValueError, match="warp-specialised kernel is down's"):
+        configs.validate({"BLOCK_M": 64, "gate_up": ws, "down": ws}, "t.json")  # bf16
     assert configs.table_dtype(torch.bfloat16, (128, 128)) == "fp8_w8a8_128x128"
     assert configs.table_dtype(torch.bfloat16) == "bfloat16"
     assert configs.fp8_group("fp8_w8a8_128x64") == 64 and configs.fp8_group("bfloat16") is None
@@ -211,6 +231,21 @@ for (block, act, cfg), ((ep, rank), h) in itertools.product(cases, [((1, 0), 64)
         assert torch.equal(run(tri, xq, ids, w, cfg, xs), y)
         # the runner picks these kernels for its fp8 weights
         assert rel_err(tri(x, ids, w), want) <= 1e-4
+
+# a table's warp-specialised config (fp8_ws.py, sm90 only) runs the Triton kernels elsewhere,
+# with its tiles: 128 x 128 scale blocks, 64-row blocks
+from moeserve.kernels.moe import fp8_ws
+ws_gemm = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
+           "WS": 1}
+ws_cfg = {"BLOCK_M": 64, "gate_up": ws_gemm, "down": {**ws_gemm, "ATOMIC_SUM": 1}}
+spec = make_spec(e=4, k=2, h=256, i=128, act="silu")
+ref = make_fp8_experts("reference", spec, 1, 0, (128, 128), seed=3)
+tri = make_fp8_experts("triton", spec, 1, 0, (128, 128), seed=3)
+assert not fp8_ws.usable(tri.w2, (128, 128), 64, ws_gemm)
+x = torch.randn(12, 256) * 2
+ids, w = routing(12, 2, 4, "skewed", seed=3)
+err = rel_err(run(tri, x, ids, w, ws_cfg), ref(x, ids, w))
+assert err <= 1e-4, err
 
 # the MMA down with the row's pairs split into parts (as on a GPU of 16 SMs: at one row, a part
 # a pair, the last part to finish adding the partials in part order)
@@ -426,6 +461,71 @@ def test_fp8_mma_decode_kernels_match_the_reference_at_real_shapes_on_gpu(name, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("n,ep", [(64, 1), (1000, 1), (4096, 1), (1000, 2)])
+def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep):
+    """fp8_ws.py's warp-specialised gate_up and down (sm90) against the Triton kernels of 128-
+    column K steps (the same promotion a scale group: both sum a group's products in the MMA,
+    then scale them), with K steps of 64 and 128 columns: h's codes and scales (on H200 the
+    same bits; a float32 sum in another order may round a code the other way), the experts'
+    output at the pairs' slots and summed by atomics; an EP rank's -1 ids; a CUDA graph's
+    replay equals the eager call."""
+    from moeserve.kernels.moe import fp8_ws
+    from moeserve.kernels.moe import fused_moe_fp8 as F8
+    from moeserve.kernels.moe.align import align_triton
+    from test_moe_triton import make_spec, rel_err, routing
+
+    if not fp8_ws.sm90(torch.empty(1, device="cuda")):
+        pytest.skip("the warp-specialised fp8 kernels are sm90's")
+    spec = make_spec(**REAL[name])
+    e, k = REAL[name]["e"], REAL[name]["k"]
+    tri = make_fp8_experts("triton", spec, ep, ep - 1, (128, 128), 0, "cuda", torch.bfloat16)
+    x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(n, k, e, "skewed", seed=n, device="cuda")
+    xq, xs = R.quantize_groups(x, 128)
+    blocks = align_triton(ids.to(torch.int32), tri.first_expert, tri.num_local, 64)
+    for bk, stages in ((64, 6), (128, 3)):
+        ws = {"BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
+              "num_stages": stages, "WS": 1}
+        plain = {**ws, "BLOCK_K": 128, "num_stages": 3, "WS": 0}
+        assert fp8_ws.usable(tri.w13, (128, 128), 64, ws)
+        args = (xq, xs, tri.w13, tri.w13_scale_inv, blocks, k, "silu")
+        h0, hs0 = F8.gate_up(*args, plain, (128, 128))
+        h1, hs1 = F8.gate_up(*args, ws, (128, 128))
+        nb = blocks.num_blocks
+        rows = (torch.arange(64, device="cuda")[None, :] < blocks.block_rows[:nb, None])
+        rows = (rows & (blocks.block_expert[:nb, None] >= 0)).view(-1)
+        codes = h0.view(torch.uint8)[rows] != h1.view(torch.uint8)[rows]
+        assert codes.float().mean() <= 1e-3, float(codes.float().mean())
+        assert torch.allclose(hs1[rows], hs0[rows], rtol=1e-5, atol=0)
+        wts = w.to(torch.float32).view(-1)
+        for atomic in (False, True):
+            shape = (n, spec.hidden_size) if atomic else (n * k, spec.hidden_size)
+            y0 = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+            y1 = torch.zeros_like(y0)
+            F8.down(h0, hs0, tri.w2, tri.w2_scale_inv, blocks, wts, y0, k if atomic else 1,
+                    {**plain, "ATOMIC_SUM": int(atomic)}, (128, 128), atomic)
+            F8.down(h0, hs0, tri.w2, tri.w2_scale_inv, blocks, wts, y1, k if atomic else 1,
+                    {**ws, "ATOMIC_SUM": int(atomic)}, (128, 128), atomic)
+            assert rel_err(y1, y0) <= (1e-2 if atomic else 1e-4), (atomic, rel_err(y1, y0))
+        # the whole experts, eagerly and replayed
+        cfg = {"BLOCK_M": 64, "gate_up": ws, "down": ws}
+        run = lambda: F8.fused_experts_fp8(  # noqa: E731
+            x, None, tri.w13, tri.w13_scale_inv, tri.w2, tri.w2_scale_inv, ids, w,
+            tri.first_expert, "silu", (128, 128), cfg, torch.bfloat16)
+        eager = run()
+        want = F8.fused_experts_fp8(x, None, tri.w13, tri.w13_scale_inv, tri.w2,
+                                    tri.w2_scale_inv, ids, w, tri.first_expert, "silu",
+                                    (128, 128), {"BLOCK_M": 64, "gate_up": plain,
+                                                 "down": plain}, torch.bfloat16)
+        assert rel_err(eager, want) <= 1e-3, rel_err(eager, want)
+        graph, out = captured(run)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 16, 256])
 def test_fp8_runner_replays_in_a_cuda_graph(n):
     from test_moe_triton import make_spec, routing
@@ -511,3 +611,18 @@ def test_the_tuners_decode_candidates_obey_the_fp8_rules():
         assert 0 < len(mma) < len(tiles)
     assert configs.fp8_decode_gate_up(GROUP) in gemv_candidates("gate_up", 8)
     assert configs.fp8_decode_down(GROUP) in gemv_candidates("down", 8)
+
+
+def test_the_tuners_grouped_candidates_obey_the_fp8_rules():
+    """tune-moe --fp8's grouped GEMM tiles load: the warp-specialised kernels' only at
+    BLOCK_M 64, for both GEMMs."""
+    from benchmarks.tune_moe_fp8 import GROUP, candidates
+
+    for bm in (16, 32, 64, 128):
+        for gemm in ("gate_up", "down"):
+            tiles = candidates(bm, gemm)
+            for t in tiles:
+                assert not configs.fp8_tile_problems(t, GROUP, gemm == "gate_up"), (bm, t)
+            assert any(t.get("WS") for t in tiles) == (bm == 64), (bm, gemm)
+            configs.validate({"BLOCK_M": bm, "gate_up": candidates(bm, "gate_up")[-1],
+                              "down": tiles[-1]}, "the tuner", GROUP)

@@ -36,7 +36,7 @@ class Workspace(NamedTuple):
     align: torch.Tensor  # [S] int32, align.py's scratch
     # fp8 weights (fused_moe_fp8.py): act is fp8 and these hold its per-group scales and the
     # rows quantized before gate_up (absent where the dispatcher delivers them quantized)
-    act_scale: Optional[torch.Tensor] = None  # [R, ceil(I/G)] float32
+    act_scale: Optional[torch.Tensor] = None  # [R, ceil(I/G)] float32 (grouped: group-major)
     input: Optional[torch.Tensor] = None  # [T, H] fp8
     input_scale: Optional[torch.Tensor] = None  # [T, ceil(H/G)] float32
     act_f32: Optional[torch.Tensor] = None  # [P, I] float32, the decode gate_up's product
@@ -44,6 +44,18 @@ class Workspace(NamedTuple):
 
 # the records of every triton runner (the others are an fp8 runner's)
 BASE_FIELDS = tuple(f for f in Workspace._fields if f not in Workspace._field_defaults)
+
+
+def take_group_major(buf: Optional[torch.Tensor], rows: int, name: str, groups: int,
+                     device: torch.device) -> torch.Tensor:
+    """take()'s rows of a [R, groups] float32 record, laid out group-major: a contiguous
+    [groups, rows] view of its front (the grouped path's h scales, which the warp-specialised
+    fp8 down loads a group of a block's rows at a time by TMA); .t() is the [rows, groups]
+    view the other kernels index with its strides."""
+    if buf is None:
+        return torch.empty(groups, rows, dtype=torch.float32, device=device)
+    take(buf, rows, name, groups, dtype=torch.float32, device=device)  # the size check
+    return buf.view(-1)[:groups * rows].view(groups, rows)
 
 
 def take(buf: Optional[torch.Tensor], rows: int, name: str, *shape: int, dtype: torch.dtype,

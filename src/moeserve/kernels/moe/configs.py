@@ -26,7 +26,9 @@ decode entry changes nothing there (decode_moe._opts).
 FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keyed by
 `fp8_w8a8_{bn}x{bk}` in place of the dtype (table_dtype), and defaults of their own
 (fp8_default_config): BLOCK_K divides the scale group bk (one scale a K step) and gate_up's
-BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED" or "WS". Their
+BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED"; "WS" in
+gate_up or down (fp8_ws.py's warp-specialised kernels on sm90: BLOCK_M 64, BLOCK_N 128,
+BLOCK_K 64 or 128, a scale group of 128, no HALF_TAIL; the Triton kernel elsewhere). Their
 "decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
 PREFETCH. Their decode gate_up and down may set "MMA": 1 with a num_stages: the kernels whose
@@ -213,7 +215,7 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
     (one scale a K step), or (decode: the decode kernels, which quantize whole groups a step)
     be a power-of-two multiple of it, with BLOCK_N a power of two; a tile that quantizes its
     output (whole_groups) holds whole groups (BLOCK_N a multiple of the group); no PAIRED or
-    WS, nor a decode PREFETCH."""
+    decode PREFETCH; WS (fp8_ws.py) with its fixed tiles."""
     bad = []
     n, k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg.get("MMA"):  # the MMA decode kernels: a group a step, the dot's M side
@@ -233,9 +235,29 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
         bad.append(f"BLOCK_K {k} does not divide the scale group {group}")
     if whole_groups and n % group:
         bad.append(f"BLOCK_N {n} is not a multiple of the scale group {group}")
-    bad += [f"sets {key}, which has no fp8 kernel" for key in ("PAIRED", "WS") if cfg.get(key)]
+    if cfg.get("PAIRED"):
+        bad.append("sets PAIRED, which has no fp8 kernel")
+    if cfg.get("WS"):
+        bad += ws_tile_problems(cfg, group, decode)
     if decode and cfg.get("PREFETCH"):
         bad.append("sets PREFETCH, which has no fp8 kernel")
+    return bad
+
+
+FP8_WS_BLOCK = (64, 128)  # (BLOCK_M, BLOCK_N) of fp8_ws.py's kernels, 128 x 128 scales
+
+
+def ws_tile_problems(cfg: dict[str, Any], group: int, decode: bool) -> list[str]:
+    """What keeps an fp8 GEMM config with "WS" from fp8_ws.py's fixed tiles."""
+    if decode:
+        return ["sets WS, which only the grouped GEMMs take"]
+    bad = [] if group == FP8_WS_BLOCK[1] else [f"sets WS with scale group {group} (WS: 128)"]
+    if cfg["BLOCK_N"] != FP8_WS_BLOCK[1]:
+        bad.append(f"sets WS with BLOCK_N {cfg['BLOCK_N']} (WS: {FP8_WS_BLOCK[1]})")
+    if cfg["BLOCK_K"] not in (64, 128):
+        bad.append(f"sets WS with BLOCK_K {cfg['BLOCK_K']} (WS: 64 or 128)")
+    if cfg.get("HALF_TAIL"):
+        bad.append("sets WS with HALF_TAIL, which the fp8 WS kernels lack")
     return bad
 
 
@@ -248,6 +270,8 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
            for p in fp8_tile_problems(c, group, whole, decode)]
     bad += [f"{name} sets MMA, which only the decode kernels take"
             for name, c, _, _ in kernels if c.get("MMA") and not name.startswith("decode.")]
+    if (cfg["gate_up"].get("WS") or cfg["down"].get("WS")) and cfg["BLOCK_M"] != FP8_WS_BLOCK[0]:
+        bad.append(f"a GEMM sets WS with BLOCK_M {cfg['BLOCK_M']} (WS: {FP8_WS_BLOCK[0]})")
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")
@@ -279,7 +303,8 @@ def validate(cfg: dict[str, Any], where: str, group: Optional[int] = None) -> di
         raise ValueError(f"MoE tile config in {where} sets PAIRED where it has no meaning: "
                          "only gate_up with TMA pairs the two halves of w13; drop it or "
                          "re-run python -m benchmarks tune-moe")
-    if cfg["gate_up"].get("WS") or (cfg["down"].get("WS") and cfg["BLOCK_M"] < 64):
+    if group is None and (cfg["gate_up"].get("WS") or (cfg["down"].get("WS")
+                                                        and cfg["BLOCK_M"] < 64)):
         raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
                          "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
                          "tile of 64 rows a warpgroup); drop it or re-run "

@@ -18,9 +18,11 @@ block_n; w13_s [E, 2I/bn, ceil(H/G)] and w2_s [E, ceil(H/bn), I/G] float32 block
 The epilogue's quantization is the same arithmetic as the quantizer's (values rounded to the
 e4m3 grid in float32, then cast), so h's bits are those of quantize_groups on the float32
 product; kernels/fp8/reference.py and the reference runner's fp8 path compute the same thing in
-torch. No TMA pairing of w13's halves and no warp-specialised down here (configs.validate
-refuses "PAIRED" and "WS" in fp8 tables); "TMA", "HALF_TAIL", "ATOMIC_SUM" and GROUP_M work as
-in fused_moe.py.
+torch. h's scales are group-major ([ceil(I/G), rows], hs a transposed view of them). No TMA
+pairing of w13's halves (configs.validate refuses "PAIRED" in fp8 tables); "TMA",
+"HALF_TAIL", "ATOMIC_SUM" and GROUP_M work as in fused_moe.py. "WS" (BLOCK_M 64, BLOCK_N 128,
+128 x 128 blocks) runs a GEMM as fp8_ws.py's warp-specialised Gluon kernel on sm90, the
+Triton kernel elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import triton.language as tl
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
 from moeserve.kernels.launch.pdl import pdl_args
 from moeserve.kernels.moe.align import align_triton
-from moeserve.kernels.moe.align_torch import Workspace, take
+from moeserve.kernels.moe import fp8_ws
+from moeserve.kernels.moe.align_torch import Workspace, take, take_group_major
 from moeserve.kernels.moe.decode_moe_fp8 import decode_experts_fp8
 from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_input, quantize_rows
 from moeserve.kernels.moe.fused_moe import (_block_pairs, _launch_opts, _row_tile, _store_down,
@@ -43,7 +46,7 @@ from moeserve.kernels.moe.fused_moe import (_block_pairs, _launch_opts, _row_til
 @triton.jit
 def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert, row0, rows,
                   pid_n, hidden, inter, top_k, stride_xs, stride_we, stride_wn, stride_hs,
-                  ACT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  stride_hg, ACT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                   EVEN_K: tl.constexpr, TMA: tl.constexpr):
     offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
@@ -83,14 +86,14 @@ def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, exp
     tl.store(h_ptr + row[:, None] * inter + offs_n[None, :], q.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
     groups = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
-    tl.store(hs_ptr + row[:, None] * stride_hs + groups[None, :], scale,
+    tl.store(hs_ptr + row[:, None] * stride_hs + groups[None, :] * stride_hg, scale,
              mask=row_ok[:, None] & (groups * GROUP_K < inter)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, block_expert_ptr,
                     block_rows_ptr, num_blocks, hidden, inter, top_k, GROUP_M, stride_xs,
-                    stride_we, stride_wn, stride_hs, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_we, stride_wn, stride_hs, stride_hg, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
                     HALF_TAIL: tl.constexpr, PDL: tl.constexpr):
@@ -101,18 +104,18 @@ def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, b
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
-                      stride_wn, stride_hs, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N,
+                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N,
                       GROUP_K, EVEN_K, TMA)
     else:
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
-                      stride_wn, stride_hs, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K,
+                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K,
                       EVEN_K, TMA)
 
 
 @triton.jit
 def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert, row0,
-               rows, pid_n, hidden, inter, top_k, stride_hs, stride_we, stride_wn,
+               rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg, stride_we, stride_wn,
                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
                TMA: tl.constexpr, ATOMIC_SUM: tl.constexpr):
@@ -135,7 +138,7 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
         a = _row_tile(a_ptrs, row_ok, inter - k0, BLOCK_K, EVEN_K)
         b = _weight_tile(w2_ptr, b_ptrs, expert, pid_n * BLOCK_N, k0, inter - k0, n_ok,
                          BLOCK_N, BLOCK_K, TMA, EVEN_K)
-        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_hg, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -147,7 +150,7 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                  block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k, GROUP_M,
-                 stride_hs, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_hs, stride_hg, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
                  ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
@@ -157,54 +160,63 @@ def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_
         return
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
-                   pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_we,
-                   stride_wn, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
+                   pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
+                   stride_we, stride_wn, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
                    ATOMIC_SUM)
     else:
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
-                   pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_we,
-                   stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
+                   pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
+                   stride_we, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
                    ATOMIC_SUM)
 
 
 def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any],
             block: tuple[int, int], ws: Optional[Workspace] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h fp8 [rows, I], hs float32 [rows, ceil(I/G)]) in block order."""
+    """(h fp8 [rows, I], hs float32 [rows, ceil(I/G)]) in block order; hs is the transposed
+    view of a group-major [ceil(I/G), rows] tensor (hs.t(): what fp8_ws's down loads)."""
     num_local, two_i, hidden = w13.shape
     inter, group = two_i // 2, block[1]
     check_tiles(cfg, group, "gate_up", whole_groups=True)
     rows = blocks.num_blocks * blocks.block_m
     h = take(ws and ws.act, rows, "act", inter, dtype=FP8, device=xq.device)
-    hs = take(ws and ws.act_scale, rows, "act_scale", triton.cdiv(inter, group),
-              dtype=torch.float32, device=xq.device)
+    hs = take_group_major(ws and ws.act_scale, rows, "act_scale", triton.cdiv(inter, group),
+                          xq.device).t()
     if blocks.num_blocks == 0:
+        return h, hs
+    if fp8_ws.usable(w13, block, blocks.block_m, cfg):
+        fp8_ws.gate_up_fp8_ws(xq, xs, w13, w13_s, blocks, top_k, act, cfg, h, hs.t())
         return h, hs
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
     w_arg, tma = _weights_arg(w13, cfg)
     _gate_up_kernel[grid](xq, xs, w_arg, w13_s, h, hs, blocks.sorted_pairs, blocks.block_expert,
                           blocks.block_rows, blocks.num_blocks, hidden, inter, top_k,
                           cfg["GROUP_M"], xs.stride(0), w13_s.stride(0), w13_s.stride(1),
-                          hs.stride(0), ACT=ACT_CODES[act], GROUP_N=block[0], GROUP_K=group,
-                          EVEN_K=hidden % cfg["BLOCK_K"] == 0, TMA=tma,
+                          hs.stride(0), hs.stride(1), ACT=ACT_CODES[act], GROUP_N=block[0],
+                          GROUP_K=group, EVEN_K=hidden % cfg["BLOCK_K"] == 0, TMA=tma,
                           **_launch_opts(cfg, blocks.block_m), **pdl_args(xq.device))
     return h, hs
 
 
 def down(h, hs, w2, w2_s, blocks, topk_weights_P: torch.Tensor, dst: torch.Tensor, top_k: int,
          cfg: dict[str, Any], block: tuple[int, int], atomic: bool) -> torch.Tensor:
-    """Into dst: y_PH at each pair's slot, or (atomic) the top-k sum into a zeroed [N, H]."""
+    """Into dst: y_PH at each pair's slot, or (atomic) the top-k sum into a zeroed [N, H].
+    hs: gate_up's (any strides; fp8_ws's down takes a group-major one)."""
     num_local, hidden, inter = w2.shape
     check_tiles(cfg, block[1], "down", whole_groups=False)
-    if blocks.num_blocks:
-        grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
-        w_arg, tma = _weights_arg(w2, cfg)
-        _down_kernel[grid](h, hs, w_arg, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
-                           blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter,
-                           top_k, cfg["GROUP_M"], hs.stride(0), w2_s.stride(0), w2_s.stride(1),
-                           GROUP_N=block[0], GROUP_K=block[1],
-                           EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, ATOMIC_SUM=atomic,
-                           **_launch_opts(cfg, blocks.block_m), **pdl_args(h.device))
+    if not blocks.num_blocks:
+        return dst
+    if fp8_ws.usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
+        fp8_ws.down_fp8_ws(h, hs.t(), w2, w2_s, blocks, topk_weights_P, dst, top_k, cfg, atomic)
+        return dst
+    grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
+    w_arg, tma = _weights_arg(w2, cfg)
+    _down_kernel[grid](h, hs, w_arg, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
+                       blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter,
+                       top_k, cfg["GROUP_M"], hs.stride(0), hs.stride(1), w2_s.stride(0),
+                       w2_s.stride(1), GROUP_N=block[0], GROUP_K=block[1],
+                       EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, ATOMIC_SUM=atomic,
+                       **_launch_opts(cfg, blocks.block_m), **pdl_args(h.device))
     return dst
 
 
