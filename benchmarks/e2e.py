@@ -9,14 +9,14 @@ Each part runs in its own process, so that our model and transformers' never sha
   ours      decode step at --batches over --ctx cached tokens (graph replay with its input
             copies; eager at batch 1), the graph replayed back to back, the kernels of the
             steps of --profile-batches (batch 1 by default), experts touched by the dummy
-            routing, one prefill of each
-            --prefill-tokens, then `moeserve bench` at each --concurrency
+            routing, then one prefill of each --prefill-tokens and `moeserve bench` at
+            each --concurrency
   hf        transformers' generate, each experts implementation, batch 1 and 8
 
 With --quantization fp8 (section "End to end, FP8", e2e_fp8.py) the parts are ceilings (with
-the FP8 GEMM rate), ours (the bf16 engine's decode steps only) and ours_fp8 (the same engine
-with --quantization fp8, all of ours' measurements); `moeserve bench` runs on both only with
---concurrency given, and hf does not run (transformers cannot run our fp8).
+the FP8 GEMM rate), ours (the bf16 engine's decode steps and prefills) and ours_fp8 (the same
+engine with --quantization fp8, all of ours' measurements); `moeserve bench` runs on both
+only with --concurrency given, and hf does not run (transformers cannot run our fp8).
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def part_ours(args: Any, quantization: Optional[str] = None, detail: bool = True
               "ms/step", flush=True)
     if detail:
         part_detail(args, runner, out)
+    out["prefill"] = [S.prefill_ms(runner, n) for n in args.prefill_tokens]
     for c in args.concurrency:
         prompts = random_prompts(max(2 * c, 8), args.input_len, runner.spec.vocab_size, seed=c)
         s = run_bench(engine, prompts, args.output_len, c, progress=False)
@@ -159,7 +160,6 @@ def part_detail(args: Any, runner: Any, out: dict[str, Any]) -> None:
         out["touched"][str(b)] = statistics.mean(seen) if seen else None
     out["profiles"] = {str(b): S.kernel_profile(runner, args.ctx, b)
                        for b in args.profile_batches}
-    out["prefill"] = [S.prefill_ms(runner, n) for n in args.prefill_tokens]
 
 
 def part_hf(args: Any) -> dict[str, Any]:
@@ -267,9 +267,11 @@ def render(res: dict[str, Any]) -> str:
     return harness.section(TITLE, METHOD, RunInfo(**res["info"]), ceil, body)
 
 
-def engine_notes(ours: dict[str, Any]) -> list[str]:
+def engine_notes(ours: dict[str, Any], baseline: Optional[dict[str, Any]] = None
+                 ) -> list[str]:
     """What a part measured beside its decode steps: the eager step, the graphs replayed back
-    to back, the profiled steps' kernels, the prefills."""
+    to back, the profiled steps' kernels, the prefills (beside the baseline part's prefills,
+    the bf16 engine of the same run, where it has them)."""
     body: list[str] = []
     if ours.get("eager_ms", {}).get("1"):
         body += ["", f"Batch 1 without CUDA graphs (eager): {ours['eager_ms']['1']:.2f} ms/step."]
@@ -289,14 +291,30 @@ def engine_notes(ours: dict[str, Any]) -> list[str]:
                       [[f"`{k['name'][:60]}`", f"{k['ms']:.3f}", f"{k['span_ms']:.3f}",
                         k["calls"]] for k in prof["top"]])
     if ours.get("prefill"):
-        body += ["", "One prefill (CUDA events; host = the model call):", ""]
-        body += table(["tokens", "eager device ms", "eager host ms", "prefill graphs device ms",
-                       "graphs host ms"],
-                      [[p["tokens"], f"{p['eager_ms']:.2f}", f"{p['eager_host_ms']:.2f}",
-                        f"{p['graph_ms']:.2f}" if "graph_ms" in p else "-",
-                        f"{p['graph_host_ms']:.2f}" if "graph_ms" in p else "-"]
-                       for p in ours["prefill"]])
+        base = {p["tokens"]: p for p in (baseline or {}).get("prefill", [])}
+        body += ["", "One prefill (CUDA events; host = the model call"
+                 + ("; bf16: the bf16 engine's, same run" if base else "") + "):", ""]
+        heads = ["tokens", "eager device ms", "eager host ms", "prefill graphs device ms",
+                 "graphs host ms"]
+        rows = [[p["tokens"], f"{p['eager_ms']:.2f}", f"{p['eager_host_ms']:.2f}",
+                 f"{p['graph_ms']:.2f}" if "graph_ms" in p else "-",
+                 f"{p['graph_host_ms']:.2f}" if "graph_ms" in p else "-"]
+                for p in ours["prefill"]]
+        if base:
+            heads += ["bf16 device ms (graphs, else eager)", "/ bf16"]
+            for row, p in zip(rows, ours["prefill"]):
+                b = base.get(p["tokens"], {})
+                mine, theirs = _prefill_device_ms(p), _prefill_device_ms(b)
+                row += [f"{theirs:.2f}" if theirs else "-",
+                        f"{mine / theirs:.2f}" if theirs else "-"]
+        body += table(heads, rows)
     return body
+
+
+def _prefill_device_ms(p: dict[str, Any]) -> Optional[float]:
+    """A prefill's device ms as the engine runs it: through the prefill graphs where a
+    captured size holds it, else eagerly."""
+    return p.get("graph_ms", p.get("eager_ms"))
 
 
 def render_hf(hf: dict[str, Any], ctx: int, ours_ms: Any) -> list[str]:

@@ -105,7 +105,7 @@ def render(res: dict[str, Any]) -> str:
                    "FP8 ms/step", "x floor", "bf16 ms/step (same run)", "bf16 x its floor",
                    "FP8 / bf16"], cells)
     body += ["", acceptance_line(found)]
-    body += engine_notes(fp8)
+    body += engine_notes(fp8, bf16)
     bw = ceil.copy_GBps * 1e9
     body += render_bench(fp8.get("bench", []), a, spec, bw, None, quant, "the FP8 engine")
     body += render_bench(bf16.get("bench", []), a, spec, bw, None, None, "the bf16 engine")

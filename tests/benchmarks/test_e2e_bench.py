@@ -178,6 +178,34 @@ def test_fp8_section_from_made_up_measurements(tmp_path):
     assert "## End to end\n\nbf16 numbers\n" in kept and kept.count("## End to end, FP8") == 1
 
 
+def test_fp8_section_puts_the_bf16_prefills_beside_its_own():
+    """Each prefill length: the FP8 engine's eager and graph times, then the bf16 engine's
+    device time as it runs that length (graphs where captured, else eager) and the ratio; a
+    length the bf16 engine did not time shows dashes."""
+    res = _fp8_results({"1": 2.0}, {"1": 2.5})
+    res["ours_fp8"]["prefill"] = [
+        {"tokens": 512, "eager_ms": 70.0, "eager_host_ms": 69.0, "graph_ms": 10.0,
+         "graph_host_ms": 3.5},
+        {"tokens": 8192, "eager_ms": 120.0, "eager_host_ms": 80.0},
+        {"tokens": 16384, "eager_ms": 250.0, "eager_host_ms": 150.0}]
+    res["ours"]["prefill"] = [
+        {"tokens": 512, "eager_ms": 60.0, "eager_host_ms": 59.0, "graph_ms": 12.5,
+         "graph_host_ms": 3.0},
+        {"tokens": 8192, "eager_ms": 150.0, "eager_host_ms": 90.0}]
+    text = e2e_fp8.render(res)
+    assert "One prefill (CUDA events; host = the model call; bf16: the bf16 engine's, " \
+           "same run):" in text
+    assert ("| tokens | eager device ms | eager host ms | prefill graphs device ms | graphs "
+            "host ms | bf16 device ms (graphs, else eager) | / bf16 |") in text
+    assert "| 512 | 70.00 | 69.00 | 10.00 | 3.50 | 12.50 | 0.80 |" in text
+    assert "| 8192 | 120.00 | 80.00 | - | - | 150.00 | 0.80 |" in text
+    assert "| 16384 | 250.00 | 150.00 | - | - | - | - |" in text
+    # the bf16 section keeps its own table, without a baseline
+    alone = e2e.engine_notes({"prefill": res["ours"]["prefill"]})
+    assert "| 512 | 60.00 | 59.00 | 12.50 | 3.00 |" in alone
+    assert not any("/ bf16" in line for line in alone)
+
+
 def test_fp8_section_says_what_was_not_measured():
     text = e2e_fp8.render(_fp8_results({"8": 3.0}, {}))
     assert ("Acceptance (issue 37): batch 1, its FP8 floor: not measured; batch 1, the bf16 "
