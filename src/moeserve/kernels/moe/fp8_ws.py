@@ -125,6 +125,16 @@ if gluon is not None:
                        mask=kb < groups, other=0.0)
 
     @gluon.jit
+    def _tile_ahead(block_expert_ptr, ws_ptr, t, num_tiles, num_n, row0, stride_we, stride_wn,
+                    groups, KP: gl.constexpr, layout: gl.constexpr):
+        """Tile t's expert and weight-block scales (block row row0 + its column tile; the last
+        tile's past the end), loaded a tile before the consumer takes the tile."""
+        t = gl.minimum(t, num_tiles - 1)
+        expert = gl.load(block_expert_ptr + t // num_n)
+        return expert, _block_scales(ws_ptr, gl.maximum(expert, 0), row0 + t % num_n,
+                                     stride_we, stride_wn, groups, KP, layout)
+
+    @gluon.jit
     def _promote(acc, tmp, a_s, bsv, kb, KP: gl.constexpr, kv_layout: gl.constexpr):
         b_s = gl.sum(gl.where(gl.arange(0, KP, layout=kv_layout) == kb, bsv, 0.0), axis=0)
         return acc + tmp * (a_s * b_s)[:, None]
@@ -205,19 +215,15 @@ if gluon is not None:
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
         step = 2 * gl.num_programs(0)
         first = gl.program_id(0) + c * gl.num_programs(0)
-        # the next tile's expert and weight-block scales, a tile ahead
-        t_next = gl.minimum(first, num_tiles - 1)
-        expert_next = gl.load(block_expert_ptr + t_next // num_n)
-        bsv_next = _block_scales(ws_ptr, gl.maximum(expert_next, 0), t_next % num_n,
-                                 stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
+                                            0, stride_we, stride_wn, groups, KP, KV_LAYOUT)
         it = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
             bsv = bsv_next
-            t_next = gl.minimum(t + step, num_tiles - 1)
-            expert_next = gl.load(block_expert_ptr + t_next // num_n)
-            bsv_next = _block_scales(ws_ptr, gl.maximum(expert_next, 0), t_next % num_n,
-                                     stride_we, stride_wn, groups, KP, KV_LAYOUT)
+            expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
+                                                num_n, 0, stride_we, stride_wn, groups, KP,
+                                                KV_LAYOUT)
             if expert >= 0:
                 blk = t // num_n
                 rows = gl.load(block_rows_ptr + blk)
@@ -353,22 +359,18 @@ if gluon is not None:
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
         step = gl.num_programs(0)
         first = gl.program_id(0)
-        t_next = gl.minimum(first, num_tiles - 1)
-        expert_next = gl.load(block_expert_ptr + t_next // num_n)
-        # this consumer's weight-block row: gate n, up num_n + n
-        bsv_next = _block_scales(ws_ptr, gl.maximum(expert_next, 0),
-                                 c * num_n + t_next % num_n, stride_we, stride_wn, groups, KP,
-                                 KV_LAYOUT)
+        # this consumer's weight-block rows: gate n, up num_n + n
+        expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
+                                            c * num_n, stride_we, stride_wn, groups, KP,
+                                            KV_LAYOUT)
         it = 0
         done = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
             bsv = bsv_next
-            t_next = gl.minimum(t + step, num_tiles - 1)
-            expert_next = gl.load(block_expert_ptr + t_next // num_n)
-            bsv_next = _block_scales(ws_ptr, gl.maximum(expert_next, 0),
-                                     c * num_n + t_next % num_n, stride_we, stride_wn, groups,
-                                     KP, KV_LAYOUT)
+            expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
+                                                num_n, c * num_n, stride_we, stride_wn, groups,
+                                                KP, KV_LAYOUT)
             if expert >= 0:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=ACC_LAYOUT)
                 tmp = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=ACC_LAYOUT)
