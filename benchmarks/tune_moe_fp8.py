@@ -3,10 +3,11 @@ decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
-PAIRED; at BLOCK_M 64 also fp8_ws.py's warp-specialised kernels ("WS"); per token count each BLOCK_M's gate_up and down candidates timed alone (L2
-flushed), HALF_TAIL kept where 1% faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up
-to DECODE_MAX_TOKENS the GEMV path against the aligned one as CUDA-graph replays of the whole
-experts on quantized rows, as the decode step hands them over (best of 3). The table's
+PAIRED; at BLOCK_M 64 also fp8_ws.py's warp-specialised kernels ("WS"); per token count
+each BLOCK_M's gate_up and down candidates timed alone (L2 flushed), HALF_TAIL kept where 1%
+faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up to DECODE_MAX_TOKENS the GEMV path
+against the aligned one as CUDA-graph replays of the whole experts on quantized rows, as the
+decode step hands them over (best of 3). The table's
 "note" names the sizes it tuned (tuned_note), those of earlier runs included.
 """
 

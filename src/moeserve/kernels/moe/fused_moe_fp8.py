@@ -93,10 +93,10 @@ def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, exp
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, block_expert_ptr,
                     block_rows_ptr, num_blocks, hidden, inter, top_k, GROUP_M, stride_xs,
-                    stride_we, stride_wn, stride_hs, stride_hg, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-                    GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                    HALF_TAIL: tl.constexpr, PDL: tl.constexpr):
+                    stride_we, stride_wn, stride_hs, stride_hg, ACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, inter, block_expert_ptr, block_rows_ptr,
                                           BLOCK_N, GROUP_M, PDL)
     if expert < 0:
@@ -104,13 +104,13 @@ def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, b
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
-                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N,
-                      GROUP_K, EVEN_K, TMA)
+                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                      GROUP_N, GROUP_K, EVEN_K, TMA)
     else:
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
-                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K,
-                      EVEN_K, TMA)
+                      stride_wn, stride_hs, stride_hg, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N,
+                      GROUP_K, EVEN_K, TMA)
 
 
 @triton.jit
@@ -150,10 +150,10 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
 @triton.jit(do_not_specialize=["num_blocks", "top_k", "GROUP_M"])
 def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                  block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k, GROUP_M,
-                 stride_hs, stride_hg, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
-                 ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
+                 stride_hs, stride_hg, stride_we, stride_wn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                 GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                 HALF_TAIL: tl.constexpr, ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, hidden, block_expert_ptr, block_rows_ptr,
                                           BLOCK_N, GROUP_M, PDL)
     if expert < 0:
@@ -161,13 +161,13 @@ def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_
     if HALF_TAIL and rows <= BLOCK_M // 2:
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
                    pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
-                   stride_we, stride_wn, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
-                   ATOMIC_SUM)
+                   stride_we, stride_wn, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K,
+                   TMA, ATOMIC_SUM)
     else:
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
                    pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
-                   stride_we, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K, TMA,
-                   ATOMIC_SUM)
+                   stride_we, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K,
+                   TMA, ATOMIC_SUM)
 
 
 def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any],
