@@ -37,7 +37,9 @@ Why no wider tiles: a consumer holds its float32 sum and the wgmma's scratch (64
 128 registers a thread); gate and up in one consumer (three such tiles) spill.
 
 `usable` says whether a call qualifies: a config with "WS", sm90, block scales of 128 x 128,
-BLOCK_M 64, BLOCK_N 128, H and I multiples of 128, a contiguous 16-byte aligned weight.
+BLOCK_M 64, BLOCK_N 128, H and I multiples of 128, a contiguous 16-byte aligned weight; and
+`gathers` whether gate_up's rows can be gathered (contiguous, 16-byte aligned, their scales
+a float apart). fused_moe_fp8 takes the Triton kernel where either says no.
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ def usable(w: torch.Tensor, block: tuple[int, int], block_m: int, cfg: dict[str,
         return False
     return (w.is_contiguous() and w.data_ptr() % 16 == 0 and w.dtype == torch.float8_e4m3fn
             and w.shape[1] % WS_GROUP == 0 and w.shape[2] % WS_GROUP == 0)
+
+
+def gathers(xq: torch.Tensor, xs: torch.Tensor) -> bool:
+    """Whether gate_up's loader can gather these rows (16-byte copies of whole rows) and their
+    scales (a group's a float)."""
+    return (xq.is_contiguous() and xq.data_ptr() % 16 == 0 and xs.stride(1) == 1
+            and xs.dtype == torch.float32)
 
 
 if gluon is not None:

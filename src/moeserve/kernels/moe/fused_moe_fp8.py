@@ -184,7 +184,7 @@ def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any
                           xq.device).t()
     if blocks.num_blocks == 0:
         return h, hs
-    if fp8_ws.usable(w13, block, blocks.block_m, cfg):
+    if fp8_ws.usable(w13, block, blocks.block_m, cfg) and fp8_ws.gathers(xq, xs):
         fp8_ws.gate_up_fp8_ws(xq, xs, w13, w13_s, blocks, top_k, act, cfg, h, hs.t())
         return h, hs
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
