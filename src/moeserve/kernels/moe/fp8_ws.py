@@ -473,7 +473,7 @@ if gluon is not None:
 
     @functools.lru_cache(maxsize=None)
     def _common(groups: int, block_k: int, out_dtype) -> dict[str, Any]:
-        """The launch's layouts (made once: building them costs a launch tens of us)."""
+        """The launch's layouts, made once (building them cost a launch tens of µs)."""
         kp = 1 << max(0, groups - 1).bit_length()
         vec = 16 // (1 if out_dtype == gl.float8e4nv else 2)  # 16 bytes a thread
         return dict(SUB=WS_GROUP // block_k, KP=kp, ACC_LAYOUT=_acc_layout(WS_BLOCK_N),
@@ -481,7 +481,6 @@ if gluon is not None:
                                                            WS_BLOCK_N // vec], [4, 1], [1, 0]),
                     KV_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
                     ROWS_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
 
     @functools.lru_cache(maxsize=None)
     def _gather(block_k: int) -> dict[str, Any]:
