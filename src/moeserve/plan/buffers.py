@@ -191,6 +191,7 @@ def runner_records(spec: ModelSpec, layout: ParallelLayout, dtype: str, rows: in
     if quant_block is not None:
         bk = quant_block[1]
         fp8_knobs = ("--quantization", *knobs)
+        # (the grouped path views its front group-major, [groups, rows]: the same bytes)
         records.append(BufferRecord("moe.runner.act_scale", (grouped, -(-i_local // bk)),
                                     "float32", f"({gf}) x ceil(I/moe_tp/{bk})", fp8_knobs))
         # the decode gate_up's float32 product (the CUDA-core down quantizes it a group at a
