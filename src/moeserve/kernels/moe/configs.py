@@ -244,14 +244,16 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
     return bad
 
 
-FP8_WS_BLOCK = (64, 128)  # (BLOCK_M, BLOCK_N) of fp8_ws.py's kernels, 128 x 128 scales
+FP8_WS_BLOCK = (64, 128)  # (BLOCK_M, BLOCK_N) of fp8_ws.py's kernels
+FP8_WS_GROUP = 128  # the scale blocks they take, 128 x 128
 
 
 def ws_tile_problems(cfg: dict[str, Any], group: int, decode: bool) -> list[str]:
     """What keeps an fp8 GEMM config with "WS" from fp8_ws.py's fixed tiles."""
     if decode:
         return ["sets WS, which only the grouped GEMMs take"]
-    bad = [] if group == FP8_WS_BLOCK[1] else [f"sets WS with scale group {group} (WS: 128)"]
+    bad = [] if group == FP8_WS_GROUP else [
+        f"sets WS with scale group {group} (WS: {FP8_WS_GROUP})"]
     if cfg["BLOCK_N"] != FP8_WS_BLOCK[1]:
         bad.append(f"sets WS with BLOCK_N {cfg['BLOCK_N']} (WS: {FP8_WS_BLOCK[1]})")
     if cfg["BLOCK_K"] not in (64, 128):

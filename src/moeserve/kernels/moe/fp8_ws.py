@@ -61,17 +61,14 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     gluon = None
 
 from moeserve.kernels.elementwise.act import ACT_CODES
-from moeserve.kernels.moe.configs import FP8_WS_BLOCK
+from moeserve.kernels.fp8.gemm import _sm_count
+from moeserve.kernels.moe.configs import FP8_WS_BLOCK, FP8_WS_GROUP
+from moeserve.kernels.moe.down_ws import sm90
 
 # rows of a consumer's tile (one warpgroup's wgmma); a tile's output columns: one weight
 # scale block (gate_up: one h group); the scale block (both sides) the kernels take
 WS_BLOCK_M, WS_BLOCK_N = FP8_WS_BLOCK
-WS_GROUP = 128
-
-
-def sm90(*tensors: torch.Tensor) -> bool:
-    return (gluon is not None and all(t.is_cuda for t in tensors)
-            and torch.cuda.get_device_capability(tensors[0].device)[0] == 9)
+WS_GROUP = FP8_WS_GROUP
 
 
 def usable(w: torch.Tensor, block: tuple[int, int], block_m: int, cfg: dict[str, Any]) -> bool:
@@ -500,8 +497,7 @@ if gluon is not None:
 
 def _programs(device: torch.device, tiles: int) -> int:
     """One program an SM, at most one a tile."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms, tiles))
+    return max(1, min(_sm_count(device.index or 0), tiles))
 
 
 def down_fp8_ws(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
