@@ -45,9 +45,10 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
               "num_stages": s, **tma}
              for bn, bk, w, s in itertools.product(bns, (64, 128), (4, 8), (3, 4))
              for tma in tmas if accs * block_m * bn <= 128 * 32 * w]
-    if block_m == FP8_WS_BLOCK[0]:
+    if block_m in (64, 128):  # fp8_ws.py's, fp8_ws128.py's (a scale group a stage)
+        steps = ((64, 6), (128, 3), (128, 4)) if block_m == 64 else ((128, 3), (128, 4))
         tiles += [{"BLOCK_N": FP8_WS_BLOCK[1], "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
-                   "num_stages": s, "WS": 1} for bk, s in ((64, 6), (128, 3), (128, 4))]
+                   "num_stages": s, "WS": 1} for bk, s in steps]
     return tiles
 
 
@@ -77,6 +78,11 @@ def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
     return (*w13, *w2)
 
 
+def _half_tail(name: str, fn, timed: tuple[float, dict], block_m: int) -> tuple[float, dict]:
+    """with_half_tail, but for the fp8 WS kernels, which have no half tiles."""
+    return timed if timed[1].get("WS") else with_half_tail(name, fn, timed, block_m)
+
+
 def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
     from moeserve.kernels.fp8.gemm import quantize_groups
     from moeserve.kernels.moe import fused_moe_fp8 as F8
@@ -95,14 +101,14 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
     for bm in sorted(set(block_ms(per_expert)) | ({64} if per_expert > 96 else set())):
         blocks = align_triton(ids, 0, e, bm)
         up_fn = lambda c: F8.gate_up(xq, xs, w13, w13_s, blocks, k, "silu", c, BLOCK)  # noqa: E731
-        t_up, up = with_half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
-                                                            candidates(bm, "gate_up")), bm)
+        t_up, up = _half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
+                                                        candidates(bm, "gate_up")), bm)
         hq, hs = up_fn(up)
         y = torch.empty(pairs, h, device=DEVICE, dtype=torch.bfloat16)
         down_fn = lambda c: F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK,  # noqa
                                     False)
-        t_down, dn = with_half_tail("down", down_fn, best_of("down", down_fn,
-                                                             candidates(bm, "down")), bm)
+        t_down, dn = _half_tail("down", down_fn, best_of("down", down_fn,
+                                                         candidates(bm, "down")), bm)
         print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, "
               f"down {t_down * 1e3:.1f} us {dn}", flush=True)
         if best is None or t_up + t_down < best[0]:

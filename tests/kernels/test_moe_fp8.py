@@ -107,7 +107,12 @@ def test_fp8_tile_rules():
     assert "gate_up sets WS with BLOCK_N 256 (WS: 128)" in msg, msg
     assert "down sets WS with BLOCK_K 32 (WS: 64 or 128)" in msg, msg
     assert "down sets WS with HALF_TAIL" in msg, msg
-    assert "a GEMM sets WS with BLOCK_M 32 (WS: 64)" in msg, msg
+    assert "a GEMM sets WS with BLOCK_M 32 (WS: 64 or 128)" in msg, msg
+    configs.validate({"BLOCK_M": 128, "gate_up": {**ws, "BLOCK_K": 128},
+                      "down": {**ws, "BLOCK_K": 128}}, "t.json", 128)
+    with pytest.raises(ValueError, match="down sets WS with BLOCK_K 64 at BLOCK_M 128"):
+        configs.validate({"BLOCK_M": 128, "gate_up": {**ws, "BLOCK_K": 128}, "down": ws},
+                         "t.json", 128)
     assert "decode.down sets WS, which only the grouped GEMMs take" in msg, msg
     with pytest.raises(ValueError, match="sets WS with scale group 64"):
         configs.validate({"BLOCK_M": 64, "gate_up": {**ws, "BLOCK_K": 64}, "down": ws},
@@ -466,7 +471,8 @@ def test_fp8_mma_decode_kernels_match_the_reference_at_real_shapes_on_gpu(name, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(REAL))
 @pytest.mark.parametrize("n,ep", [(64, 1), (1000, 1), (4096, 1), (1000, 2)])
-def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep):
+@pytest.mark.parametrize("bm", [64, 128])
+def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep, bm):
     """fp8_ws.py's warp-specialised gate_up and down (sm90) against the Triton kernels of 128-
     column K steps (the same promotion a scale group: both sum a group's products in the MMA,
     then scale them), with K steps of 64 and 128 columns: h's codes and scales (on H200 the
@@ -486,17 +492,17 @@ def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep):
     x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(n, k, e, "skewed", seed=n, device="cuda")
     xq, xs = R.quantize_groups(x, 128)
-    blocks = align_triton(ids.to(torch.int32), tri.first_expert, tri.num_local, 64)
-    for bk, stages in ((64, 6), (128, 3)):
+    blocks = align_triton(ids.to(torch.int32), tri.first_expert, tri.num_local, bm)
+    for bk, stages in ((64, 6), (128, 3)) if bm == 64 else ((128, 3), (128, 4)):
         ws = {"BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
               "num_stages": stages, "WS": 1}
         plain = {**ws, "BLOCK_K": 128, "num_stages": 3, "WS": 0}
-        assert fp8_ws.usable(tri.w13, (128, 128), 64, ws)
+        assert fp8_ws.usable(tri.w13, (128, 128), bm, ws) == (bm == 64)
         args = (xq, xs, tri.w13, tri.w13_scale_inv, blocks, k, "silu")
         h0, hs0 = F8.gate_up(*args, plain, (128, 128))
         h1, hs1 = F8.gate_up(*args, ws, (128, 128))
         nb = blocks.num_blocks
-        rows = (torch.arange(64, device="cuda")[None, :] < blocks.block_rows[:nb, None])
+        rows = (torch.arange(bm, device="cuda")[None, :] < blocks.block_rows[:nb, None])
         rows = (rows & (blocks.block_expert[:nb, None] >= 0)).view(-1)
         codes = h0.view(torch.uint8)[rows] != h1.view(torch.uint8)[rows]
         assert codes.float().mean() <= 1e-3, float(codes.float().mean())
@@ -512,14 +518,14 @@ def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep):
                     {**ws, "ATOMIC_SUM": int(atomic)}, (128, 128), atomic)
             assert rel_err(y1, y0) <= (1e-2 if atomic else 1e-4), (atomic, rel_err(y1, y0))
         # the whole experts, eagerly and replayed
-        cfg = {"BLOCK_M": 64, "gate_up": ws, "down": ws}
+        cfg = {"BLOCK_M": bm, "gate_up": ws, "down": ws}
         run = lambda: F8.fused_experts_fp8(  # noqa: E731
             x, None, tri.w13, tri.w13_scale_inv, tri.w2, tri.w2_scale_inv, ids, w,
             tri.first_expert, "silu", (128, 128), cfg, torch.bfloat16)
         eager = run()
         want = F8.fused_experts_fp8(x, None, tri.w13, tri.w13_scale_inv, tri.w2,
                                     tri.w2_scale_inv, ids, w, tri.first_expert, "silu",
-                                    (128, 128), {"BLOCK_M": 64, "gate_up": plain,
+                                    (128, 128), {"BLOCK_M": bm, "gate_up": plain,
                                                  "down": plain}, torch.bfloat16)
         assert rel_err(eager, want) <= 1e-3, rel_err(eager, want)
         graph, out = captured(run)
@@ -597,7 +603,7 @@ def test_the_tuner_note_names_every_size_it_tuned():
     path = configs.CONFIG_DIR / configs.config_file_name(128, 2048, 768, "fp8_w8a8_128x128",
                                                          "NVIDIA H200")
     table = json.loads(path.read_text())
-    assert tuned_sizes(table["note"]) == {1, 2, 4, 8, 16, 64, 512, 2048, 8192}
+    assert tuned_sizes(table["note"]) == {1, 2, 4, 8, 16, 64, 512, 2048, 4096, 8192}
     assert tuned_sizes(table["note"]) <= {int(k) for k in table if k != "note"}
 
 
@@ -617,8 +623,8 @@ def test_the_tuners_decode_candidates_obey_the_fp8_rules():
 
 
 def test_the_tuners_grouped_candidates_obey_the_fp8_rules():
-    """tune-moe --fp8's grouped GEMM tiles load: the warp-specialised kernels' only at
-    BLOCK_M 64, for both GEMMs."""
+    """tune-moe --fp8's grouped GEMM tiles load: the warp-specialised kernels' at BLOCK_M 64
+    and 128, for both GEMMs."""
     from benchmarks.tune_moe_fp8 import GROUP, candidates
 
     for bm in (16, 32, 64, 128):
@@ -626,6 +632,6 @@ def test_the_tuners_grouped_candidates_obey_the_fp8_rules():
             tiles = candidates(bm, gemm)
             for t in tiles:
                 assert not configs.fp8_tile_problems(t, GROUP, gemm == "gate_up"), (bm, t)
-            assert any(t.get("WS") for t in tiles) == (bm == 64), (bm, gemm)
+            assert any(t.get("WS") for t in tiles) == (bm >= 64), (bm, gemm)
             configs.validate({"BLOCK_M": bm, "gate_up": candidates(bm, "gate_up")[-1],
                               "down": tiles[-1]}, "the tuner", GROUP)

@@ -246,6 +246,7 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
 
 FP8_WS_BLOCK = (64, 128)  # (BLOCK_M, BLOCK_N) of fp8_ws.py's kernels
 FP8_WS_GROUP = 128  # the scale blocks they take, 128 x 128
+FP8_WS_BLOCK_MS = (64, 128)  # BLOCK_M 128: fp8_ws128.py's, BLOCK_K 128
 
 
 def ws_tile_problems(cfg: dict[str, Any], group: int, decode: bool) -> list[str]:
@@ -272,8 +273,12 @@ def validate_fp8(cfg: dict[str, Any], where: str, group: int) -> None:
            for p in fp8_tile_problems(c, group, whole, decode)]
     bad += [f"{name} sets MMA, which only the decode kernels take"
             for name, c, _, _ in kernels if c.get("MMA") and not name.startswith("decode.")]
-    if (cfg["gate_up"].get("WS") or cfg["down"].get("WS")) and cfg["BLOCK_M"] != FP8_WS_BLOCK[0]:
-        bad.append(f"a GEMM sets WS with BLOCK_M {cfg['BLOCK_M']} (WS: {FP8_WS_BLOCK[0]})")
+    ws = [name for name, c, _, _ in kernels[:2] if c.get("WS")]
+    if ws and cfg["BLOCK_M"] not in FP8_WS_BLOCK_MS:
+        bad.append(f"a GEMM sets WS with BLOCK_M {cfg['BLOCK_M']} (WS: 64 or 128)")
+    if cfg["BLOCK_M"] == 128:  # fp8_ws128.py: a scale group a stage
+        bad += [f"{name} sets WS with BLOCK_K {cfg[name]['BLOCK_K']} at BLOCK_M 128 (WS: 128)"
+                for name in ws if cfg[name]["BLOCK_K"] != 128]
     if bad:
         raise ValueError(f"fp8 MoE tile config in {where}: {'; '.join(bad)}; re-run "
                          "python -m benchmarks tune-moe --fp8")

@@ -36,7 +36,7 @@ import triton.language as tl
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
 from moeserve.kernels.launch.pdl import pdl_args
 from moeserve.kernels.moe.align import align_triton
-from moeserve.kernels.moe import fp8_ws
+from moeserve.kernels.moe import fp8_ws, fp8_ws128
 from moeserve.kernels.moe.align_torch import Workspace, take, take_group_major
 from moeserve.kernels.moe.decode_moe_fp8 import decode_experts_fp8
 from moeserve.kernels.moe.fp8_tiles import FP8, check_tiles, quantize_input, quantize_rows
@@ -187,6 +187,9 @@ def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any
     if fp8_ws.usable(w13, block, blocks.block_m, cfg) and fp8_ws.gathers(xq, xs):
         fp8_ws.gate_up_fp8_ws(xq, xs, w13, w13_s, blocks, top_k, act, cfg, h, hs.t())
         return h, hs
+    if fp8_ws128.usable(w13, block, blocks.block_m, cfg) and fp8_ws.gathers(xq, xs):
+        fp8_ws128.gate_up128(xq, xs, w13, w13_s, blocks, top_k, act, cfg, h, hs.t())
+        return h, hs
     grid = (blocks.num_blocks * triton.cdiv(inter, cfg["BLOCK_N"]),)
     w_arg, tma = _weights_arg(w13, cfg)
     _gate_up_kernel[grid](xq, xs, w_arg, w13_s, h, hs, blocks.sorted_pairs, blocks.block_expert,
@@ -208,6 +211,9 @@ def down(h, hs, w2, w2_s, blocks, topk_weights_P: torch.Tensor, dst: torch.Tenso
         return dst
     if fp8_ws.usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
         fp8_ws.down_fp8_ws(h, hs.t(), w2, w2_s, blocks, topk_weights_P, dst, top_k, cfg, atomic)
+        return dst
+    if fp8_ws128.usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
+        fp8_ws128.down128(h, hs.t(), w2, w2_s, blocks, topk_weights_P, dst, top_k, cfg, atomic)
         return dst
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
     w_arg, tma = _weights_arg(w2, cfg)

@@ -1,0 +1,389 @@
+"""fp8_ws.py's grouped GEMMs on 128-row blocks (BLOCK_M 128): the two consumer warpgroups
+share each tile, one 64-row half each, so a stage's weight rows serve 128 rows of the block.
+
+Why: a 64-row tile reads its weight slab from L2 for 64 rows only; 128 rows halve the weight
+bytes a FLOP. The gate_up gains (its tile is 128 x 256 of products, gate and up); the down's
+128 x 128 tile, whose two halves reach their epilogue together rather than one under the
+other's MMAs, times about even with fp8_ws.py's (the H200 tables' notes).
+
+    down     tiles (block t // num_n, the 128 columns t % num_n), every one of the program's;
+             one ring: h's 128 rows, their scales and w2's 128 rows by TMA; consumer c
+             multiplies rows [64 c, 64 c + 64) of the stage by the weight rows (the same
+             stage, read by both), promotes, and writes its half of the tile out
+    gate_up  tiles (block, the 128 columns of h); one ring: x's 128 rows gathered by cp.async
+             (a loader warpgroup, so that a thread holds few row addresses) with their
+             scales, w13's 128 gate and 128 up rows by TMA; consumer c loads its 64 rows of
+             the stage into registers (the wgmma's A from registers) and runs four wgmmas of
+             64 columns each (gate's two halves, up's two), each into a 64 x 64 scratch
+             promoted into its quarter of the tile's sums: 4 x 32 + 32 float32 registers a
+             thread, where 64 x 128 tiles of gate and up and a scratch (192) spill
+
+BLOCK_K is 128 (a scale group a stage). The arithmetic is fp8_ws's (and the Triton kernels'
+at 128-column K steps).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from moeserve.kernels.elementwise.act import ACT_CODES
+from moeserve.kernels.moe import fp8_ws as W
+
+gluon = W.gluon
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeserve.kernels.moe.fp8_ws import FP8_MAX, _act, _round_e4m3, _stage, _tile_ahead
+
+BLOCK_M, HALF, BLOCK_N, BLOCK_K = 128, 64, 128, 128  # HALF: a consumer's rows
+
+if gluon is not None:
+    # the same as the kernels read them (a kernel reads globals that are constexpr)
+    _BM, _HALF, _BN, _BK = (gl.constexpr(v) for v in (BLOCK_M, HALF, BLOCK_N, BLOCK_K))
+    DOWN_REGS = gl.constexpr([232, 40])  # [consumer 1, loader (1 warp)]
+    GATE_UP_REGS = gl.constexpr([208, 88])  # [consumer 1, loader (4 warps)]
+
+    @gluon.jit
+    def _scalar(v, kb, KP: gl.constexpr, layout: gl.constexpr):
+        return gl.sum(gl.where(gl.arange(0, KP, layout=layout) == kb, v, 0.0), axis=0)
+
+    # ---------------------------------------------------------------- down
+
+    @gluon.jit
+    def _down_loader(a_desc, s_desc, b_desc, a_bufs, s_bufs, b_bufs, ready, empty,
+                     block_expert_ptr, num_tiles, num_n, hidden, inter):
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                + s_desc.block_type.nbytes)
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blk = t // num_n
+            expert = gl.load(block_expert_ptr + blk)
+            if expert >= 0:
+                w_row = expert * hidden + (t % num_n) * _BN
+                for kb in range(0, inter // _BK):
+                    s, phase = _stage(it, 0, STAGES)
+                    mbarrier.wait(empty.index(s), phase ^ 1)
+                    mbarrier.expect(ready.index(s), nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [blk * _BM, kb * _BK],
+                                                    ready.index(s), a_bufs.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [w_row, kb * _BK],
+                                                    ready.index(s), b_bufs.index(s))
+                    tma.async_copy_global_to_shared(s_desc, [kb, blk * _BM],
+                                                    ready.index(s), s_bufs.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _down_consumer(a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
+                       block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles, num_n,
+                       hidden, inter, top_k, stride_we, stride_wn, c: gl.constexpr,
+                       KP: gl.constexpr, ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+                       KV_LAYOUT: gl.constexpr, ATOMIC_SUM: gl.constexpr):
+        """Rows [64 c, 64 c + 64) of each tile."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
+        groups = inter // _BK
+        offs_r = c * _HALF + gl.arange(0, _HALF, layout=ROW_L)
+        offs_o = c * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        offs_n = gl.arange(0, _BN, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        step = gl.num_programs(0)
+        first = gl.program_id(0)
+        expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
+                                            0, stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        it = 0
+        for t in range(first, num_tiles, step):
+            expert = expert_next
+            bsv = bsv_next
+            expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
+                                                num_n, 0, stride_we, stride_wn, groups, KP,
+                                                KV_LAYOUT)
+            if expert >= 0:
+                blk = t // num_n
+                rows = gl.load(block_rows_ptr + blk)
+                pair_r = gl.load(sorted_ptr + blk * _BM + offs_r, mask=offs_r < rows,
+                                 other=0)
+                weight = gl.load(topk_weights_ptr + pair_r, mask=offs_r < rows, other=0.0)
+                ok = offs_o < rows
+                pair = gl.load(sorted_ptr + blk * _BM + offs_o, mask=ok, other=0)
+                acc = gl.zeros((_HALF, _BN), dtype=gl.float32, layout=ACC_LAYOUT)
+                tmp = gl.zeros((_HALF, _BN), dtype=gl.float32, layout=ACC_LAYOUT)
+                # (a half with no rows of the block runs too: its stages are the other's)
+                for kb in range(0, groups):
+                    s, phase = _stage(it, 0, STAGES)
+                    mbarrier.wait(ready.index(s), phase)
+                    tmp = warpgroup_mma(a_bufs.index(s).slice(c * _HALF, _HALF, dim=0),
+                                        b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
+                                        is_async=True)
+                    tmp = warpgroup_mma_wait(0, deps=(tmp,))
+                    a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
+                    mbarrier.arrive(empty.index(s))
+                    acc = acc + tmp * (a_s * _scalar(bsv, kb, KP, KV_LAYOUT))[:, None]
+                    it += 1
+                out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty),
+                                        OUT_LAYOUT)
+                cols = (t % num_n) * _BN + offs_n
+                if ATOMIC_SUM:
+                    token = (pair // top_k).to(gl.int64)
+                    gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out,
+                                  mask=ok[:, None] & (cols < hidden)[None, :], sem="relaxed")
+                else:
+                    gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
+                             mask=ok[:, None] & (cols < hidden)[None, :])
+
+    @gluon.jit(do_not_specialize=["num_blocks", "top_k"])
+    def _down128_kernel(a_desc, s_desc, b_desc, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+                        block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k,
+                        stride_we, stride_wn, STAGES: gl.constexpr, KP: gl.constexpr,
+                        ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+                        KV_LAYOUT: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                        ATOMIC_SUM: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK],
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK],
+                                           b_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _BM], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both halves release a stage
+        s_rows = s_bufs._reinterpret(gl.float32, [STAGES, _BM], ROWS_SMEM)
+        num_n = hidden // _BN
+        num_tiles = num_blocks * num_n
+        gl.warp_specialize([
+            (_down_consumer, (a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
+                              block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
+                              num_n, hidden, inter, top_k, stride_we, stride_wn, 0, KP,
+                              ACC_LAYOUT, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
+            (_down_consumer, (a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
+                              block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
+                              num_n, hidden, inter, top_k, stride_we, stride_wn, 1, KP,
+                              ACC_LAYOUT, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
+            (_down_loader, (a_desc, s_desc, b_desc, a_bufs, s_bufs, b_bufs, ready, empty,
+                            block_expert_ptr, num_tiles, num_n, hidden, inter)),
+        ], [4, 1], DOWN_REGS)
+
+    # ---------------------------------------------------------------- gate_up
+
+    @gluon.jit
+    def _gate_up_loader(x_ptr, xs_ptr, g_desc, a_bufs, s_rows, g_bufs, u_bufs, ready, empty,
+                        sorted_ptr, block_expert_ptr, block_rows_ptr, num_tiles, num_n, hidden,
+                        inter, top_k, stride_xs, A_LAYOUT: gl.constexpr,
+                        S_LAYOUT: gl.constexpr):
+        """x's 128 rows (gathered by token) and their scales by cp.async, each of the 128
+        threads arriving on the stage's barrier when its copies land; w13's gate and up rows
+        by TMA."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        nbytes: gl.constexpr = 2 * g_desc.block_type.nbytes
+        offs_m = gl.arange(0, _BM, layout=gl.SliceLayout(1, A_LAYOUT))
+        offs_k = gl.arange(0, _BK, layout=gl.SliceLayout(0, A_LAYOUT))
+        offs_s = gl.arange(0, _BM, layout=S_LAYOUT)
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blk = t // num_n
+            expert = gl.load(block_expert_ptr + blk)
+            if expert >= 0:
+                rows = gl.load(block_rows_ptr + blk)
+                # rows past the block's own read token 0 (their outputs are not stored)
+                pair = gl.load(sorted_ptr + blk * _BM + offs_m, mask=offs_m < rows,
+                               other=0)
+                a_ptrs = (x_ptr + (pair // top_k).to(gl.int64)[:, None] * hidden
+                          + offs_k[None, :])
+                pair_s = gl.load(sorted_ptr + blk * _BM + offs_s, mask=offs_s < rows,
+                                 other=0)
+                s_ptrs = xs_ptr + (pair_s // top_k).to(gl.int64) * stride_xs
+                w_row = expert * (2 * inter) + (t % num_n) * _BN
+                for kb in range(0, hidden // _BK):
+                    s, phase = _stage(it, 0, STAGES)
+                    mbarrier.wait(empty.index(s), phase ^ 1)
+                    async_copy.async_copy_global_to_shared(a_bufs.index(s),
+                                                           a_ptrs + kb * _BK)
+                    async_copy.async_copy_global_to_shared(s_rows.index(s), s_ptrs + kb)
+                    async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                    mbarrier.expect(ready.index(s), nbytes)
+                    tma.async_copy_global_to_shared(g_desc, [w_row, kb * _BK],
+                                                    ready.index(s), g_bufs.index(s))
+                    tma.async_copy_global_to_shared(g_desc, [w_row + inter, kb * _BK],
+                                                    ready.index(s), u_bufs.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _quarter(a_r, w, tmp, acc, a_s, b_s, ROW0: gl.constexpr):
+        """acc += (a_r . w[ROW0:ROW0 + 64]^T) * a_s * b_s: a 64-column wgmma, A in registers."""
+        tmp = warpgroup_mma(a_r, w.slice(ROW0, _HALF, dim=0).permute((1, 0)), tmp,
+                            use_acc=False, is_async=True)
+        tmp = warpgroup_mma_wait(0, deps=(tmp,))
+        return tmp, acc + tmp * (a_s * b_s)[:, None]
+
+    @gluon.jit
+    def _store_codes(h, scale, h_ptr, row, cols, ok, inter, OUT_LAYOUT: gl.constexpr):
+        """h's e4m3 codes at its rows' columns `cols` of the [rows, I] output."""
+        code = _round_e4m3(gl.minimum(gl.maximum(gl.div_rn(h, scale[:, None]), -FP8_MAX),
+                                      FP8_MAX))
+        out = gl.convert_layout(code.to(h_ptr.dtype.element_ty), OUT_LAYOUT)
+        gl.store(h_ptr + row[:, None] * inter + cols[None, :], out,
+                 mask=ok & (cols < inter)[None, :])
+
+    @gluon.jit
+    def _gate_up_consumer(a_bufs, s_rows, g_bufs, u_bufs, ready, empty, ws_ptr, h_ptr, hs_ptr,
+                          block_expert_ptr, block_rows_ptr, num_tiles, num_n, hidden, inter,
+                          stride_we, stride_wn, stride_hg, c: gl.constexpr, KP: gl.constexpr,
+                          ACT: gl.constexpr, ACC_LAYOUT: gl.constexpr, A_REGS: gl.constexpr,
+                          OUT_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
+        """Rows [64 c, 64 c + 64) of each tile: its gate and up sums in four 64 x 64 quarters;
+        act(gate) * up quantized per row over the tile's 128 columns (one group of h)."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
+        groups = hidden // _BK
+        offs_r = c * _HALF + gl.arange(0, _HALF, layout=ROW_L)
+        offs_o = c * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        offs_n = gl.arange(0, _HALF, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        step = gl.num_programs(0)
+        first = gl.program_id(0)
+        expert_next, gsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
+                                            0, stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        _, usv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n, num_n,
+                                  stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        it = 0
+        for t in range(first, num_tiles, step):
+            expert = expert_next
+            gsv = gsv_next
+            usv = usv_next
+            expert_next, gsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
+                                                num_n, 0, stride_we, stride_wn, groups, KP,
+                                                KV_LAYOUT)
+            _, usv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles, num_n,
+                                      num_n, stride_we, stride_wn, groups, KP, KV_LAYOUT)
+            if expert >= 0:
+                g0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                g1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                u0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                u1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                tmp = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                for kb in range(0, groups):
+                    s, phase = _stage(it, 0, STAGES)
+                    mbarrier.wait(ready.index(s), phase)
+                    a_r = a_bufs.index(s).slice(c * _HALF, _HALF, dim=0).load(A_REGS)
+                    a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
+                    g_s = _scalar(gsv, kb, KP, KV_LAYOUT)
+                    u_s = _scalar(usv, kb, KP, KV_LAYOUT)
+                    tmp, g0 = _quarter(a_r, g_bufs.index(s), tmp, g0, a_s, g_s, 0)
+                    tmp, g1 = _quarter(a_r, g_bufs.index(s), tmp, g1, a_s, g_s, _HALF)
+                    tmp, u0 = _quarter(a_r, u_bufs.index(s), tmp, u0, a_s, u_s, 0)
+                    tmp, u1 = _quarter(a_r, u_bufs.index(s), tmp, u1, a_s, u_s, _HALF)
+                    mbarrier.arrive(empty.index(s))
+                    it += 1
+                h0 = _act(g0, ACT) * u0
+                h1 = _act(g1, ACT) * u1
+                amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+                scale = gl.maximum(amax, 1e-10) * (1.0 / 448.0)
+                blk = t // num_n
+                rows = gl.load(block_rows_ptr + blk)
+                nb = t % num_n
+                row = (blk * _BM + offs_o).to(gl.int64)
+                ok = (offs_o < rows)[:, None]
+                _store_codes(h0, scale, h_ptr, row, nb * _BN + offs_n, ok, inter,
+                             OUT_LAYOUT)
+                _store_codes(h1, scale, h_ptr, row, nb * _BN + _HALF + offs_n, ok, inter,
+                             OUT_LAYOUT)
+                gl.store(hs_ptr + nb * stride_hg + blk * _BM + offs_r, scale,
+                         mask=offs_r < rows)
+
+    @gluon.jit(do_not_specialize=["num_blocks", "top_k"])
+    def _gate_up128_kernel(x_ptr, xs_ptr, g_desc, ws_ptr, h_ptr, hs_ptr, sorted_ptr,
+                           block_expert_ptr, block_rows_ptr, num_blocks, hidden, inter, top_k,
+                           stride_xs, stride_we, stride_wn, stride_hg, STAGES: gl.constexpr,
+                           KP: gl.constexpr, ACT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
+                           A_REGS: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+                           KV_LAYOUT: gl.constexpr, A_SMEM: gl.constexpr,
+                           ROWS_SMEM: gl.constexpr, A_LAYOUT: gl.constexpr,
+                           S_LAYOUT: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BM, _BK], A_SMEM)
+        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES, _BN, _BK],
+                                           g_desc.layout)
+        u_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES, _BN, _BK],
+                                           g_desc.layout)
+        s_rows = gl.allocate_shared_memory(gl.float32, [STAGES, _BM], ROWS_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            # the TMA's expect arrival and the loader warpgroup's 128 cp.async arrivals
+            mbarrier.init(ready.index(i), count=129)
+            mbarrier.init(empty.index(i), count=2)
+        num_n = inter // _BN
+        num_tiles = num_blocks * num_n
+        gl.warp_specialize([
+            (_gate_up_consumer, (a_bufs, s_rows, g_bufs, u_bufs, ready, empty, ws_ptr, h_ptr,
+                                 hs_ptr, block_expert_ptr, block_rows_ptr, num_tiles, num_n,
+                                 hidden, inter, stride_we, stride_wn, stride_hg, 0, KP, ACT,
+                                 ACC_LAYOUT, A_REGS, OUT_LAYOUT, KV_LAYOUT)),
+            (_gate_up_consumer, (a_bufs, s_rows, g_bufs, u_bufs, ready, empty, ws_ptr, h_ptr,
+                                 hs_ptr, block_expert_ptr, block_rows_ptr, num_tiles, num_n,
+                                 hidden, inter, stride_we, stride_wn, stride_hg, 1, KP, ACT,
+                                 ACC_LAYOUT, A_REGS, OUT_LAYOUT, KV_LAYOUT)),
+            (_gate_up_loader, (x_ptr, xs_ptr, g_desc, a_bufs, s_rows, g_bufs, u_bufs, ready,
+                               empty, sorted_ptr, block_expert_ptr, block_rows_ptr, num_tiles,
+                               num_n, hidden, inter, top_k, stride_xs, A_LAYOUT, S_LAYOUT)),
+        ], [4, 4], GATE_UP_REGS)
+
+    def _acc(block_n: int):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, block_n, 32])
+
+    @functools.lru_cache(maxsize=None)
+    def _layouts(groups: int, out_dtype, cols: int) -> dict[str, Any]:
+        kp = 1 << max(0, groups - 1).bit_length()
+        vec = 16 // (1 if out_dtype == gl.float8e4nv else 2)
+        return dict(KP=kp, ACC_LAYOUT=_acc(cols),
+                    OUT_LAYOUT=gl.BlockedLayout([1, vec], [32 * vec // cols, cols // vec],
+                                                [4, 1], [1, 0]),
+                    KV_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
+                    ROWS_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+def usable(w: torch.Tensor, block: tuple[int, int], block_m: int, cfg: dict[str, Any]) -> bool:
+    return (block_m == BLOCK_M and cfg.get("BLOCK_K") == BLOCK_K
+            and W.usable(w, block, W.WS_BLOCK_M, cfg))
+
+
+def down128(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
+            blocks, topk_weights_P: torch.Tensor, dst: torch.Tensor, top_k: int,
+            cfg: dict[str, Any], atomic: bool) -> None:
+    num_local, hidden, inter = w2.shape
+    a_desc = TensorDescriptor.from_tensor(h, [BLOCK_M, BLOCK_K], W._smem((BLOCK_M, BLOCK_K)))
+    b_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter),
+                                          [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
+    s_desc = TensorDescriptor.from_tensor(hs_GR, [1, BLOCK_M], W._ROWS_TMA)
+    tiles = blocks.num_blocks * (hidden // BLOCK_N)
+    _down128_kernel[(W._programs(h.device, tiles),)](
+        a_desc, s_desc, b_desc, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
+        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter, max(top_k, 1),
+        w2_s.stride(0), w2_s.stride(1), STAGES=cfg["num_stages"], ATOMIC_SUM=atomic,
+        **_layouts(inter // BLOCK_K, W._GL_DTYPES[dst.dtype], BLOCK_N), num_warps=4)
+
+
+def gate_up128(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor,
+               blocks, top_k: int, act: str, cfg: dict[str, Any], h: torch.Tensor,
+               hs_GR: torch.Tensor) -> None:
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    g_desc = TensorDescriptor.from_tensor(w13.view(num_local * two_i, hidden),
+                                          [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
+    tiles = blocks.num_blocks * (inter // BLOCK_N)
+    acc = _acc(HALF)
+    _gate_up128_kernel[(W._programs(xq.device, tiles),)](
+        xq, xs, g_desc, w13_s, h, hs_GR, blocks.sorted_pairs, blocks.block_expert,
+        blocks.block_rows, blocks.num_blocks, hidden, inter, top_k, xs.stride(0),
+        w13_s.stride(0), w13_s.stride(1), hs_GR.stride(0), STAGES=cfg["num_stages"],
+        ACT=ACT_CODES[act], A_REGS=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4),
+        A_SMEM=W._smem((BLOCK_M, BLOCK_K)),
+        A_LAYOUT=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]),
+        S_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
+        **_layouts(hidden // BLOCK_K, gl.float8e4nv, HALF), num_warps=4)
