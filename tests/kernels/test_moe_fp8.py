@@ -254,6 +254,21 @@ x = torch.randn(12, 256) * 2
 ids, w = routing(12, 2, 4, "skewed", seed=3)
 err = rel_err(run(tri, x, ids, w, ws_cfg), ref(x, ids, w))
 assert err <= 1e-4, err
+# at 128-row blocks (fp8_ws128.py, BLOCK_K 128) likewise; its down's tiles are 256 columns of H,
+# so another H takes the Triton kernel on sm90 too
+from moeserve.kernels.moe import fp8_ws128
+ws128 = {**ws_gemm, "BLOCK_K": 128}
+ws128_cfg = {"BLOCK_M": 128, "gate_up": ws128, "down": {**ws128, "ATOMIC_SUM": 1}}
+err = rel_err(run(tri, x, ids, w, ws128_cfg), ref(x, ids, w))
+assert err <= 1e-4, err
+sm90, fp8_ws.sm90 = fp8_ws.sm90, lambda w: True
+try:
+    assert fp8_ws128.usable(tri.w13, (128, 128), 128, ws128)
+    assert fp8_ws128.down_usable(tri.w2, (128, 128), 128, ws128)
+    assert not fp8_ws128.down_usable(tri.w2[:, :128].contiguous(), (128, 128), 128, ws128)
+    assert not fp8_ws128.usable(tri.w13, (128, 128), 128, ws_gemm)  # BLOCK_K 64
+finally:
+    fp8_ws.sm90 = sm90
 
 # the MMA down with the row's pairs split into parts (as on a GPU of 16 SMs: at one row, a part
 # a pair, the last part to finish adding the partials in part order)

@@ -2,21 +2,10 @@
 share each tile, one 64-row half each, so a stage's weight rows serve 128 rows of the block.
 
 Why: a 64-row tile reads its weight slab from L2 for 64 rows only; 128 rows halve the weight
-bytes a FLOP. The gate_up gains (its tile is 128 x 256 of products, gate and up); the down's
-128 x 128 tile, whose two halves reach their epilogue together rather than one under the
-other's MMAs, times about even with fp8_ws.py's (the H200 tables' notes).
-
-    down     tiles (block t // num_n, the 128 columns t % num_n), every one of the program's;
-             one ring: h's 128 rows, their scales and w2's 128 rows by TMA; consumer c
-             multiplies rows [64 c, 64 c + 64) of the stage by the weight rows (the same
-             stage, read by both), promotes, and writes its half of the tile out
-    gate_up  tiles (block, the 128 columns of h); one ring: x's 128 rows gathered by cp.async
-             (a loader warpgroup, so that a thread holds few row addresses) with their
-             scales, w13's 128 gate and 128 up rows by TMA; consumer c loads its 64 rows of
-             the stage into registers (the wgmma's A from registers) and runs four wgmmas of
-             64 columns each (gate's two halves, up's two), each into a 64 x 64 scratch
-             promoted into its quarter of the tile's sums: 4 x 32 + 32 float32 registers a
-             thread, where 64 x 128 tiles of gate and up and a scratch (192) spill
+bytes a FLOP. Both kernels' tiles are 128 x 256 products (gate_up: 128 gate and 128 up
+columns): a 128 x 128 down tile, whose two halves reach their epilogue together rather than
+one under the other's MMAs, timed no faster than fp8_ws.py's 64-row down. The down takes a
+hidden size that is a multiple of 256 (`down_usable`).
 
 BLOCK_K is 128 (a scale group a stage). The arithmetic is fp8_ws's (and the Triton kernels'
 at 128-column K steps).
@@ -47,27 +36,47 @@ BLOCK_M, HALF, BLOCK_N, BLOCK_K = 128, 64, 128, 128  # HALF: a consumer's rows
 if gluon is not None:
     # the same as the kernels read them (a kernel reads globals that are constexpr)
     _BM, _HALF, _BN, _BK = (gl.constexpr(v) for v in (BLOCK_M, HALF, BLOCK_N, BLOCK_K))
-    DOWN_REGS = gl.constexpr([232, 40])  # [consumer 1, loader (1 warp)]
     GATE_UP_REGS = gl.constexpr([208, 88])  # [consumer 1, loader (4 warps)]
+    DOWN_REGS = gl.constexpr([216, 64])  # [consumer 1, loader (1 warp, 4 TMA copies)]
 
     @gluon.jit
     def _scalar(v, kb, KP: gl.constexpr, layout: gl.constexpr):
         return gl.sum(gl.where(gl.arange(0, KP, layout=layout) == kb, v, 0.0), axis=0)
 
+    @gluon.jit
+    def _quarter(a_r, w, tmp, acc, a_s, b_s, ROW0: gl.constexpr):
+        """acc += (a_r . w[ROW0:ROW0 + 64]^T) * a_s * b_s: a 64-column wgmma, A in registers."""
+        tmp = warpgroup_mma(a_r, w.slice(ROW0, _HALF, dim=0).permute((1, 0)), tmp,
+                            use_acc=False, is_async=True)
+        tmp = warpgroup_mma_wait(0, deps=(tmp,))
+        return tmp, acc + tmp * (a_s * b_s)[:, None]
+
     # ---------------------------------------------------------------- down
 
     @gluon.jit
-    def _down_loader(a_desc, s_desc, b_desc, a_bufs, s_bufs, b_bufs, ready, empty,
-                     block_expert_ptr, num_tiles, num_n, hidden, inter):
+    def _slab_scales(block_expert_ptr, ws_ptr, t, num_tiles, num_n, stride_we, stride_wn,
+                     groups, KP: gl.constexpr, layout: gl.constexpr):
+        """Tile t's expert and its two weight slabs' block scales (the last tile's past the
+        end), loaded a tile before the consumer takes the tile."""
+        t = gl.minimum(t, num_tiles - 1)
+        expert = gl.load(block_expert_ptr + t // num_n)
+        e = gl.maximum(expert, 0)
+        nb = 2 * (t % num_n)
+        return (expert, W._block_scales(ws_ptr, e, nb, stride_we, stride_wn, groups, KP, layout),
+                W._block_scales(ws_ptr, e, nb + 1, stride_we, stride_wn, groups, KP, layout))
+
+    @gluon.jit
+    def _down_loader(a_desc, s_desc, b_desc, a_bufs, s_bufs, b0_bufs, b1_bufs, ready, empty,
+                      block_expert_ptr, num_tiles, num_n, hidden, inter):
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
                                 + s_desc.block_type.nbytes)
         it = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blk = t // num_n
             expert = gl.load(block_expert_ptr + blk)
             if expert >= 0:
-                w_row = expert * hidden + (t % num_n) * _BN
+                w_row = expert * hidden + (t % num_n) * (2 * _BN)
                 for kb in range(0, inter // _BK):
                     s, phase = _stage(it, 0, STAGES)
                     mbarrier.wait(empty.index(s), phase ^ 1)
@@ -75,79 +84,99 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(a_desc, [blk * _BM, kb * _BK],
                                                     ready.index(s), a_bufs.index(s))
                     tma.async_copy_global_to_shared(b_desc, [w_row, kb * _BK],
-                                                    ready.index(s), b_bufs.index(s))
+                                                    ready.index(s), b0_bufs.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [w_row + _BN, kb * _BK],
+                                                    ready.index(s), b1_bufs.index(s))
                     tma.async_copy_global_to_shared(s_desc, [kb, blk * _BM],
                                                     ready.index(s), s_bufs.index(s))
                     it += 1
 
     @gluon.jit
-    def _down_consumer(a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
-                       block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles, num_n,
-                       hidden, inter, top_k, stride_we, stride_wn, c: gl.constexpr,
-                       KP: gl.constexpr, ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
-                       KV_LAYOUT: gl.constexpr, ATOMIC_SUM: gl.constexpr):
-        """Rows [64 c, 64 c + 64) of each tile."""
+    def _emit(acc, weight, y_ptr, pair, ok, cols, hidden, top_k, OUT_LAYOUT: gl.constexpr,
+              ATOMIC_SUM: gl.constexpr):
+        """A quarter of the tile's output, weighted by its rows' top-k weights: summed into
+        the tokens' rows (ATOMIC_SUM) or stored at the pairs' rows."""
+        out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty), OUT_LAYOUT)
+        mask = ok[:, None] & (cols < hidden)[None, :]
+        if ATOMIC_SUM:
+            token = (pair // top_k).to(gl.int64)
+            gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out, mask=mask,
+                          sem="relaxed")
+        else:
+            gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
+                     mask=mask)
+
+    @gluon.jit
+    def _down_consumer(a_bufs, s_rows, b0_bufs, b1_bufs, ready, empty, ws_ptr, y_ptr,
+                        sorted_ptr, block_expert_ptr, block_rows_ptr, topk_weights_ptr,
+                        num_tiles, num_n, hidden, inter, top_k, stride_we, stride_wn,
+                        c: gl.constexpr, KP: gl.constexpr, ACC_LAYOUT: gl.constexpr,
+                        A_REGS: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+                        KV_LAYOUT: gl.constexpr, ATOMIC_SUM: gl.constexpr):
+        """Rows [64 c, 64 c + 64) of each 128 x 256 tile, in four 64 x 64 quarters."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
         groups = inter // _BK
         offs_r = c * _HALF + gl.arange(0, _HALF, layout=ROW_L)
         offs_o = c * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        offs_n = gl.arange(0, _BN, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        offs_n = gl.arange(0, _HALF, layout=gl.SliceLayout(0, OUT_LAYOUT))
         step = gl.num_programs(0)
         first = gl.program_id(0)
-        expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
-                                            0, stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        expert_next, sv0_next, sv1_next = _slab_scales(block_expert_ptr, ws_ptr, first,
+                                                       num_tiles, num_n, stride_we, stride_wn,
+                                                       groups, KP, KV_LAYOUT)
         it = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
-            bsv = bsv_next
-            expert_next, bsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
-                                                num_n, 0, stride_we, stride_wn, groups, KP,
-                                                KV_LAYOUT)
+            sv0 = sv0_next
+            sv1 = sv1_next
+            expert_next, sv0_next, sv1_next = _slab_scales(block_expert_ptr, ws_ptr, t + step,
+                                                           num_tiles, num_n, stride_we,
+                                                           stride_wn, groups, KP, KV_LAYOUT)
             if expert >= 0:
-                blk = t // num_n
-                rows = gl.load(block_rows_ptr + blk)
-                pair_r = gl.load(sorted_ptr + blk * _BM + offs_r, mask=offs_r < rows,
-                                 other=0)
-                weight = gl.load(topk_weights_ptr + pair_r, mask=offs_r < rows, other=0.0)
-                ok = offs_o < rows
-                pair = gl.load(sorted_ptr + blk * _BM + offs_o, mask=ok, other=0)
-                acc = gl.zeros((_HALF, _BN), dtype=gl.float32, layout=ACC_LAYOUT)
-                tmp = gl.zeros((_HALF, _BN), dtype=gl.float32, layout=ACC_LAYOUT)
-                # (a half with no rows of the block runs too: its stages are the other's)
+                q0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                q1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                q2 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                q3 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+                tmp = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
                 for kb in range(0, groups):
                     s, phase = _stage(it, 0, STAGES)
                     mbarrier.wait(ready.index(s), phase)
-                    tmp = warpgroup_mma(a_bufs.index(s).slice(c * _HALF, _HALF, dim=0),
-                                        b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
-                                        is_async=True)
-                    tmp = warpgroup_mma_wait(0, deps=(tmp,))
+                    a_r = a_bufs.index(s).slice(c * _HALF, _HALF, dim=0).load(A_REGS)
                     a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
+                    s0 = _scalar(sv0, kb, KP, KV_LAYOUT)
+                    s1 = _scalar(sv1, kb, KP, KV_LAYOUT)
+                    tmp, q0 = _quarter(a_r, b0_bufs.index(s), tmp, q0, a_s, s0, 0)
+                    tmp, q1 = _quarter(a_r, b0_bufs.index(s), tmp, q1, a_s, s0, _HALF)
+                    tmp, q2 = _quarter(a_r, b1_bufs.index(s), tmp, q2, a_s, s1, 0)
+                    tmp, q3 = _quarter(a_r, b1_bufs.index(s), tmp, q3, a_s, s1, _HALF)
                     mbarrier.arrive(empty.index(s))
-                    acc = acc + tmp * (a_s * _scalar(bsv, kb, KP, KV_LAYOUT))[:, None]
                     it += 1
-                out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty),
-                                        OUT_LAYOUT)
-                cols = (t % num_n) * _BN + offs_n
-                if ATOMIC_SUM:
-                    token = (pair // top_k).to(gl.int64)
-                    gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out,
-                                  mask=ok[:, None] & (cols < hidden)[None, :], sem="relaxed")
-                else:
-                    gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
-                             mask=ok[:, None] & (cols < hidden)[None, :])
+                blk = t // num_n
+                rows = gl.load(block_rows_ptr + blk)
+                ok = offs_o < rows
+                pair = gl.load(sorted_ptr + blk * _BM + offs_o, mask=ok, other=0)
+                weight = gl.convert_layout(
+                    gl.load(topk_weights_ptr + pair, mask=ok, other=0.0), ROW_L)
+                n0 = (t % num_n) * (2 * _BN) + offs_n
+                _emit(q0, weight, y_ptr, pair, ok, n0, hidden, top_k, OUT_LAYOUT, ATOMIC_SUM)
+                _emit(q1, weight, y_ptr, pair, ok, n0 + _HALF, hidden, top_k, OUT_LAYOUT,
+                      ATOMIC_SUM)
+                _emit(q2, weight, y_ptr, pair, ok, n0 + 2 * _HALF, hidden, top_k, OUT_LAYOUT,
+                      ATOMIC_SUM)
+                _emit(q3, weight, y_ptr, pair, ok, n0 + 3 * _HALF, hidden, top_k, OUT_LAYOUT,
+                      ATOMIC_SUM)
 
     @gluon.jit(do_not_specialize=["num_blocks", "top_k"])
     def _down128_kernel(a_desc, s_desc, b_desc, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                         block_rows_ptr, topk_weights_ptr, num_blocks, hidden, inter, top_k,
                         stride_we, stride_wn, STAGES: gl.constexpr, KP: gl.constexpr,
-                        ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
-                        KV_LAYOUT: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                        ATOMIC_SUM: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK],
-                                           a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK],
-                                           b_desc.layout)
+                        ACC_LAYOUT: gl.constexpr, A_REGS: gl.constexpr,
+                        OUT_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                        ROWS_SMEM: gl.constexpr, ATOMIC_SUM: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK], a_desc.layout)
+        b0_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
+        b1_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _BM], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -155,19 +184,19 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both halves release a stage
         s_rows = s_bufs._reinterpret(gl.float32, [STAGES, _BM], ROWS_SMEM)
-        num_n = hidden // _BN
+        num_n = hidden // (2 * _BN)
         num_tiles = num_blocks * num_n
         gl.warp_specialize([
-            (_down_consumer, (a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
-                              block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
-                              num_n, hidden, inter, top_k, stride_we, stride_wn, 0, KP,
-                              ACC_LAYOUT, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
-            (_down_consumer, (a_bufs, s_rows, b_bufs, ready, empty, ws_ptr, y_ptr, sorted_ptr,
-                              block_expert_ptr, block_rows_ptr, topk_weights_ptr, num_tiles,
-                              num_n, hidden, inter, top_k, stride_we, stride_wn, 1, KP,
-                              ACC_LAYOUT, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
-            (_down_loader, (a_desc, s_desc, b_desc, a_bufs, s_bufs, b_bufs, ready, empty,
-                            block_expert_ptr, num_tiles, num_n, hidden, inter)),
+            (_down_consumer, (a_bufs, s_rows, b0_bufs, b1_bufs, ready, empty, ws_ptr, y_ptr,
+                               sorted_ptr, block_expert_ptr, block_rows_ptr, topk_weights_ptr,
+                               num_tiles, num_n, hidden, inter, top_k, stride_we, stride_wn, 0,
+                               KP, ACC_LAYOUT, A_REGS, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
+            (_down_consumer, (a_bufs, s_rows, b0_bufs, b1_bufs, ready, empty, ws_ptr, y_ptr,
+                               sorted_ptr, block_expert_ptr, block_rows_ptr, topk_weights_ptr,
+                               num_tiles, num_n, hidden, inter, top_k, stride_we, stride_wn, 1,
+                               KP, ACC_LAYOUT, A_REGS, OUT_LAYOUT, KV_LAYOUT, ATOMIC_SUM)),
+            (_down_loader, (a_desc, s_desc, b_desc, a_bufs, s_bufs, b0_bufs, b1_bufs, ready,
+                             empty, block_expert_ptr, num_tiles, num_n, hidden, inter)),
         ], [4, 1], DOWN_REGS)
 
     # ---------------------------------------------------------------- gate_up
@@ -213,14 +242,6 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(g_desc, [w_row + inter, kb * _BK],
                                                     ready.index(s), u_bufs.index(s))
                     it += 1
-
-    @gluon.jit
-    def _quarter(a_r, w, tmp, acc, a_s, b_s, ROW0: gl.constexpr):
-        """acc += (a_r . w[ROW0:ROW0 + 64]^T) * a_s * b_s: a 64-column wgmma, A in registers."""
-        tmp = warpgroup_mma(a_r, w.slice(ROW0, _HALF, dim=0).permute((1, 0)), tmp,
-                            use_acc=False, is_async=True)
-        tmp = warpgroup_mma_wait(0, deps=(tmp,))
-        return tmp, acc + tmp * (a_s * b_s)[:, None]
 
     @gluon.jit
     def _store_codes(h, scale, h_ptr, row, cols, ok, inter, OUT_LAYOUT: gl.constexpr):
@@ -349,24 +370,15 @@ if gluon is not None:
 
 
 def usable(w: torch.Tensor, block: tuple[int, int], block_m: int, cfg: dict[str, Any]) -> bool:
+    """Whether gate_up128 takes this GEMM (w13 [E, 2I, H], fp8)."""
     return (block_m == BLOCK_M and cfg.get("BLOCK_K") == BLOCK_K
             and W.usable(w, block, W.WS_BLOCK_M, cfg))
 
 
-def down128(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
-            blocks, topk_weights_P: torch.Tensor, dst: torch.Tensor, top_k: int,
-            cfg: dict[str, Any], atomic: bool) -> None:
-    num_local, hidden, inter = w2.shape
-    a_desc = TensorDescriptor.from_tensor(h, [BLOCK_M, BLOCK_K], W._smem((BLOCK_M, BLOCK_K)))
-    b_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter),
-                                          [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
-    s_desc = TensorDescriptor.from_tensor(hs_GR, [1, BLOCK_M], W._ROWS_TMA)
-    tiles = blocks.num_blocks * (hidden // BLOCK_N)
-    _down128_kernel[(W._programs(h.device, tiles),)](
-        a_desc, s_desc, b_desc, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
-        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter, max(top_k, 1),
-        w2_s.stride(0), w2_s.stride(1), STAGES=cfg["num_stages"], ATOMIC_SUM=atomic,
-        **_layouts(inter // BLOCK_K, W._GL_DTYPES[dst.dtype], BLOCK_N), num_warps=4)
+def down_usable(w2: torch.Tensor, block: tuple[int, int], block_m: int,
+                cfg: dict[str, Any]) -> bool:
+    """Whether down128 takes this GEMM (w2 [E, H, I], fp8): its tiles are 256 columns of H."""
+    return usable(w2, block, block_m, cfg) and w2.shape[1] % (2 * BLOCK_N) == 0
 
 
 def gate_up128(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w13_s: torch.Tensor,
@@ -387,3 +399,21 @@ def gate_up128(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w13_s: tor
         A_LAYOUT=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]),
         S_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
         **_layouts(hidden // BLOCK_K, gl.float8e4nv, HALF), num_warps=4)
+
+
+def down128(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
+            blocks, topk_weights_P: torch.Tensor, dst: torch.Tensor, top_k: int,
+            cfg: dict[str, Any], atomic: bool) -> None:
+    num_local, hidden, inter = w2.shape
+    a_desc = TensorDescriptor.from_tensor(h, [BLOCK_M, BLOCK_K], W._smem((BLOCK_M, BLOCK_K)))
+    b_desc = TensorDescriptor.from_tensor(w2.view(num_local * hidden, inter),
+                                          [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
+    s_desc = TensorDescriptor.from_tensor(hs_GR, [1, BLOCK_M], W._ROWS_TMA)
+    tiles = blocks.num_blocks * (hidden // (2 * BLOCK_N))
+    acc = _acc(HALF)
+    _down128_kernel[(W._programs(h.device, tiles),)](
+        a_desc, s_desc, b_desc, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
+        blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter, max(top_k, 1),
+        w2_s.stride(0), w2_s.stride(1), STAGES=cfg["num_stages"], ATOMIC_SUM=atomic,
+        A_REGS=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4),
+        **_layouts(inter // BLOCK_K, W._GL_DTYPES[dst.dtype], HALF), num_warps=4)

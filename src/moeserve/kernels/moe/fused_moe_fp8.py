@@ -212,7 +212,7 @@ def down(h, hs, w2, w2_s, blocks, topk_weights_P: torch.Tensor, dst: torch.Tenso
     if fp8_ws.usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
         fp8_ws.down_fp8_ws(h, hs.t(), w2, w2_s, blocks, topk_weights_P, dst, top_k, cfg, atomic)
         return dst
-    if fp8_ws128.usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
+    if fp8_ws128.down_usable(w2, block, blocks.block_m, cfg) and hs.t().is_contiguous():
         fp8_ws128.down128(h, hs.t(), w2, w2_s, blocks, topk_weights_P, dst, top_k, cfg, atomic)
         return dst
     grid = (blocks.num_blocks * triton.cdiv(hidden, cfg["BLOCK_N"]),)
