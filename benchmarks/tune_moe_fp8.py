@@ -3,9 +3,11 @@ decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
-PAIRED; at BLOCK_M 64 also fp8_ws.py's warp-specialised kernels ("WS"); per token count
-each BLOCK_M's gate_up and down candidates timed alone (L2 flushed), HALF_TAIL kept where 1%
-faster, then ATOMIC_SUM from ATOMIC_SUM_MIN_TOKENS, and up to DECODE_MAX_TOKENS the GEMV path
+PAIRED; at BLOCK_M 64 and 128 also the warp-specialised kernels ("WS": fp8_ws.py's,
+fp8_ws128.py's); per token count each BLOCK_M's gate_up and down candidates timed alone (L2
+flushed), HALF_TAIL kept where 1% faster, from ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM
+against its top-k sum pass, the BLOCK_M whose gate_up and down as the runner will run them
+(the top-k sum included) time fastest, and up to DECODE_MAX_TOKENS the GEMV path
 against the aligned one as CUDA-graph replays of the whole experts on quantized rows, as the
 decode step hands them over (best of 3). The table's
 "note" names the sizes it tuned (tuned_note), those of earlier runs included.
@@ -95,6 +97,17 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
     xq, xs = quantize_groups(x, GROUP)
     pairs = n * k
     best = None
+
+    def summed(hq: torch.Tensor, hs: torch.Tensor, blocks, y: torch.Tensor):
+        """down and the top-k sum: in the down's tiles (ATOMIC_SUM) or a pass after it."""
+        def run(c: dict) -> torch.Tensor:
+            if c.get("ATOMIC_SUM"):
+                out = torch.zeros(n, h, device=DEVICE, dtype=torch.bfloat16)
+                return F8.down(hq, hs, w2, w2_s, blocks, weights, out, k, c, BLOCK, True)
+            F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK, False)
+            return topk_sum(y, ids, 0, e)
+        return run
+
     per_expert = pairs / min(e, pairs)
     # BLOCK_M 64 also where the bf16 rule takes 128 alone: the fp8 gate_up's two
     # accumulators at 128 rows fit only [128, 128] tiles with 8 warps
@@ -109,24 +122,14 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
                                     False)
         t_down, dn = _half_tail("down", down_fn, best_of("down", down_fn,
                                                          candidates(bm, "down")), bm)
+        if n >= ATOMIC_SUM_MIN_TOKENS:  # the down and the top-k sum, as the runner runs them
+            t_down, dn = a_or_b("down + top-k sum", summed(hq, hs, blocks, y), dn,
+                                {**dn, "ATOMIC_SUM": 1})
         print(f"  N={n} BLOCK_M={bm}: gate_up {t_up * 1e3:.1f} us {up}, "
               f"down {t_down * 1e3:.1f} us {dn}", flush=True)
         if best is None or t_up + t_down < best[0]:
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
     cfg = best[1]
-    if n >= ATOMIC_SUM_MIN_TOKENS:
-        blocks = align_triton(ids, 0, e, cfg["BLOCK_M"])
-        hq, hs = F8.gate_up(xq, xs, w13, w13_s, blocks, k, "silu", cfg["gate_up"], BLOCK)
-        y = torch.empty(pairs, h, device=DEVICE, dtype=torch.bfloat16)
-
-        def summed(c: dict) -> torch.Tensor:
-            if c.get("ATOMIC_SUM"):
-                out = torch.zeros(n, h, device=DEVICE, dtype=torch.bfloat16)
-                return F8.down(hq, hs, w2, w2_s, blocks, weights, out, k, c, BLOCK, True)
-            F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK, False)
-            return topk_sum(y, ids, 0, e)
-        cfg["down"] = a_or_b("down + top-k sum", summed, cfg["down"],
-                             {**cfg["down"], "ATOMIC_SUM": 1})[1]
     if n <= DECODE_MAX_TOKENS:
         cfg = with_decode(n, k, w, cfg)
     return cfg
