@@ -174,14 +174,17 @@ def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
 
 
 _TUNED_AT = re.compile(r"tune-moe --fp8 on .+? at ([0-9, and]+) tokens")
+_DEFAULTS = "(configs.fp8_default_config)."
 
 
-def tuned_note(device: str, sizes: set[int]) -> str:
-    """A table's note: the token counts the tuner measured (tuned_sizes reads them back)."""
+def tuned_note(device: str, sizes: set[int], previous: str = "") -> str:
+    """A table's note: the token counts the tuner measured (tuned_sizes reads them back), then
+    the remarks the previous note made after its own such sentence (why an entry was kept)."""
     listed = [str(n) for n in sorted(sizes)]
     said = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
+    kept = previous.split(_DEFAULTS, 1)[1] if _DEFAULTS in previous else ""
     return (f"Tuned by python -m benchmarks tune-moe --fp8 on {device} at {said} tokens; "
-            "the other entries are the fp8 defaults (configs.fp8_default_config).")
+            f"the other entries are the fp8 defaults {_DEFAULTS}{kept}")
 
 
 def tuned_sizes(note: str) -> set[int]:
@@ -213,6 +216,7 @@ def run(args: Any, shapes: list[tuple[int, int, int, int]]) -> int:
             table[str(n)] = validate(tune_size(n, k, weights[(e, h, i)]), "the tuner", GROUP)
             entries = sorted(((key, v) for key, v in table.items() if key != "note"),
                              key=lambda t: int(t[0]))
-            note = tuned_note(device, tuned_sizes(table.get("note", "")) | {n})
+            previous = table.get("note", "")
+            note = tuned_note(device, tuned_sizes(previous) | {n}, previous)
             path.write_text(json.dumps({"note": note, **dict(entries)}, indent=1) + "\n")
     return 0

@@ -607,14 +607,18 @@ def test_fp8_engine_with_triton_experts_gives_the_reference_tokens(tmp_path):
 
 
 def test_the_tuner_note_names_every_size_it_tuned():
-    """tune-moe --fp8 adds each size it tunes to the sizes the table's note already names;
-    the shipped H200 tables' notes read as the sizes they were tuned at."""
+    """tune-moe --fp8 adds each size it tunes to the sizes the table's note already names and
+    keeps its remarks; the shipped H200 tables' notes read as the sizes they were tuned at."""
     from benchmarks.tune_moe_fp8 import tuned_note, tuned_sizes
 
     note = tuned_note("NVIDIA H200", {64, 8192, 1})
     assert "at 1, 64 and 8192 tokens" in note and tuned_sizes(note) == {1, 64, 8192}
     assert tuned_sizes(tuned_note("X", {16})) == {16}
     assert tuned_sizes("Untuned: the fp8 defaults") == set()
+    # a re-tune keeps the remarks the table's note made after its sizes
+    again = tuned_note("X", {16, 32}, note + " Kept: the decode tiles.")
+    assert tuned_sizes(again) == {16, 32} and again.endswith(" Kept: the decode tiles.")
+    assert tuned_note("X", {16}, "Untuned") == tuned_note("X", {16})
     path = configs.CONFIG_DIR / configs.config_file_name(128, 2048, 768, "fp8_w8a8_128x128",
                                                          "NVIDIA H200")
     table = json.loads(path.read_text())
