@@ -29,7 +29,7 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeserve.kernels.moe.fp8_ws import FP8_MAX, _act, _round_e4m3, _stage, _tile_ahead
+    from moeserve.kernels.moe.fp8_ws import FP8_MAX, _act, _round_e4m3, _stage
 
 BLOCK_M, HALF, BLOCK_N, BLOCK_K = 128, 64, 128, 128  # HALF: a consumer's rows
 
@@ -55,15 +55,46 @@ if gluon is not None:
 
     @gluon.jit
     def _slab_scales(block_expert_ptr, ws_ptr, t, num_tiles, num_n, stride_we, stride_wn,
-                     groups, KP: gl.constexpr, layout: gl.constexpr):
-        """Tile t's expert and its two weight slabs' block scales (the last tile's past the
-        end), loaded a tile before the consumer takes the tile."""
+                     groups, SPAN: gl.constexpr, off_b, KP: gl.constexpr,
+                     layout: gl.constexpr):
+        """Tile t's expert and the block scales of its two weight slabs, block rows
+        SPAN (t % num_n) and that + off_b (the last tile's past the end), loaded a tile before
+        the consumer takes the tile."""
         t = gl.minimum(t, num_tiles - 1)
         expert = gl.load(block_expert_ptr + t // num_n)
         e = gl.maximum(expert, 0)
-        nb = 2 * (t % num_n)
+        nb = SPAN * (t % num_n)
         return (expert, W._block_scales(ws_ptr, e, nb, stride_we, stride_wn, groups, KP, layout),
-                W._block_scales(ws_ptr, e, nb + 1, stride_we, stride_wn, groups, KP, layout))
+                W._block_scales(ws_ptr, e, nb + off_b, stride_we, stride_wn, groups, KP,
+                                layout))
+
+    @gluon.jit
+    def _tile_sums(a_bufs, s_rows, wa_bufs, wb_bufs, ready, empty, it, groups, sva, svb,
+                   c: gl.constexpr, KP: gl.constexpr, ACC_LAYOUT: gl.constexpr,
+                   A_REGS: gl.constexpr, KV_LAYOUT: gl.constexpr):
+        """Rows [64 c, 64 c + 64) of a tile times its two weight slabs over K: four 64 x 64
+        float32 quarters (wa's two halves, then wb's), promoted a stage at a time."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
+        q0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+        q1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+        q2 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+        q3 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+        tmp = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
+        for kb in range(0, groups):
+            s, phase = _stage(it, 0, STAGES)
+            mbarrier.wait(ready.index(s), phase)
+            a_r = a_bufs.index(s).slice(c * _HALF, _HALF, dim=0).load(A_REGS)
+            a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
+            sa = _scalar(sva, kb, KP, KV_LAYOUT)
+            sb = _scalar(svb, kb, KP, KV_LAYOUT)
+            tmp, q0 = _quarter(a_r, wa_bufs.index(s), tmp, q0, a_s, sa, 0)
+            tmp, q1 = _quarter(a_r, wa_bufs.index(s), tmp, q1, a_s, sa, _HALF)
+            tmp, q2 = _quarter(a_r, wb_bufs.index(s), tmp, q2, a_s, sb, 0)
+            tmp, q3 = _quarter(a_r, wb_bufs.index(s), tmp, q3, a_s, sb, _HALF)
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        return it, q0, q1, q2, q3
 
     @gluon.jit
     def _down_loader(a_desc, s_desc, b_desc, a_bufs, s_bufs, b0_bufs, b1_bufs, ready, empty,
@@ -114,17 +145,15 @@ if gluon is not None:
                         A_REGS: gl.constexpr, OUT_LAYOUT: gl.constexpr,
                         KV_LAYOUT: gl.constexpr, ATOMIC_SUM: gl.constexpr):
         """Rows [64 c, 64 c + 64) of each 128 x 256 tile, in four 64 x 64 quarters."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
         ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
         groups = inter // _BK
-        offs_r = c * _HALF + gl.arange(0, _HALF, layout=ROW_L)
         offs_o = c * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT_LAYOUT))
         offs_n = gl.arange(0, _HALF, layout=gl.SliceLayout(0, OUT_LAYOUT))
         step = gl.num_programs(0)
         first = gl.program_id(0)
         expert_next, sv0_next, sv1_next = _slab_scales(block_expert_ptr, ws_ptr, first,
                                                        num_tiles, num_n, stride_we, stride_wn,
-                                                       groups, KP, KV_LAYOUT)
+                                                       groups, 2, 1, KP, KV_LAYOUT)
         it = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
@@ -132,26 +161,12 @@ if gluon is not None:
             sv1 = sv1_next
             expert_next, sv0_next, sv1_next = _slab_scales(block_expert_ptr, ws_ptr, t + step,
                                                            num_tiles, num_n, stride_we,
-                                                           stride_wn, groups, KP, KV_LAYOUT)
+                                                           stride_wn, groups, 2, 1, KP,
+                                                           KV_LAYOUT)
             if expert >= 0:
-                q0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                q1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                q2 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                q3 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                tmp = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                for kb in range(0, groups):
-                    s, phase = _stage(it, 0, STAGES)
-                    mbarrier.wait(ready.index(s), phase)
-                    a_r = a_bufs.index(s).slice(c * _HALF, _HALF, dim=0).load(A_REGS)
-                    a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
-                    s0 = _scalar(sv0, kb, KP, KV_LAYOUT)
-                    s1 = _scalar(sv1, kb, KP, KV_LAYOUT)
-                    tmp, q0 = _quarter(a_r, b0_bufs.index(s), tmp, q0, a_s, s0, 0)
-                    tmp, q1 = _quarter(a_r, b0_bufs.index(s), tmp, q1, a_s, s0, _HALF)
-                    tmp, q2 = _quarter(a_r, b1_bufs.index(s), tmp, q2, a_s, s1, 0)
-                    tmp, q3 = _quarter(a_r, b1_bufs.index(s), tmp, q3, a_s, s1, _HALF)
-                    mbarrier.arrive(empty.index(s))
-                    it += 1
+                it, q0, q1, q2, q3 = _tile_sums(a_bufs, s_rows, b0_bufs, b1_bufs, ready, empty,
+                                                it, groups, sv0, sv1, c, KP, ACC_LAYOUT,
+                                                A_REGS, KV_LAYOUT)
                 blk = t // num_n
                 rows = gl.load(block_rows_ptr + blk)
                 ok = offs_o < rows
@@ -260,7 +275,6 @@ if gluon is not None:
                           OUT_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
         """Rows [64 c, 64 c + 64) of each tile: its gate and up sums in four 64 x 64 quarters;
         act(gate) * up quantized per row over the tile's 128 columns (one group of h)."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
         ROW_L: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
         groups = hidden // _BK
         offs_r = c * _HALF + gl.arange(0, _HALF, layout=ROW_L)
@@ -268,39 +282,22 @@ if gluon is not None:
         offs_n = gl.arange(0, _HALF, layout=gl.SliceLayout(0, OUT_LAYOUT))
         step = gl.num_programs(0)
         first = gl.program_id(0)
-        expert_next, gsv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n,
-                                            0, stride_we, stride_wn, groups, KP, KV_LAYOUT)
-        _, usv_next = _tile_ahead(block_expert_ptr, ws_ptr, first, num_tiles, num_n, num_n,
-                                  stride_we, stride_wn, groups, KP, KV_LAYOUT)
+        expert_next, gsv_next, usv_next = _slab_scales(block_expert_ptr, ws_ptr, first,
+                                                       num_tiles, num_n, stride_we, stride_wn,
+                                                       groups, 1, num_n, KP, KV_LAYOUT)
         it = 0
         for t in range(first, num_tiles, step):
             expert = expert_next
             gsv = gsv_next
             usv = usv_next
-            expert_next, gsv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles,
-                                                num_n, 0, stride_we, stride_wn, groups, KP,
-                                                KV_LAYOUT)
-            _, usv_next = _tile_ahead(block_expert_ptr, ws_ptr, t + step, num_tiles, num_n,
-                                      num_n, stride_we, stride_wn, groups, KP, KV_LAYOUT)
+            expert_next, gsv_next, usv_next = _slab_scales(block_expert_ptr, ws_ptr, t + step,
+                                                           num_tiles, num_n, stride_we,
+                                                           stride_wn, groups, 1, num_n, KP,
+                                                           KV_LAYOUT)
             if expert >= 0:
-                g0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                g1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                u0 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                u1 = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                tmp = gl.zeros((_HALF, _HALF), dtype=gl.float32, layout=ACC_LAYOUT)
-                for kb in range(0, groups):
-                    s, phase = _stage(it, 0, STAGES)
-                    mbarrier.wait(ready.index(s), phase)
-                    a_r = a_bufs.index(s).slice(c * _HALF, _HALF, dim=0).load(A_REGS)
-                    a_s = s_rows.index(s).slice(c * _HALF, _HALF).load(ROW_L)
-                    g_s = _scalar(gsv, kb, KP, KV_LAYOUT)
-                    u_s = _scalar(usv, kb, KP, KV_LAYOUT)
-                    tmp, g0 = _quarter(a_r, g_bufs.index(s), tmp, g0, a_s, g_s, 0)
-                    tmp, g1 = _quarter(a_r, g_bufs.index(s), tmp, g1, a_s, g_s, _HALF)
-                    tmp, u0 = _quarter(a_r, u_bufs.index(s), tmp, u0, a_s, u_s, 0)
-                    tmp, u1 = _quarter(a_r, u_bufs.index(s), tmp, u1, a_s, u_s, _HALF)
-                    mbarrier.arrive(empty.index(s))
-                    it += 1
+                it, g0, g1, u0, u1 = _tile_sums(a_bufs, s_rows, g_bufs, u_bufs, ready, empty,
+                                                it, groups, gsv, usv, c, KP, ACC_LAYOUT,
+                                                A_REGS, KV_LAYOUT)
                 h0 = _act(g0, ACT) * u0
                 h1 = _act(g1, ACT) * u1
                 amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
