@@ -24,7 +24,6 @@ from moeserve.kernels.moe import fp8_ws as W
 gluon = W.gluon
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -217,48 +216,6 @@ if gluon is not None:
     # ---------------------------------------------------------------- gate_up
 
     @gluon.jit
-    def _gate_up_loader(x_ptr, xs_ptr, g_desc, a_bufs, s_rows, g_bufs, u_bufs, ready, empty,
-                        sorted_ptr, block_expert_ptr, block_rows_ptr, num_tiles, num_n, hidden,
-                        inter, top_k, stride_xs, A_LAYOUT: gl.constexpr,
-                        S_LAYOUT: gl.constexpr):
-        """x's 128 rows (gathered by token) and their scales by cp.async, each of the 128
-        threads arriving on the stage's barrier when its copies land; w13's gate and up rows
-        by TMA."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
-        nbytes: gl.constexpr = 2 * g_desc.block_type.nbytes
-        offs_m = gl.arange(0, _BM, layout=gl.SliceLayout(1, A_LAYOUT))
-        offs_k = gl.arange(0, _BK, layout=gl.SliceLayout(0, A_LAYOUT))
-        offs_s = gl.arange(0, _BM, layout=S_LAYOUT)
-        it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            blk = t // num_n
-            expert = gl.load(block_expert_ptr + blk)
-            if expert >= 0:
-                rows = gl.load(block_rows_ptr + blk)
-                # rows past the block's own read token 0 (their outputs are not stored)
-                pair = gl.load(sorted_ptr + blk * _BM + offs_m, mask=offs_m < rows,
-                               other=0)
-                a_ptrs = (x_ptr + (pair // top_k).to(gl.int64)[:, None] * hidden
-                          + offs_k[None, :])
-                pair_s = gl.load(sorted_ptr + blk * _BM + offs_s, mask=offs_s < rows,
-                                 other=0)
-                s_ptrs = xs_ptr + (pair_s // top_k).to(gl.int64) * stride_xs
-                w_row = expert * (2 * inter) + (t % num_n) * _BN
-                for kb in range(0, hidden // _BK):
-                    s, phase = _stage(it, 0, STAGES)
-                    mbarrier.wait(empty.index(s), phase ^ 1)
-                    async_copy.async_copy_global_to_shared(a_bufs.index(s),
-                                                           a_ptrs + kb * _BK)
-                    async_copy.async_copy_global_to_shared(s_rows.index(s), s_ptrs + kb)
-                    async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-                    mbarrier.expect(ready.index(s), nbytes)
-                    tma.async_copy_global_to_shared(g_desc, [w_row, kb * _BK],
-                                                    ready.index(s), g_bufs.index(s))
-                    tma.async_copy_global_to_shared(g_desc, [w_row + inter, kb * _BK],
-                                                    ready.index(s), u_bufs.index(s))
-                    it += 1
-
-    @gluon.jit
     def _store_codes(h, scale, h_ptr, row, cols, ok, inter, OUT_LAYOUT: gl.constexpr):
         """h's e4m3 codes at its rows' columns `cols` of the [rows, I] output."""
         code = _round_e4m3(gl.minimum(gl.maximum(gl.div_rn(h, scale[:, None]), -FP8_MAX),
@@ -346,9 +303,11 @@ if gluon is not None:
                                  hs_ptr, block_expert_ptr, block_rows_ptr, num_tiles, num_n,
                                  hidden, inter, stride_we, stride_wn, stride_hg, 1, KP, ACT,
                                  ACC_LAYOUT, A_REGS, OUT_LAYOUT, KV_LAYOUT)),
-            (_gate_up_loader, (x_ptr, xs_ptr, g_desc, a_bufs, s_rows, g_bufs, u_bufs, ready,
-                               empty, sorted_ptr, block_expert_ptr, block_rows_ptr, num_tiles,
-                               num_n, hidden, inter, top_k, stride_xs, A_LAYOUT, S_LAYOUT)),
+            # fp8_ws.py's loader, a scale group a stage (its warpgroup holds 128 rows' addresses)
+            (W._gate_up_loader, (x_ptr, xs_ptr, g_desc, a_bufs, s_rows, g_bufs, u_bufs, ready,
+                                 empty, sorted_ptr, block_expert_ptr, block_rows_ptr, num_tiles,
+                                 num_n, hidden, inter, top_k, stride_xs, 1, A_LAYOUT,
+                                 S_LAYOUT)),
         ], [4, 4], GATE_UP_REGS)
 
     def _acc(block_n: int):
