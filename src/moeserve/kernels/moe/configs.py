@@ -27,8 +27,9 @@ FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keye
 `fp8_w8a8_{bn}x{bk}` in place of the dtype (table_dtype), and defaults of their own
 (fp8_default_config): BLOCK_K divides the scale group bk (one scale a K step) and gate_up's
 BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED"; "WS" in
-gate_up or down (fp8_ws.py's warp-specialised kernels on sm90: BLOCK_M 64, BLOCK_N 128,
-BLOCK_K 64 or 128, a scale group of 128, no HALF_TAIL; the Triton kernel elsewhere). Their
+gate_up or down (the warp-specialised kernels on sm90: fp8_ws.py's at BLOCK_M 64, BLOCK_K 64
+or 128, fp8_ws128.py's at BLOCK_M 128, BLOCK_K 128; BLOCK_N 128, a scale group of 128, no
+HALF_TAIL; the Triton kernel elsewhere). Their
 "decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
 PREFETCH. Their decode gate_up and down may set "MMA": 1 with a num_stages: the kernels whose
@@ -250,7 +251,8 @@ FP8_WS_BLOCK_MS = (64, 128)  # BLOCK_M 128: fp8_ws128.py's, BLOCK_K 128
 
 
 def ws_tile_problems(cfg: dict[str, Any], group: int, decode: bool) -> list[str]:
-    """What keeps an fp8 GEMM config with "WS" from fp8_ws.py's fixed tiles."""
+    """What keeps an fp8 GEMM config with "WS" from the warp-specialised kernels' fixed tiles
+    (BLOCK_M: validate_fp8)."""
     if decode:
         return ["sets WS, which only the grouped GEMMs take"]
     bad = [] if group == FP8_WS_GROUP else [
