@@ -10,8 +10,9 @@ For each token count: uniform random routing (with --ep N, as a rank's experts s
 expert parallelism: the token count is the rows the runner is given, each row's top-k drawn over
 all N x E_local experts and those of other ranks -1, as the dispatchers hand them over: the
 tables are keyed by the rows the runner looks its config up by), then for each BLOCK_M that
-suits the mean rows per used expert, every gate_up candidate and every down candidate timed alone (harness.time_us
-with L2 flushed before each call, so weights come from HBM as in a real step); the BLOCK_M
+suits the mean rows per used expert, every gate_up candidate and every down candidate timed
+alone (do_bench: a CUDA-graph replay, as the engine's graphs run them, with L2 flushed before
+each, so weights come from HBM as in a real step); the BLOCK_M
 whose best pair is fastest wins; at BLOCK_M >= 32 each GEMM's winner is timed again with
 "HALF_TAIL" (half tiles for short last blocks) and keeps it when that is at least 1% faster
 (alternating, best of 3). Last, from ATOMIC_SUM_MIN_TOKENS tokens, down and the top-k sum are
@@ -125,8 +126,12 @@ def make_weights(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def do_bench(fn) -> float:
-    """ms: the median of 25 calls after 5, L2 flushed before each."""
-    return harness.time_us(fn, reps=25, warmup=5, flush_l2=True) / 1e3
+    """ms: the median of 25 replays of a CUDA graph of fn after 5, L2 flushed before each. A
+    graph, because the engine runs these kernels in its decode and prefill graphs: timed
+    eagerly, a kernel whose launch costs the host more than the device runs it (the
+    warp-specialised ones: TMA descriptors, Gluon's argument binding) would be charged its
+    host time."""
+    return harness.time_us(harness.capture(fn), reps=25, warmup=5, flush_l2=True) / 1e3
 
 
 def best_of(name: str, fn, cfgs: list[dict]) -> tuple[float, dict]:

@@ -4,8 +4,8 @@ decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
 PAIRED; at BLOCK_M 64 and 128 also the warp-specialised kernels ("WS": fp8_ws.py's,
-fp8_ws128.py's); per token count each BLOCK_M's gate_up and down candidates timed alone (L2
-flushed), HALF_TAIL kept where 1% faster, from ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM
+fp8_ws128.py's); per token count each BLOCK_M's gate_up and down candidates timed alone
+(tune_moe.do_bench: CUDA-graph replays, L2 flushed), HALF_TAIL kept where 1% faster, from ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM
 against its top-k sum pass, the BLOCK_M whose gate_up and down as the runner will run them
 (the top-k sum included) time fastest, and up to DECODE_MAX_TOKENS the GEMV path
 against the aligned one as CUDA-graph replays of the whole experts on quantized rows, as the
