@@ -7,6 +7,19 @@ columns): a 128 x 128 down tile, whose two halves reach their epilogue together 
 one under the other's MMAs, timed no faster than fp8_ws.py's 64-row down. The down takes a
 hidden size that is a multiple of 256 (`down_usable`).
 
+    down     tiles (block t // num_n, the 256 columns t % num_n: two weight-scale blocks);
+             one ring: h's 128 rows, their scales and w2's 2 x 128 rows by TMA
+    gate_up  tiles (block, the 128 columns of h); one ring: x's 128 rows gathered by cp.async
+             (fp8_ws.py's loader: a warpgroup, so that a thread holds few row addresses)
+             with their scales, w13's 128 gate and 128 up rows by TMA
+    both     consumer c loads rows [64 c, 64 c + 64) of the stage into registers (the
+             wgmma's A from registers) and runs four wgmmas of 64 columns each (the first
+             slab's two halves, then the second's: gate, up for gate_up), each into a
+             64 x 64 scratch promoted into its quarter of the tile's sums (_tile_sums):
+             4 x 32 + 32 float32 registers a thread, where 64 x 128 sums of gate and up and
+             a scratch (192) spill. down adds its half of the tile into the output (or stores
+             it at the pairs' rows); gate_up quantizes act(gate) * up per row, one group
+
 BLOCK_K is 128 (a scale group a stage). The arithmetic is fp8_ws's (and the Triton kernels'
 at 128-column K steps).
 """
