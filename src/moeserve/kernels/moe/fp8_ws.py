@@ -141,9 +141,28 @@ if gluon is not None:
                                      stride_we, stride_wn, groups, KP, layout)
 
     @gluon.jit
+    def _scalar(v, kb, KP: gl.constexpr, layout: gl.constexpr):
+        """Lane kb of a lane-distributed vector v [KP]: a K step's weight-block scale."""
+        return gl.sum(gl.where(gl.arange(0, KP, layout=layout) == kb, v, 0.0), axis=0)
+
+    @gluon.jit
     def _promote(acc, tmp, a_s, bsv, kb, KP: gl.constexpr, kv_layout: gl.constexpr):
-        b_s = gl.sum(gl.where(gl.arange(0, KP, layout=kv_layout) == kb, bsv, 0.0), axis=0)
-        return acc + tmp * (a_s * b_s)[:, None]
+        return acc + tmp * (a_s * _scalar(bsv, kb, KP, kv_layout))[:, None]
+
+    @gluon.jit
+    def _emit(acc, weight, y_ptr, pair, ok, cols, hidden, top_k, OUT_LAYOUT: gl.constexpr,
+              ATOMIC_SUM: gl.constexpr):
+        """A down tile's sums (or a part of its columns), weighted by its rows' top-k weights:
+        added into the tokens' rows (ATOMIC_SUM) or stored at the pairs' rows."""
+        out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty), OUT_LAYOUT)
+        mask = ok[:, None] & (cols < hidden)[None, :]
+        if ATOMIC_SUM:
+            token = (pair // top_k).to(gl.int64)
+            gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out, mask=mask,
+                          sem="relaxed")
+        else:
+            gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
+                     mask=mask)
 
     @gluon.jit
     def _group_mma(a_bufs, b_bufs, ready, it, c, tmp, SUB: gl.constexpr, STAGES: gl.constexpr,
@@ -248,16 +267,8 @@ if gluon is not None:
                     _release(empty, it, c, SUB, STAGES)
                     acc = _promote(acc, tmp, a_s, bsv, kb, KP, KV_LAYOUT)
                     it += SUB
-                out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty),
-                                        OUT_LAYOUT)
-                cols = (t % num_n) * BLOCK_N + offs_n
-                if ATOMIC_SUM:
-                    token = (pair // top_k).to(gl.int64)
-                    gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out,
-                                  mask=ok[:, None] & (cols < hidden)[None, :], sem="relaxed")
-                else:
-                    gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
-                             mask=ok[:, None] & (cols < hidden)[None, :])
+                _emit(acc, weight, y_ptr, pair, ok, (t % num_n) * BLOCK_N + offs_n, hidden,
+                      top_k, OUT_LAYOUT, ATOMIC_SUM)
 
     @gluon.jit(do_not_specialize=["num_blocks", "top_k"])
     def _down_fp8_ws_kernel(a_desc, s_desc, b_desc, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
@@ -469,15 +480,19 @@ if gluon is not None:
                                          instr_shape=[16, block_n, 32])
 
     @functools.lru_cache(maxsize=None)
-    def _common(groups: int, block_k: int, out_dtype) -> dict[str, Any]:
-        """The launch's layouts, made once (building them cost a launch tens of µs)."""
+    def _layouts(groups: int, out_dtype, cols: int) -> dict[str, Any]:
+        """A launch's layouts for sums of `cols` columns, made once (building them cost a
+        launch tens of µs)."""
         kp = 1 << max(0, groups - 1).bit_length()
         vec = 16 // (1 if out_dtype == gl.float8e4nv else 2)  # 16 bytes a thread
-        return dict(SUB=WS_GROUP // block_k, KP=kp, ACC_LAYOUT=_acc_layout(WS_BLOCK_N),
-                    OUT_LAYOUT=gl.BlockedLayout([1, vec], [32 * vec // WS_BLOCK_N,
-                                                           WS_BLOCK_N // vec], [4, 1], [1, 0]),
+        return dict(KP=kp, ACC_LAYOUT=_acc_layout(cols),
+                    OUT_LAYOUT=gl.BlockedLayout([1, vec], [32 * vec // cols, cols // vec],
+                                                [4, 1], [1, 0]),
                     KV_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
                     ROWS_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    def _common(groups: int, block_k: int, out_dtype) -> dict[str, Any]:
+        return dict(SUB=WS_GROUP // block_k, **_layouts(groups, out_dtype, WS_BLOCK_N))
 
     @functools.lru_cache(maxsize=None)
     def _gather(block_k: int) -> dict[str, Any]:

@@ -41,7 +41,8 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeserve.kernels.moe.fp8_ws import FP8_MAX, _act, _round_e4m3, _stage
+    from moeserve.kernels.moe.fp8_ws import (FP8_MAX, _act, _emit, _round_e4m3, _scalar,
+                                              _stage)
 
 BLOCK_M, HALF, BLOCK_N, BLOCK_K = 128, 64, 128, 128  # HALF: a consumer's rows
 
@@ -50,10 +51,6 @@ if gluon is not None:
     _BM, _HALF, _BN, _BK = (gl.constexpr(v) for v in (BLOCK_M, HALF, BLOCK_N, BLOCK_K))
     GATE_UP_REGS = gl.constexpr([208, 88])  # [consumer 1, loader (4 warps)]
     DOWN_REGS = gl.constexpr([216, 64])  # [consumer 1, loader (1 warp, 4 TMA copies)]
-
-    @gluon.jit
-    def _scalar(v, kb, KP: gl.constexpr, layout: gl.constexpr):
-        return gl.sum(gl.where(gl.arange(0, KP, layout=layout) == kb, v, 0.0), axis=0)
 
     @gluon.jit
     def _quarter(a_r, w, tmp, acc, a_s, b_s, ROW0: gl.constexpr):
@@ -133,21 +130,6 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(s_desc, [kb, blk * _BM],
                                                     ready.index(s), s_bufs.index(s))
                     it += 1
-
-    @gluon.jit
-    def _emit(acc, weight, y_ptr, pair, ok, cols, hidden, top_k, OUT_LAYOUT: gl.constexpr,
-              ATOMIC_SUM: gl.constexpr):
-        """A quarter of the tile's output, weighted by its rows' top-k weights: summed into
-        the tokens' rows (ATOMIC_SUM) or stored at the pairs' rows."""
-        out = gl.convert_layout((acc * weight[:, None]).to(y_ptr.dtype.element_ty), OUT_LAYOUT)
-        mask = ok[:, None] & (cols < hidden)[None, :]
-        if ATOMIC_SUM:
-            token = (pair // top_k).to(gl.int64)
-            gl.atomic_add(y_ptr + token[:, None] * hidden + cols[None, :], out, mask=mask,
-                          sem="relaxed")
-        else:
-            gl.store(y_ptr + pair.to(gl.int64)[:, None] * hidden + cols[None, :], out,
-                     mask=mask)
 
     @gluon.jit
     def _down_consumer(a_bufs, s_rows, b0_bufs, b1_bufs, ready, empty, ws_ptr, y_ptr,
@@ -323,19 +305,20 @@ if gluon is not None:
                                  S_LAYOUT)),
         ], [4, 4], GATE_UP_REGS)
 
-    def _acc(block_n: int):
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, block_n, 32])
+    @functools.lru_cache(maxsize=None)
+    def _launch_layouts(groups: int, out_dtype) -> dict[str, Any]:
+        """fp8_ws's layouts for 64-column quarters and the wgmma's A from registers."""
+        common = W._layouts(groups, out_dtype, HALF)
+        return dict(A_REGS=gl.DotOperandLayout(operand_index=0, parent=common["ACC_LAYOUT"],
+                                               k_width=4), **common)
 
     @functools.lru_cache(maxsize=None)
-    def _layouts(groups: int, out_dtype, cols: int) -> dict[str, Any]:
-        kp = 1 << max(0, groups - 1).bit_length()
-        vec = 16 // (1 if out_dtype == gl.float8e4nv else 2)
-        return dict(KP=kp, ACC_LAYOUT=_acc(cols),
-                    OUT_LAYOUT=gl.BlockedLayout([1, vec], [32 * vec // cols, cols // vec],
-                                                [4, 1], [1, 0]),
-                    KV_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
-                    ROWS_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    def _gather() -> dict[str, Any]:
+        """gate_up's layouts of x's 128 gathered rows (the loader warpgroup's cp.async: 16
+        bytes a copy) and their scales, and its stages' shared layout."""
+        return dict(A_SMEM=W._smem((BLOCK_M, BLOCK_K)),
+                    A_LAYOUT=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]),
+                    S_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]))
 
 
 def usable(w: torch.Tensor, block: tuple[int, int], block_m: int, cfg: dict[str, Any]) -> bool:
@@ -358,16 +341,12 @@ def gate_up128(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w13_s: tor
     g_desc = TensorDescriptor.from_tensor(w13.view(num_local * two_i, hidden),
                                           [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
     tiles = blocks.num_blocks * (inter // BLOCK_N)
-    acc = _acc(HALF)
     _gate_up128_kernel[(W._programs(xq.device, tiles),)](
         xq, xs, g_desc, w13_s, h, hs_GR, blocks.sorted_pairs, blocks.block_expert,
         blocks.block_rows, blocks.num_blocks, hidden, inter, top_k, xs.stride(0),
         w13_s.stride(0), w13_s.stride(1), hs_GR.stride(0), STAGES=cfg["num_stages"],
-        ACT=ACT_CODES[act], A_REGS=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4),
-        A_SMEM=W._smem((BLOCK_M, BLOCK_K)),
-        A_LAYOUT=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]),
-        S_LAYOUT=gl.BlockedLayout([1], [32], [4], [0]),
-        **_layouts(hidden // BLOCK_K, gl.float8e4nv, HALF), num_warps=4)
+        ACT=ACT_CODES[act], **_gather(), **_launch_layouts(hidden // BLOCK_K, gl.float8e4nv),
+        num_warps=4)
 
 
 def down128(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.Tensor,
@@ -379,10 +358,8 @@ def down128(h: torch.Tensor, hs_GR: torch.Tensor, w2: torch.Tensor, w2_s: torch.
                                           [BLOCK_N, BLOCK_K], W._smem((BLOCK_N, BLOCK_K)))
     s_desc = TensorDescriptor.from_tensor(hs_GR, [1, BLOCK_M], W._ROWS_TMA)
     tiles = blocks.num_blocks * (hidden // (2 * BLOCK_N))
-    acc = _acc(HALF)
     _down128_kernel[(W._programs(h.device, tiles),)](
         a_desc, s_desc, b_desc, w2_s, dst, blocks.sorted_pairs, blocks.block_expert,
         blocks.block_rows, topk_weights_P, blocks.num_blocks, hidden, inter, max(top_k, 1),
         w2_s.stride(0), w2_s.stride(1), STAGES=cfg["num_stages"], ATOMIC_SUM=atomic,
-        A_REGS=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4),
-        **_layouts(inter // BLOCK_K, W._GL_DTYPES[dst.dtype], HALF), num_warps=4)
+        **_launch_layouts(inter // BLOCK_K, W._GL_DTYPES[dst.dtype]), num_warps=4)
