@@ -109,9 +109,12 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
         return run
 
     per_expert = pairs / min(e, pairs)
-    # BLOCK_M 64 also where the bf16 rule takes 128 alone: the fp8 gate_up's two
-    # accumulators at 128 rows fit only [128, 128] tiles with 8 warps
-    for bm in sorted(set(block_ms(per_expert)) | ({64} if per_expert > 96 else set())):
+    # BLOCK_M 64 at every size past the decode path's: where the bf16 rule takes 128 alone
+    # (the fp8 gate_up's two accumulators at 128 rows fit only [128, 128] tiles with 8 warps),
+    # and where few rows share an expert, since fp8_ws.py's kernels stream the weights faster
+    # than the Triton kernels' smaller blocks while the tensor cores idle (memory-bound)
+    wide = {64} if n > DECODE_MAX_TOKENS else set()
+    for bm in sorted(set(block_ms(per_expert)) | wide):
         blocks = align_triton(ids, 0, e, bm)
         up_fn = lambda c: F8.gate_up(xq, xs, w13, w13_s, blocks, k, "silu", c, BLOCK)  # noqa: E731
         t_up, up = _half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
