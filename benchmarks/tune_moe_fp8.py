@@ -5,12 +5,13 @@ The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividi
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
 PAIRED; at BLOCK_M 64 and 128 also the warp-specialised kernels ("WS": fp8_ws.py's,
 fp8_ws128.py's); per token count each BLOCK_M's gate_up and down candidates timed alone
-(tune_moe.do_bench: CUDA-graph replays, L2 flushed), HALF_TAIL kept where 1% faster, from ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM
-against its top-k sum pass, the BLOCK_M whose gate_up and down as the runner will run them
-(the top-k sum included) time fastest, and up to DECODE_MAX_TOKENS the GEMV path
-against the aligned one as CUDA-graph replays of the whole experts on quantized rows, as the
-decode step hands them over (best of 3). The table's
-"note" names the sizes it tuned (tuned_note), those of earlier runs included.
+(tune_moe.do_bench: CUDA-graph replays, L2 flushed), HALF_TAIL kept where 1% faster, from
+ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM against its top-k sum pass, the BLOCK_M whose
+gate_up and down as the runner will run them (the top-k sum included) time fastest, and up to
+DECODE_MAX_TOKENS the GEMV path against the aligned one as CUDA-graph replays of the whole
+experts on quantized rows, as the decode step hands them over (best of 3). With --ep N the
+rows are routed as an expert-parallel rank's, as tune_moe.py routes them. The table's "note"
+names the sizes it tuned (tuned_note), those of earlier runs included.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _half_tail(name: str, fn, timed: tuple[float, dict], block_m: int) -> tuple[
     return timed if timed[1].get("WS") else with_half_tail(name, fn, timed, block_m)
 
 
-def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
+def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...], ep: int = 1) -> dict:
     from moeserve.kernels.fp8.gemm import quantize_groups
     from moeserve.kernels.moe import fused_moe_fp8 as F8
     from moeserve.kernels.moe.align import align_triton
@@ -93,9 +94,9 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
 
     w13, w13_s, w2, w2_s = w
     e, h = w13.shape[0], w13.shape[2]
-    x, ids, weights = routed(n, k, e, h)
+    x, ids, weights = routed(n, k, e, h, ep)
     xq, xs = quantize_groups(x, GROUP)
-    pairs = n * k
+    pairs = max(1, int((ids >= 0).sum()))  # this rank's (all of them without EP)
     best = None
 
     def summed(hq: torch.Tensor, hs: torch.Tensor, blocks, y: torch.Tensor):
@@ -134,11 +135,11 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...]) -> dict:
             best = (t_up + t_down, {"BLOCK_M": bm, "gate_up": up, "down": dn})
     cfg = best[1]
     if n <= DECODE_MAX_TOKENS:
-        cfg = with_decode(n, k, w, cfg)
+        cfg = with_decode(n, k, w, cfg, ep)
     return cfg
 
 
-def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
+def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict, ep: int = 1) -> dict:
     """cfg plus the best GEMV tiles when the GEMV path times faster as a graph replay."""
     from moeserve.kernels.fp8.gemm import quantize_groups
     from moeserve.kernels.moe.decode_moe_fp8 import decode_down_fp8, decode_gate_up_fp8
@@ -146,9 +147,8 @@ def with_decode(n: int, k: int, w: tuple[torch.Tensor, ...], cfg: dict) -> dict:
 
     w13, w13_s, w2, w2_s = w
     e, h = w13.shape[0], w13.shape[2]
-    calls = [(torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16),
-              torch.rand(n, e, device=DEVICE).topk(k, dim=1).indices.to(torch.int32),
-              torch.rand(n, k, device=DEVICE)) for _ in range(4)]
+    calls = [(x, ids, wt.view(n, k)) for x, ids, wt in (routed(n, k, e, h, ep)
+                                                        for _ in range(4))]
     # gate_up on the rows quantized, as the decode step hands them over (by the router's
     # launch, or the all-to-all)
     quantized = [(quantize_groups(x, GROUP), i, wt) for x, i, wt in calls]
@@ -216,7 +216,8 @@ def run(args: Any, shapes: list[tuple[int, int, int, int]]) -> int:
             if (e, h, i) not in weights:
                 weights = {(e, h, i): make_weights(e, h, i)}
             table = json.loads(path.read_text()) if path.is_file() else {}
-            table[str(n)] = validate(tune_size(n, k, weights[(e, h, i)]), "the tuner", GROUP)
+            table[str(n)] = validate(tune_size(n, k, weights[(e, h, i)], args.ep), "the tuner",
+                                     GROUP)
             entries = sorted(((key, v) for key, v in table.items() if key != "note"),
                              key=lambda t: int(t[0]))
             previous = table.get("note", "")

@@ -29,14 +29,14 @@ def make_fp8_experts(name: str, spec, ep: int, rank: int, block, seed: int, devi
     lay = ParallelLayout(tp=ep, dp=1, ep=ep, dense_tp=ep, a2a=False)
     quant = QuantSpec(block[0], block[1], from_checkpoint=False)
     experts = create_experts(name, spec, fake_state(lay, rank), dtype, quant)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)  # drawn where they will live
     h, i = spec.hidden_size, spec.moe_intermediate_size
-    w13 = torch.randn(experts.num_local, 2 * i, h, generator=g) * h ** -0.5
-    w2 = torch.randn(experts.num_local, h, i, generator=g) * i ** -0.5
+    w13 = torch.randn(experts.num_local, 2 * i, h, generator=g, device=device) * h ** -0.5
+    w2 = torch.randn(experts.num_local, h, i, generator=g, device=device) * i ** -0.5
     for w, s, src in ((experts.w13, experts.w13_scale_inv, w13),
                       (experts.w2, experts.w2_scale_inv, w2)):
         q, scale = R.quantize_blocks(src, block)
-        w.data, s.data = q.to(device), scale.to(device)
+        w.data, s.data = q, scale
     return experts.to(device)
 
 
@@ -494,6 +494,26 @@ def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep, bm):
     same bits; a float32 sum in another order may round a code the other way), the experts'
     output at the pairs' slots and summed by atomics; an EP rank's -1 ids; a CUDA graph's
     replay equals the eager call."""
+    check_ws_gemms(REAL[name], n, ep, bm)
+
+
+# the largest FP8 releases, as one expert-parallel rank holds them (DeepSeek-V3 on 8 ranks,
+# Qwen3-235B-A22B on 4): their configs default to the warp-specialised kernels on sm90
+LARGE = {"deepseek-v3": (dict(e=256, k=8, h=7168, i=2048), 8),
+         "qwen3-235b-a22b": (dict(e=128, k=8, h=4096, i=1536), 4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LARGE))
+@pytest.mark.parametrize("n", [300, 4096])
+@pytest.mark.parametrize("bm", [64, 128])
+def test_fp8_ws_gemms_match_the_triton_kernels_at_the_largest_shapes_on_gpu(name, n, bm):
+    """The same checks at the shapes of the largest FP8 checkpoints, one EP rank's experts."""
+    dims, ep = LARGE[name]
+    check_ws_gemms(dims, n, ep, bm)
+
+
+def check_ws_gemms(dims: dict, n: int, ep: int, bm: int) -> None:
     from moeserve.kernels.moe import fp8_ws
     from moeserve.kernels.moe import fused_moe_fp8 as F8
     from moeserve.kernels.moe.align import align_triton
@@ -501,8 +521,8 @@ def test_fp8_ws_gemms_match_the_triton_kernels_on_gpu(name, n, ep, bm):
 
     if not fp8_ws.sm90(torch.empty(1, device="cuda")):
         pytest.skip("the warp-specialised fp8 kernels are sm90's")
-    spec = make_spec(**REAL[name])
-    e, k = REAL[name]["e"], REAL[name]["k"]
+    spec = make_spec(**dims)
+    e, k = dims["e"], dims["k"]
     tri = make_fp8_experts("triton", spec, ep, ep - 1, (128, 128), 0, "cuda", torch.bfloat16)
     x = torch.randn(n, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(n, k, e, "skewed", seed=n, device="cuda")
