@@ -96,7 +96,7 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...], ep: int = 1) -> dict:
     e, h = w13.shape[0], w13.shape[2]
     x, ids, weights = routed(n, k, e, h, ep)
     xq, xs = quantize_groups(x, GROUP)
-    pairs = max(1, int((ids >= 0).sum()))  # this rank's (all of them without EP)
+    mine = max(1, int((ids >= 0).sum()))  # this rank's pairs (all of them without EP)
     best = None
 
     def summed(hq: torch.Tensor, hs: torch.Tensor, blocks, y: torch.Tensor):
@@ -109,7 +109,7 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...], ep: int = 1) -> dict:
             return topk_sum(y, ids, 0, e)
         return run
 
-    per_expert = pairs / min(e, pairs)
+    per_expert = mine / min(e, mine)
     # BLOCK_M 64 at every size past the decode path's: where the bf16 rule takes 128 alone
     # (the fp8 gate_up's two accumulators at 128 rows fit only [128, 128] tiles with 8 warps),
     # and where few rows share an expert, since fp8_ws.py's kernels stream the weights faster
@@ -121,7 +121,7 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...], ep: int = 1) -> dict:
         t_up, up = _half_tail("gate_up", up_fn, best_of("gate_up", up_fn,
                                                         candidates(bm, "gate_up")), bm)
         hq, hs = up_fn(up)
-        y = torch.empty(pairs, h, device=DEVICE, dtype=torch.bfloat16)
+        y = torch.empty(n * k, h, device=DEVICE, dtype=torch.bfloat16)  # a row a pair slot
         down_fn = lambda c: F8.down(hq, hs, w2, w2_s, blocks, weights, y, 1, c, BLOCK,  # noqa
                                     False)
         t_down, dn = _half_tail("down", down_fn, best_of("down", down_fn,

@@ -40,6 +40,28 @@ def make_fp8_experts(name: str, spec, ep: int, rank: int, block, seed: int, devi
     return experts.to(device)
 
 
+def test_fp8_defaults_take_the_warp_specialised_kernels_on_hopper():
+    """An fp8 shape without a table, on a Hopper GPU (capability 9.x), with 128 x 128 blocks
+    and widths the kernels take: the warp-specialised GEMMs past FP8_WS_MIN_ROWS rows an
+    expert, 128-row blocks past FP8_WS128_MIN_ROWS where H is a multiple of 256; the Triton
+    tiles below them, elsewhere (another GPU, other blocks or widths) and at any size off
+    Hopper; every answer a valid table entry."""
+    def cfg(n, e=32, h=7168, i=2048, cap=(9, 0), block=(128, 128)):
+        got = configs.get_config(n, 8, e, h, i, torch.bfloat16, "none", cap,
+                                 quant_block=block)
+        configs.validate(got, "defaults", block[1])
+        return got["BLOCK_M"], bool(got["gate_up"].get("WS")), bool(got["down"].get("WS"))
+
+    assert cfg(64) == (16, False, False)  # 16 rows an expert
+    assert cfg(128) == (64, True, True)  # 32
+    assert cfg(512) == (64, True, True)  # 128
+    assert cfg(1024) == (128, True, True) and cfg(8192) == (128, True, True)
+    assert cfg(8192, h=2176) == (64, True, True)  # H not a multiple of 256: 64-row blocks
+    assert not cfg(8192, i=2000)[1] and not cfg(8192, cap=(8, 9))[1]  # I; not Hopper
+    assert not cfg(8192, block=(128, 64))[1] and not cfg(8192, cap=None)[1]
+    assert configs.FP8_WS_MIN_ROWS < configs.FP8_WS128_MIN_ROWS
+
+
 def test_fp8_tile_rules():
     """BLOCK_K divides the scale group; gate_up's BLOCK_N holds whole groups; defaults obey."""
     for n in (1, 2, 16, 64, 512, 8192):

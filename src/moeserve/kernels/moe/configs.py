@@ -138,14 +138,22 @@ def decode_default(num_tokens: int) -> dict[str, Any]:
     return {"gate_up": _gemv(16, 128, 8), "down": down}
 
 
-def fp8_default_config(num_tokens: int, top_k: int, num_local: int,
-                       group: int) -> dict[str, Any]:
+def fp8_default_config(num_tokens: int, top_k: int, num_local: int, group: int,
+                       hopper: bool = False, hidden: int = 0,
+                       inter: int = 0) -> dict[str, Any]:
     """The fp8 kernels' tiles: the bf16 defaults' BLOCK_M and warps (no TMA, pairing or warp
     specialisation), BLOCK_K the largest power of two up to 128 that divides the group, the
     GEMM gate_up's BLOCK_N rounded up to whole groups, the GEMV's 16 (a divisor of the group)
     where it can; from 64 rows an expert BLOCK_M 64; the GEMVs' BLOCK_K at most 64, so that a
-    program's [BLOCK_N, BLOCK_K] accumulators stay in registers. Not tuned: `python -m
-    benchmarks tune-moe --fp8` writes tables that replace them."""
+    program's [BLOCK_N, BLOCK_K] accumulators stay in registers. hopper (compute capability
+    9.x), with 128 x 128 blocks and widths `hidden` and `inter` that the warp-specialised
+    kernels take: those kernels past FP8_WS_MIN_ROWS rows an expert (fp8_ws_default). Not
+    tuned: `python -m benchmarks tune-moe --fp8` writes tables that replace them."""
+    pairs = max(1, num_tokens * top_k)
+    rows = pairs / min(num_local, pairs)
+    if hopper and rows > FP8_WS_MIN_ROWS and group == FP8_WS_GROUP \
+            and hidden % FP8_WS_GROUP == 0 and inter % FP8_WS_GROUP == 0 and hidden:
+        return fp8_ws_default(rows, hidden)
     base = default_config(num_tokens, top_k, num_local)
     block_k = math.gcd(group, 128)
 
@@ -248,6 +256,25 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
 FP8_WS_BLOCK = (64, 128)  # (BLOCK_M, BLOCK_N) of fp8_ws.py's kernels
 FP8_WS_GROUP = 128  # the scale blocks they take, 128 x 128
 FP8_WS_BLOCK_MS = (64, 128)  # BLOCK_M 128: fp8_ws128.py's, BLOCK_K 128
+# rows an expert past which the fp8 defaults take the warp-specialised kernels on Hopper, and
+# past which their 128-row blocks (fp8_ws_default says where these come from)
+FP8_WS_MIN_ROWS, FP8_WS128_MIN_ROWS = 24, 128
+
+
+def fp8_ws_default(rows: float, hidden: int) -> dict[str, Any]:
+    """The warp-specialised kernels' entry for `rows` rows an expert: 64-row blocks, from
+    FP8_WS128_MIN_ROWS 128-row ones where the hidden size is a multiple of 256 (fp8_ws128's
+    down tiles). What the tuned H200 tables chose: Qwen3-30B-A3B (E 128, H 2048, I 768) and
+    DeepSeek-V2-Lite (E 64, H 2048, I 1408) take them from 32 and 24 rows an expert, and
+    DeepSeek-V3's experts on one of 8 EP ranks (E 32, H 7168, I 2048; gate_up + down, graph
+    replays) from 32 (331 against 533 us the Triton kernels' 32-row blocks at 1024 rows, 8
+    rows an expert 395 against 381); 128-row blocks from 128 rows an expert (DeepSeek-V3
+    686 against 732 us), 192 and 256 (the H2048 tables). Stages and K steps: the tables'
+    most frequent; no ATOMIC_SUM (a decode step's bits stay the same run to run)."""
+    block_m = 128 if rows > FP8_WS128_MIN_ROWS and hidden % 256 == 0 else 64
+    ws = {"BLOCK_N": FP8_WS_BLOCK[1], "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "WS": 1}
+    return {"BLOCK_M": block_m, "gate_up": {**ws, "num_stages": 4},
+            "down": {**ws, "num_stages": 3 if block_m == 64 else 4}}
 
 
 def ws_tile_problems(cfg: dict[str, Any], group: int, decode: bool) -> list[str]:
@@ -385,7 +412,8 @@ def get_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: 
         return nearest(table, num_tokens)
     hopper = capability is not None and capability[0] == 9
     if quant_block is not None:
-        return fp8_default_config(num_tokens, top_k, num_local, quant_block[1])
+        return fp8_default_config(num_tokens, top_k, num_local, quant_block[1], hopper, hidden,
+                                  inter)
     return default_config(num_tokens, top_k, num_local, hopper=hopper)
 
 
