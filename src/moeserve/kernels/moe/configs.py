@@ -267,10 +267,11 @@ def fp8_ws_default(rows: float, hidden: int) -> dict[str, Any]:
     down tiles). What the tuned H200 tables chose: Qwen3-30B-A3B (E 128, H 2048, I 768) and
     DeepSeek-V2-Lite (E 64, H 2048, I 1408) take them from 32 and 24 rows an expert, and
     DeepSeek-V3's experts on one of 8 EP ranks (E 32, H 7168, I 2048; gate_up + down, graph
-    replays) from 32 (331 against 533 us the Triton kernels' 32-row blocks at 1024 rows, 8
-    rows an expert 395 against 381); 128-row blocks from 128 rows an expert (DeepSeek-V3
-    686 against 732 us), 192 and 256 (the H2048 tables). Stages and K steps: the tables'
-    most frequent; no ATOMIC_SUM (a decode step's bits stay the same run to run)."""
+    replays) from 32 (398 against 572 us with the Triton kernels' 32-row blocks; at 8 rows
+    an expert 391 against 369 with 16-row ones); 128-row blocks from 128 rows an expert
+    (DeepSeek-V3: 734 against 745 us with 64-row blocks, at 256 rows 1072 against 1195),
+    192 and 256 (the H 2048 tables). Stages and K steps: the tables' most frequent; no
+    ATOMIC_SUM (a decode step's bits stay the same run to run)."""
     block_m = 128 if rows > FP8_WS128_MIN_ROWS and hidden % 256 == 0 else 64
     ws = {"BLOCK_N": FP8_WS_BLOCK[1], "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "WS": 1}
     return {"BLOCK_M": block_m, "gate_up": {**ws, "num_stages": 4},
