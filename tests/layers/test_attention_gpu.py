@@ -189,3 +189,45 @@ def test_batch_one_decode_places_the_projection_early_and_gives_plain_bits(monke
     assert torch.equal(out, want_out) and torch.equal(proj, want_proj)
     ref = create_attention_backend("torch").forward(q, layer, plain)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def check_quantized_output(device: str, dtype: torch.dtype) -> None:
+    """A split decode asked for its output quantized (quant_out, as an fp8 o_proj takes it):
+    the codes and scales equal fp8.gemm.quantize_groups of the output's rows, a head a group,
+    bit for bit, and the output itself equals the call without it; a one-split decode and an
+    extend do not offer it."""
+    from moeserve.batch.forward_batch import ForwardBatch, ForwardMode
+    from moeserve.kernels.fp8 import gemm
+
+    torch.manual_seed(3)
+    n, kh, d, ctx = 8, 2, 64, 300
+    pool = KVCachePool(1, 1024, kh, d, dtype, device, page_size=16)
+    pool.kv_LSKD.normal_()
+    rows = ReqToTokenPool(3, 512, device)
+    real = []
+    for _ in range(2):
+        r = rows.alloc()
+        rows.write(r, 0, pool.alloc(ctx))
+        real.append(r)
+    slots = torch.tensor([int(rows.table[r, ctx - 1]) for r in real], device=device)
+    fb = ForwardBatch.from_requests(ForwardMode.DECODE, [[0]] * 2, [ctx - 1] * 2, real, slots,
+                                    rows.table, pool)
+    layer = PagedAttention(0, n, kh, d, d ** -0.5, TritonAttentionBackend())
+    q = torch.randn(2, n, d, device=device, dtype=dtype)
+    assert layer.quantizes_output(q, fb, d) and not layer.quantizes_output(q, fb, 2 * d)
+    plain = layer.backend.forward(q, layer, fb)
+    codes = torch.empty(2, n * d, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(2, n, dtype=torch.float32, device=device)
+    out = layer.backend.forward(q, layer, fb, quant_out=(codes, scales))
+    assert torch.equal(out, plain)
+    want_codes, want_scales = gemm.quantize_groups(out.reshape(2, n * d), d)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    whole = dataclasses.replace(ATTENTION_TILES, gqa_whole_from=0.0)  # one split
+    one = PagedAttention(0, n, kh, d, d ** -0.5, TritonAttentionBackend(whole))
+    assert not one.quantizes_output(q, fb, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_decode_quantizes_its_output_for_an_fp8_projection(dtype):
+    check_quantized_output("cuda", dtype)

@@ -38,6 +38,9 @@ for slots, splits in ((6, 3), (8, 4), (1, 1)):
     assert max(errors) < 1e-5, (slots, errors)
     # the steps wrote their partials there; one split writes the output itself, none
     assert o.isnan().all() == (splits == 1) and lse.isnan().all() == (splits == 1)
+# the split decode's output also quantized for an fp8 o_proj: quantize_groups' bits
+from test_attention_gpu import check_quantized_output
+check_quantized_output("cpu", torch.float32)
 print("interpreter ok")
 """
 

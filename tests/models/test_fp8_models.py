@@ -244,3 +244,34 @@ def test_parallel_layouts_equal_one_rank(tmp_path):
     for rank_results in run_ranks(_world, 2, folders, refs, timeout=600):
         for layout, name, err in rank_results:
             assert err <= PARALLEL_TOL, (layout, name, err)
+
+
+@pytest.mark.gpu
+def test_fp8_decode_takes_the_attentions_quantized_output_on_gpu(tmp_path, monkeypatch):
+    """On a GPU a split decode hands the fp8 o_proj its input quantized by the attention's
+    combine kernel (no quantizer launch): the decode steps' logits equal, bit for bit, those
+    of the same steps with the quantizer's launch, and the fused path was taken."""
+    from moeserve.layers.attention import PagedAttention
+
+    _, fp8_dir, _ = _checkpoints(tmp_path, "qwen3-block128")
+    takes = PagedAttention.quantizes_output
+    taken = []
+
+    def counted(self, *args):
+        taken.append(takes(self, *args))
+        return taken[-1]
+
+    def decode_logits(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(PagedAttention, "quantizes_output",
+                            counted if fused else (lambda self, *a: False))
+        state = single_process_state(device="cuda")
+        model, plan = load_tiny(tiny_config(fp8_dir, attention_backend="triton"), state)
+        runner = TinyRunner(model, state, plan)
+        runner.forward(ForwardMode.EXTEND, PROMPTS, range(len(PROMPTS)))
+        return [runner.forward(ForwardMode.DECODE, [[t] for t in toks], range(len(PROMPTS)))
+                for toks in ([3, 9, 27], [81, 50, 1])]
+
+    fused, plain = decode_logits(True), decode_logits(False)
+    assert any(taken)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)

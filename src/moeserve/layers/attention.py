@@ -124,11 +124,25 @@ class PagedAttention(nn.Module):
         make = getattr(fb.kv_pool, "fused_write", None)  # KVCachePool's; not MLA's
         return None if make is None else make(self.layer_id, fb.out_cache_loc, v_TKD)
 
+    def quantizes_output(self, q_TND: torch.Tensor, fb: ForwardBatch, group: int) -> bool:
+        """Whether forward can also quantize its output per `group` columns (quant_out): where
+        the backend's kernels do it (the triton backend's split decode)."""
+        takes = getattr(self.backend, "quantizes_output", None)
+        return (fb.attention_hook is None and takes is not None
+                and takes(q_TND, self, fb, group))
+
     def forward(self, q_TND: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
-        """kv_stored: the new K/V are in the pool already (the rope took kv_write)."""
+                fb: ForwardBatch, kv_stored: bool = False,
+                quant_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """kv_stored: the new K/V are in the pool already (the rope took kv_write).
+        quant_out (where quantizes_output): fp8 [T, N D] and float32 [T, N D / group] that
+        the output's rows are also quantized into."""
         if q_TND.shape[0] and not kv_stored:
             fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k_TKD, v_TKD)
         if fb.attention_hook is not None:  # a prefill graph's capture cuts the forward here
+            assert quant_out is None
             return fb.attention_hook(q_TND, self, fb)
+        if quant_out is not None:
+            return self.backend.forward(q_TND, self, fb, quant_out=quant_out)
         return self.backend.forward(q_TND, self, fb)

@@ -158,10 +158,23 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             self._meta = _StepMeta(fb, q, layer.num_kv_heads, self._partials, self.tiles)
         return self._meta
 
+    def quantizes_output(self, q_TND: torch.Tensor, layer: "PagedAttention",
+                         fb: ForwardBatch, group: int) -> bool:
+        """Whether forward can also hand back its output quantized per `group` columns
+        (`quant_out`): a decode step that splits its keys, so that the combine's programs
+        each hold one head, a head being one group."""
+        return (fb.mode is ForwardMode.DECODE and q_TND.shape[0] > 0
+                and q_TND.shape[2] == group == _pow2(group)
+                and self._step_meta(q_TND, layer, fb).splits > 1)
+
     def forward(self, q_TND: torch.Tensor, layer: "PagedAttention", fb: ForwardBatch,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None,
+                quant_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
         """`out` [T, N, D]: where to write (a prefill graph's static buffer); rows of no
-        request are left as they are."""
+        request are left as they are. `quant_out` (where quantizes_output: fp8 [T, N D] and
+        float32 [T, N]): the output's rows also quantized there, a head a group, as
+        fp8.gemm.quantize_groups would quantize them."""
         from moeserve.kernels.attention import kernels as K
         from moeserve.kernels.launch.pdl import pdl_args
 
@@ -187,6 +200,7 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
             bs = fb.batch_size
             assert t == bs, f"a decode batch has one token per request: {t} tokens, {bs} rows"
             direct = meta.splits == 1  # no partials: the kernel writes the output itself
+            assert quant_out is None or not direct, "quant_out where quantizes_output"
             po, pl = ((out_TND[:, :, None], out_TND[:, :, 0]) if direct  # untouched stand-ins
                       else (meta.part_o, meta.part_lse))
             block_n, warps, stages = tiles.decode_tiles(bs)
@@ -202,10 +216,14 @@ class TritonAttentionBackend(PlannedPartials, AttentionBackend):
                 num_stages=stages, **pdl)
             if direct:
                 return out_TND
+            qo, qs = quant_out if quant_out is not None else (out_TND, pl)  # stand-ins
+            assert quant_out is None or (block_d == d and qo.shape == (bs, n * d)
+                                         and qs.shape == (bs, n) and qo.stride(1) == 1)
             K.decode_combine_kernel[(bs, n)](
-                po, pl, out_TND, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                pl.stride(1), out_TND.stride(0), out_TND.stride(1), meta.splits,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=_pow2(tiles.max_splits, 2),
+                po, pl, out_TND, qo, qs, po.stride(0), po.stride(1), po.stride(2),
+                pl.stride(0), pl.stride(1), out_TND.stride(0), out_TND.stride(1), qo.stride(0),
+                qs.stride(0), meta.splits, HEAD_DIM=d, BLOCK_D=block_d,
+                BLOCK_S=_pow2(tiles.max_splits, 2), QUANT=quant_out is not None,
                 num_warps=4, **pdl)
             return out_TND
         if meta.max_extend == 0:

@@ -60,15 +60,17 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-           block: Optional[tuple[int, int]] = None) -> torch.Tensor:
+           block: Optional[tuple[int, int]] = None,
+           x_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual); a decode step's few rows on a GPU by the skinny
     kernels where their measurements beat cuBLAS's (skinny_tiles.TILES), the residual added in
-    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels."""
+    its epilogue. An fp8 weight comes with its block `scale`: W8A8 by the FP8 kernels, which
+    take x's rows as x_quant gives them quantized where the kernel that made x did so."""
     if scale is not None:
         assert block is not None
         ops = K.fp8(x.device)
         if ops is not None:
-            return ops.fp8_linear(x, weight, scale, block, bias, residual)
+            return ops.fp8_linear(x, weight, scale, block, bias, residual, x_quant)
         y = fp8_ref.fp8_linear(x, weight, scale, block, bias)
         return y if residual is None else y + residual
     y = None
@@ -284,9 +286,16 @@ class RowParallelLinear(nn.Module):
         init_weight(self, out_features, self.in_local, dtype, quant)
         self.bias: Optional[nn.Parameter] = empty_param(out_features, dtype=dtype) if bias else None
 
-    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TI: torch.Tensor,
+                x_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """x_quant: x's rows already quantized per block_k columns (fp8 weights only)."""
         bias = self.bias if self.axis.rank == 0 else None
-        return linear(x_TI, self.weight, bias, scale=self.weight_scale_inv, block=self.block)
+        return linear(x_TI, self.weight, bias, scale=self.weight_scale_inv, block=self.block,
+                      x_quant=x_quant)
+
+    def input_group(self) -> Optional[int]:
+        """The columns its input is quantized by (fp8 weights), else None."""
+        return None if self.weight_scale_inv is None else self.block[1]
 
     def load_weight(self, param_name: str, src: Any) -> None:
         src = weight_source(self, src)

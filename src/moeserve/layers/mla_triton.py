@@ -181,10 +181,10 @@ class TritonMLABackend(PlannedPartials, AttentionBackend):
             if not direct:
                 block_d = min(_pow2(c), self.tiles.mla_combine_block_d)
                 AK.decode_combine_kernel[(bs, n, -(-c // block_d))](
-                    po, pl, o_lat_NTC, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                    pl.stride(1), o_lat_NTC.stride(1), o_lat_NTC.stride(0), splits,
-                    HEAD_DIM=c, BLOCK_D=block_d, BLOCK_S=_pow2(self.tiles.max_splits, 2),
-                    num_warps=4,
+                    po, pl, o_lat_NTC, o_lat_NTC, pl, po.stride(0), po.stride(1),
+                    po.stride(2), pl.stride(0), pl.stride(1), o_lat_NTC.stride(1),
+                    o_lat_NTC.stride(0), 0, 0, splits, HEAD_DIM=c, BLOCK_D=block_d,
+                    BLOCK_S=_pow2(self.tiles.max_splits, 2), QUANT=False, num_warps=4,
                     EARLY=False, **pdl)
         elif max_extend:
             grid = (fb.req_pool_indices.shape[0], head_blocks, -(-max_extend // block_t))

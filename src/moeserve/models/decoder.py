@@ -117,8 +117,14 @@ class DecoderAttention(nn.Module):
         # on a GPU the rope kernel also writes k and v into the KV cache (one launch less)
         kv_write = self.attn.kv_write(v_TKD, fb)
         q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
-        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None)
-        return self.o_proj(o_TND.reshape(t, n * d))
+        # fp8 o_proj: its input quantized by the attention's own kernels where they can
+        group, quant = self.o_proj.input_group(), None
+        if group is not None and self.attn.quantizes_output(q_TND, fb, group):
+            quant = (torch.empty(t, n * d, dtype=torch.float8_e4m3fn, device=q_TND.device),
+                     torch.empty(t, n * d // group, dtype=torch.float32, device=q_TND.device))
+        o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None,
+                          quant_out=quant)
+        return self.o_proj(o_TND.reshape(t, n * d), x_quant=quant)
 
     # --- weights (names relative to "self_attn.") ----------------------------------------
     def checkpoint_names(self) -> list[str]:

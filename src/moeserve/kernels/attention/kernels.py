@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
 from moeserve.kernels.launch.pdl import pdl_gate
 
 NEG_INIT = tl.constexpr(-1.0e20)  # a global a kernel reads must be a constexpr
@@ -179,10 +180,15 @@ def decode_partial_kernel(
 
 @triton.jit
 def decode_combine_kernel(
-        PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-        stride_xt, stride_xh, num_splits,
+        PartO, PartLse, Out, QOut, QScale, stride_ob, stride_oh, stride_os, stride_lb,
+        stride_lh, stride_xt, stride_xh, stride_qt, stride_st, num_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        EARLY: tl.constexpr, PDL: tl.constexpr):
+        QUANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """QUANT (a head a quantization group: BLOCK_D == HEAD_DIM): the output, as rounded to
+    Out's dtype, also quantized per head into QOut [T, N D] (float8_e4m3fn) and QScale
+    [T, N] (float32), the codes and scales fp8.gemm.quantize_groups would give Out's rows
+    with groups of HEAD_DIM, for an fp8 output projection to take without a quantizer
+    launch."""
     pdl_gate(PDL, EARLY)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -197,9 +203,15 @@ def decode_combine_kernel(
     live = s_mask & (lse > float("-inf"))  # splits that saw keys
     o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
                 + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0)
-    tl.store(Out + b * stride_xt + h * stride_xh + offs_d, out.to(Out.dtype.element_ty),
-             mask=d_mask)
+    out = tl.sum(o * w[:, None], 0).to(Out.dtype.element_ty)
+    tl.store(Out + b * stride_xt + h * stride_xh + offs_d, out, mask=d_mask)
+    if QUANT:
+        vals = out.to(tl.float32)
+        scale = group_scale(tl.max(tl.abs(vals), 0))
+        codes = e4m3_codes(vals, scale)
+        tl.store(QOut + b * stride_qt + h * HEAD_DIM + offs_d,
+                 codes.to(QOut.dtype.element_ty), mask=d_mask)
+        tl.store(QScale + b * stride_st + h, scale)
 
 
 @triton.jit

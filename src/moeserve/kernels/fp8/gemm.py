@@ -381,9 +381,12 @@ _BLOCKWISE = _blockwise()
 
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
-               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+               residual: Optional[torch.Tensor] = None,
+               x_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """W8A8 x @ W.T (+ bias) (+ residual): x quantized per token per bk columns, then the
-    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's; out in x's dtype."""
+    block-scaled GEMM: cuBLAS's where cublas_takes, else this module's; out in x's dtype.
+    x_quant: x's rows already quantized so (the codes and scales quantize_groups gives
+    them, by the kernel that made x), which this module's GEMM then takes as they are."""
     x_TK = x.reshape(-1, x.shape[-1])
     if x_TK.stride(-1) != 1:
         x_TK = x_TK.contiguous()
@@ -393,6 +396,6 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
         if res is not None:
             y += res
     else:
-        xq, xs = quantize_groups(x_TK, block[1])
+        xq, xs = x_quant if x_quant is not None else quantize_groups(x_TK, block[1])
         y = block_gemm(xq, xs, w_NK, w_scale, block, x.dtype, bias, res)
     return y.view(*x.shape[:-1], w_NK.shape[0])
