@@ -101,6 +101,13 @@ def decode_suits(num_tokens: int, top_k: int, num_local: int) -> bool:
     return num_tokens == 1 or num_tokens * top_k * 8 <= num_local
 
 
+def rows_per_expert(num_tokens: int, top_k: int, num_local: int) -> float:
+    """The mean rows of a used expert, every pair counted as this rank's: what the defaults
+    choose their tiles by."""
+    pairs = max(1, num_tokens * top_k)
+    return pairs / min(num_local, pairs)
+
+
 def default_config(num_tokens: int, top_k: int, num_local: int,
                    hopper: bool = False) -> dict[str, Any]:
     """By the mean rows per used expert: small tiles that spread the weight stream over many
@@ -108,8 +115,7 @@ def default_config(num_tokens: int, top_k: int, num_local: int,
     hopper (a device of compute capability 9.x): from 48 rows an expert, the tiles that every
     shipped H100 and H200 table chose there: weights by TMA, w13's halves PAIRED, and from
     192 rows down's warp-specialised kernel ("WS")."""
-    pairs = max(1, num_tokens * top_k)
-    rows = pairs / min(num_local, pairs)
+    rows = rows_per_expert(num_tokens, top_k, num_local)
     if hopper and rows > 48:
         return _hopper_config(rows)
     if rows <= 16:
@@ -149,8 +155,7 @@ def fp8_default_config(num_tokens: int, top_k: int, num_local: int, group: int,
     9.x), with 128 x 128 blocks and widths `hidden` and `inter` that the warp-specialised
     kernels take: those kernels past FP8_WS_MIN_ROWS rows an expert (fp8_ws_default). Not
     tuned: `python -m benchmarks tune-moe --fp8` writes tables that replace them."""
-    pairs = max(1, num_tokens * top_k)
-    rows = pairs / min(num_local, pairs)
+    rows = rows_per_expert(num_tokens, top_k, num_local)
     if hopper and rows > FP8_WS_MIN_ROWS and group == FP8_WS_GROUP \
             and hidden % FP8_WS_GROUP == 0 and inter % FP8_WS_GROUP == 0 and hidden:
         return fp8_ws_default(rows, hidden)
