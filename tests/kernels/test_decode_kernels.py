@@ -116,6 +116,26 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
         # the statistics may be summed in another order: a rounding apart at most
         ulps = (8 if dtype == torch.float32 else 2) * torch.finfo(dtype).eps
         assert ((out.double() - want.double()).abs() <= ulps * want.double().abs()).all()
+    check_quantized_norm(lambda q: add_rms_norm(x[:, :192], a[:, :192], norm.weight[:192],
+                                                norm.eps, q))
+
+
+def check_quantized_norm(norm_fn) -> None:
+    """norm_fn(quant_out) -> (out, total): with quant_out (fp8 [R, D] and float32 [R, D / G],
+    G = 64 and 32 here) the launch also stores quantize_groups' codes and scales of its out,
+    bit for bit, and the same out and total as without it."""
+    from moeserve.kernels.fp8.gemm import quantize_groups
+
+    out0, total0 = norm_fn(None)
+    rows, d = out0.shape
+    for group in (64, 32):
+        q = (torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=out0.device),
+             torch.empty(rows, d // group, dtype=torch.float32, device=out0.device))
+        out, total = norm_fn(q)
+        assert torch.equal(out, out0) and torch.equal(total, total0)
+        codes, scales = quantize_groups(out, group)
+        assert torch.equal(q[0].view(torch.uint8), codes.view(torch.uint8)), group
+        assert torch.equal(q[1], scales), group
 
 
 def check_topk_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
@@ -139,6 +159,8 @@ def check_topk_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> No
         assert torch.equal(summed, acc.to(dtype))
         want_out, want_total = add_rms_norm(summed, res, w, 1e-6)
         assert torch.equal(total, want_total) and torch.equal(out, want_out), (n, k)
+    check_quantized_norm(lambda q: topk_add_rms_norm(y[:, :192].contiguous(), ids, 2, 3,
+                                                     res[:, :192], w[:192], 1e-6, q))
 
 
 def check_rope_head_blocks(device: str, dtype: torch.dtype, nq: int = 8, nk: int = 2,

@@ -247,23 +247,34 @@ def test_parallel_layouts_equal_one_rank(tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp8_decode_takes_the_attentions_quantized_output_on_gpu(tmp_path, monkeypatch):
-    """On a GPU a split decode hands the fp8 o_proj its input quantized by the attention's
-    combine kernel (no quantizer launch): the decode steps' logits equal, bit for bit, those
-    of the same steps with the quantizer's launch, and the fused path was taken."""
+def test_fp8_decode_takes_inputs_quantized_by_the_kernels_before_on_gpu(tmp_path, monkeypatch):
+    """On a GPU a decode step's fp8 projections take their inputs quantized by the kernels
+    that made them, with no quantizer launch: qkv_proj's by the input norm, o_proj's by a
+    split decode's combine. The decode steps' logits equal, bit for bit, those of the same
+    steps with the quantizer's launches, and both fused paths were taken."""
+    from moeserve.layers import pending
     from moeserve.layers.attention import PagedAttention
+    from moeserve.models.decoder import DecoderLayer
 
     _, fp8_dir, _ = _checkpoints(tmp_path, "qwen3-block128")
-    takes = PagedAttention.quantizes_output
-    taken = []
+    takes, norm_quant = PagedAttention.quantizes_output, pending.add_norm_quantized
+    taken, normed = [], []
 
     def counted(self, *args):
         taken.append(takes(self, *args))
         return taken[-1]
 
+    def counted_norm(*args):
+        out = norm_quant(*args)
+        normed.append(out[2])
+        return out
+
     def decode_logits(fused: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(PagedAttention, "quantizes_output",
                             counted if fused else (lambda self, *a: False))
+        monkeypatch.setattr("moeserve.models.decoder.add_norm_quantized", counted_norm)
+        if not fused:
+            monkeypatch.setattr(DecoderLayer, "_input_quant", lambda self, r: None)
         state = single_process_state(device="cuda")
         model, plan = load_tiny(tiny_config(fp8_dir, attention_backend="triton"), state)
         runner = TinyRunner(model, state, plan)
@@ -271,7 +282,10 @@ def test_fp8_decode_takes_the_attentions_quantized_output_on_gpu(tmp_path, monke
         return [runner.forward(ForwardMode.DECODE, [[t] for t in toks], range(len(PROMPTS)))
                 for toks in ([3, 9, 27], [81, 50, 1])]
 
-    fused, plain = decode_logits(True), decode_logits(False)
-    assert any(taken)
+    fused = decode_logits(True)
+    assert any(taken) and any(normed)
+    normed.clear()
+    plain = decode_logits(False)
+    assert not normed
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)

@@ -117,6 +117,11 @@ def _split(total: int, axis: Axis, what: str) -> int:
     return total // axis.size
 
 
+def input_group(module: nn.Module) -> Optional[int]:
+    """The columns by which a linear layer's input is quantized (fp8 weights), else None."""
+    return None if getattr(module, "weight_scale_inv", None) is None else module.block[1]
+
+
 def init_weight(module: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
              quant: Optional[QuantSpec]) -> None:
     """module.weight [out, in] in `dtype`, or in fp8 beside its weight_scale_inv."""
@@ -249,9 +254,12 @@ class QKVParallelLinear(nn.Module):
         init_weight(self, out, hidden, dtype, quant)
         self.bias = empty_param(out, dtype=dtype) if bias else None
 
-    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_TH: torch.Tensor,
+                x_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_quant: x's rows already quantized per block_k columns (fp8 weights only)."""
         qkv = linear(x_TH, self.weight, self.bias, scale=self.weight_scale_inv,
-                     block=self.block)
+                     block=self.block, x_quant=x_quant)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def load_weight(self, param_name: str, src: Any, shard: str) -> None:
@@ -292,10 +300,6 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.axis.rank == 0 else None
         return linear(x_TI, self.weight, bias, scale=self.weight_scale_inv, block=self.block,
                       x_quant=x_quant)
-
-    def input_group(self) -> Optional[int]:
-        """The columns its input is quantized by (fp8 weights), else None."""
-        return None if self.weight_scale_inv is None else self.block[1]
 
     def load_weight(self, param_name: str, src: Any) -> None:
         src = weight_source(self, src)

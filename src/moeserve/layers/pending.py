@@ -77,6 +77,24 @@ def add_norm(norm, x: Union[torch.Tensor, Pending], residual: torch.Tensor
     return norm.add_forward(x, residual)
 
 
+def add_norm_quantized(norm, x: Union[torch.Tensor, Pending], residual: torch.Tensor,
+                       quant_out: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """add_norm's (norm(x + residual), x + residual), plus whether its launch also quantized
+    the norm's rows into quant_out (fp8 [R, D] and float32 [R, D / group]: quantize_groups'
+    codes and scales, for an fp8 projection to take as they are): the GPU's add + norm
+    launches do, of a tensor or a TopkRows sum; elsewhere add_norm alone."""
+    ops = K.elementwise(residual.device)
+    if ops is not None and residual.dim() == 2 and residual.stride(-1) == 1:
+        if isinstance(x, TopkRows):
+            return (*ops.topk_add_rms_norm(x.rows, x.topk_ids, x.first_expert, x.num_local,
+                                           residual, norm.weight, norm.eps, quant_out), True)
+        if (isinstance(x, torch.Tensor) and x.shape == residual.shape
+                and x.stride(-1) == 1):
+            return (*ops.add_rms_norm(x, residual, norm.weight, norm.eps, quant_out), True)
+    return (*add_norm(norm, x, residual), False)
+
+
 def settle(x: Union[torch.Tensor, Pending]) -> torch.Tensor:
     """x as a tensor."""
     return x.settle() if isinstance(x, (Unreduced, TopkRows)) else x

@@ -26,9 +26,10 @@ from torch import nn
 from moeserve.kernels import ops as K
 from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from moeserve.kernels.fp8.tiles import DECODE_GEMM_ROWS
+from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear, input_group
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
-from moeserve.layers.pending import add_norm, settle
+from moeserve.layers.pending import add_norm, add_norm_quantized, settle
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config.spec import ModelSpec, ModelSpecError
 from moeserve.parallel.groups import ParallelState
@@ -97,10 +98,15 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, qkv.heads_local, qkv.kv_heads_local, d, d ** -0.5,
                                    backend, opts.sliding_window)
 
-    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
+    def input_group(self) -> Optional[int]:
+        """The columns by which qkv_proj quantizes its input (fp8 weights), else None."""
+        return input_group(self.qkv_proj)
+
+    def forward(self, positions_T: torch.Tensor, h_TH: torch.Tensor, fb: ForwardBatch,
+                h_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """h_quant: h's rows already quantized per input_group() columns (by the norm)."""
         t, d = h_TH.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(h_TH)
+        q, k, v = self.qkv_proj(h_TH, x_quant=h_quant)
         if self.opts.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         n, kv = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local
@@ -118,7 +124,7 @@ class DecoderAttention(nn.Module):
         kv_write = self.attn.kv_write(v_TKD, fb)
         q_TND, k_TKD = self.rotary(positions_T, q_TND, k_TKD, norms, kv_write)
         # fp8 o_proj: its input quantized by the attention's own kernels where they can
-        group, quant = self.o_proj.input_group(), None
+        group, quant = input_group(self.o_proj), None
         if group is not None and self.attn.quantizes_output(q_TND, fb, group):
             quant = (torch.empty(t, n * d, dtype=torch.float8_e4m3fn, device=q_TND.device),
                      torch.empty(t, n * d // group, dtype=torch.float32, device=q_TND.device))
@@ -207,11 +213,16 @@ class DecoderLayer(nn.Module):
         """(x, None), or (y, r) with x = r + y left unsummed when the rows need no gather:
         the next layer's input norm (or the final norm) adds them in its own launch; y may
         be a Pending sum (layers/pending.py) that this launch also does."""
+        quant = None if residual is None else self._input_quant(residual)
         if residual is None:
             h = self.input_layernorm(x_TH)
-        else:  # x_TH may be a sum the block before left to this norm (layers/pending.py)
+        elif quant is None:  # x_TH may be a sum the block before left to this norm (pending.py)
             h, x_TH = add_norm(self.input_layernorm, x_TH, residual)
-        a = self.self_attn(positions_T, h, fb)
+        else:  # the same, the norm's launch also quantizing h for the fp8 qkv_proj
+            h, x_TH, done = add_norm_quantized(self.input_layernorm, x_TH, residual, quant)
+            quant = quant if done else None
+        a = (self.self_attn(positions_T, h, fb) if quant is None
+             else self.self_attn(positions_T, h, fb, h_quant=quant))
         # r = local_rows(x) + the reduced a, and its norm: one launch on a GPU (with the
         # all-reduce where the one-shot window takes it)
         h, r = self.comm.reduce_attn_add_norm(a, x_TH, self.post_attention_layernorm, step)
@@ -219,6 +230,19 @@ class DecoderLayer(nn.Module):
             return self.comm.gather_rows(r + self.mlp(h, step), step), None
         # gather_rows is the identity here, and the block may leave its sum to the next norm
         return self.mlp(h, step, pending_ok=True), r
+
+    def _input_quant(self, residual: torch.Tensor
+                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Where the input norm's GPU launch may also quantize h for an fp8 qkv_proj (the
+        attention's input_group; decode-sized steps, whose projections run the block GEMM):
+        fp8 [T, H] and float32 [T, H / group] for it; else None."""
+        group = getattr(self.self_attn, "input_group", lambda: None)()
+        t, hidden = residual.shape[0], residual.shape[-1]
+        if (group is None or residual.device.type != "cuda" or not 0 < t < DECODE_GEMM_ROWS
+                or hidden % group):
+            return None
+        return (torch.empty(t, hidden, dtype=torch.float8_e4m3fn, device=residual.device),
+                torch.empty(t, hidden // group, dtype=torch.float32, device=residual.device))
 
 
 # config.json's `architectures` name -> the model class (models/build.py imports them all)

@@ -35,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.elementwise.act import ACT_CODES, _act
+from moeserve.kernels.fp8.gemm import e4m3_codes, group_scale
+from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 
 
 def _pow2(n: int) -> int:
@@ -84,19 +85,36 @@ def store_sum_and_norm(t, S, Y, W, row, D, offs, mask, eps):
     """Row `row` of [R, D] S and Y: the float32 sum t rounded to S's dtype (as torch's add
     rounds it) into S, and its RMSNorm times W into Y, normalised in S's dtype, then times
     the weight (transformers' order): add_rms_norm's arithmetic, for every kernel that ends
-    in it."""
+    in it. Returns the row stored in Y."""
     s = t.to(S.dtype.element_ty)
     tl.store(S + row * D + offs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(s * s, 0) / D
     y = (s * tl.rsqrt(var + eps)).to(S.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
-    tl.store(Y + row * D + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty),
-             mask=mask)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + row * D + offs, out, mask=mask)
+    return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr,
+def store_row_groups(v, QY, QS, row, D, offs, mask, GROUP: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """Row `row` (values v [BLOCK_D], D of them real; D and BLOCK_D multiples of GROUP)
+    quantized per GROUP columns into QY [R, D] (float8_e4m3fn) and QS [R, D / GROUP]
+    (float32): the codes and scales fp8.gemm.quantize_groups gives the row, so that an fp8
+    projection of the norm's output takes them without a quantizer launch."""
+    g = tl.reshape(v.to(tl.float32), [BLOCK_D // GROUP, GROUP])
+    scale = group_scale(tl.max(tl.abs(g), 1))
+    codes = tl.reshape(e4m3_codes(g, scale[:, None]), [BLOCK_D])
+    tl.store(QY + row * D + offs, codes.to(QY.dtype.element_ty), mask=mask)
+    gs = tl.arange(0, BLOCK_D // GROUP)
+    tl.store(QS + row * (D // GROUP) + gs, scale, mask=gs < D // GROUP)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, S, QY, QS, stride_x, stride_r, D, eps,
+                         BLOCK_D: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                          PDL: tl.constexpr):
     pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -104,30 +122,52 @@ def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, D, eps, BLOCK_D: tl.
     mask = offs < D
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
+    out = store_sum_and_norm(x + r, S, Y, W, row, D, offs, mask, eps)
+    if QUANT:
+        store_row_groups(out, QY, QS, row, D, offs, mask, GROUP, BLOCK_D)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+QuantOut = tuple[torch.Tensor, torch.Tensor]  # fp8 [R, D] and float32 [R, D / group]
+
+
+def quant_args(quant_out: Optional[QuantOut], rows: int, d: int, out: torch.Tensor) -> dict:
+    """The norm kernels' quantized-output arguments: quant_out's tensors, checked, and its
+    group; stand-ins (QUANT off) without it."""
+    if quant_out is None:
+        return {"QY": out, "QS": out, "QUANT": False, "GROUP": 1}
+    qy, qs = quant_out
+    group = d // qs.shape[1]
+    assert qy.shape == (rows, d) and qy.is_contiguous() and qs.is_contiguous()
+    assert qs.shape == (rows, d // group) and d % group == 0 and group == _pow2(group)
+    assert _pow2(d) % group == 0
+    return {"QY": qy, "QS": qs, "QUANT": True, "GROUP": group}
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quant_out: Optional[QuantOut] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) of [R, D] rows (last dim contiguous) in one
-    launch; both contiguous."""
+    launch; both contiguous. quant_out: the norm's rows also quantized there per D / its
+    second dim columns (store_row_groups)."""
     rows, d = x.shape
     assert residual.shape == x.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
     assert weight.shape == (d,)
     total = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x.shape, dtype=torch.result_type(total, weight), device=x.device)
+    q = quant_args(quant_out, rows, d, out)
     if rows:
         block = _pow2(d)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, x.stride(0),
-                                      residual.stride(0), d, eps, BLOCK_D=block,
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, q["QY"], q["QS"],
+                                      x.stride(0), residual.stride(0), d, eps, BLOCK_D=block,
+                                      QUANT=q["QUANT"], GROUP=q["GROUP"],
                                       num_warps=max(1, min(8, block // 256)),
                                       **pdl_args(x.device))
     return out, total
 
 
 @triton.jit(do_not_specialize=["first_expert", "num_local"])
-def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, num_local, eps,
-                              TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, QY, QS, stride_x, D, first_expert,
+                              num_local, eps, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                              QUANT: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
     # row n: its TOP_K pair rows of Y summed in fp32 in k order, those of other ranks'
     # experts as zeros, rounded to Y's dtype (moe/fused_moe.topk_sum); plus X's row (rounded),
     # stored; its RMSNorm times W (add_rms_norm)
@@ -145,27 +185,31 @@ def _topk_add_rms_norm_kernel(Y, IDS, X, W, OUT, S, stride_x, D, first_expert, n
         acc += tl.where(mine, v, 0.0)
     y = acc.to(Y.dtype.element_ty).to(tl.float32)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
+    out = store_sum_and_norm(y + x, S, OUT, W, row, D, offs, mask, eps)
+    if QUANT:
+        store_row_groups(out, QY, QS, row, D, offs, mask, GROUP, BLOCK_D)
 
 
 def topk_add_rms_norm(y_PH: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_local: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      quant_out: Optional[QuantOut] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(y, residual) for y the top-k sum of y_PH [N * k, H] (contiguous: pair
     (n, j) at row n k + j; topk_ids [N, k] int32, the pairs of experts outside
     [first_expert, first_expert + num_local) counted as zeros): the sum's bits as
-    moe/fused_moe.topk_sum rounds it, in the norm's launch."""
+    moe/fused_moe.topk_sum rounds it, in the norm's launch (quant_out as add_rms_norm's)."""
     n, k = topk_ids.shape
     d = y_PH.shape[1]
     assert y_PH.shape == (n * k, d) and y_PH.is_contiguous() and topk_ids.is_contiguous()
     assert residual.shape == (n, d) and residual.stride(-1) == 1 and weight.shape == (d,)
     total = torch.empty(n, d, dtype=torch.result_type(y_PH, residual), device=y_PH.device)
     out = torch.empty(n, d, dtype=torch.result_type(total, weight), device=y_PH.device)
+    q = quant_args(quant_out, n, d, out)
     if n:
         block = _pow2(d)
-        _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, out, total,
-                                        residual.stride(0), d, first_expert, num_local, eps,
-                                        TOP_K=k, BLOCK_D=block,
+        _topk_add_rms_norm_kernel[(n,)](y_PH, topk_ids, residual, weight, out, total, q["QY"],
+                                        q["QS"], residual.stride(0), d, first_expert,
+                                        num_local, eps, TOP_K=k, BLOCK_D=block,
+                                        QUANT=q["QUANT"], GROUP=q["GROUP"],
                                         num_warps=max(1, min(8, block // 256)),
                                         **pdl_args(y_PH.device))
     return out, total
