@@ -233,19 +233,22 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, block_expert_ptr, block_rows_
                    ATOMIC_SUM)
 
 
-@triton.jit(do_not_specialize=["top_k", "first_expert", "num_local"])
-def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, hidden, top_k, first_expert, num_local,
-                     BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["first_expert", "num_local"])
+def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, hidden, first_expert, num_local,
+                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_gate(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < hidden
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(0, top_k):
-        local = tl.load(ids_ptr + n * top_k + k) - first_expert
+    for k in tl.static_range(TOP_K):
+        # unrolled, each pair's row loaded whatever its expert, so that no load waits for an
+        # id's (a loop of dependent loads costs a memory latency a pair); a pair of another
+        # rank's expert then adds 0, as the masked load's 0 did
+        v = tl.load(y_ptr + (n * TOP_K + k) * hidden + offs_h, mask=h_ok, other=0.0)
+        local = tl.load(ids_ptr + n * TOP_K + k) - first_expert
         mine = (local >= 0) & (local < num_local)  # -1 is never mine: first_expert >= 0
-        v = tl.load(y_ptr + (n * top_k + k) * hidden + offs_h, mask=h_ok & mine, other=0.0)
-        acc += v.to(tl.float32)
+        acc += tl.where(mine, v.to(tl.float32), 0.0)
     tl.store(out_ptr + n * hidden + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -344,7 +347,7 @@ def topk_sum(y_PH, topk_ids_NK, first_expert: int, num_local: int) -> torch.Tens
         return out
     block_h = min(1024, triton.next_power_of_2(hidden))
     _topk_sum_kernel[(n, triton.cdiv(hidden, block_h))](
-        y_PH, topk_ids_NK, out, hidden, k, first_expert, num_local, BLOCK_H=block_h,
+        y_PH, topk_ids_NK, out, hidden, first_expert, num_local, TOP_K=k, BLOCK_H=block_h,
         num_warps=4, **pdl_args(y_PH.device))
     return out
 
