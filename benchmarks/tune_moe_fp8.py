@@ -3,7 +3,8 @@ decode_moe_fp8.py) for 128 x 128 scale blocks, into the fp8_w8a8_128x128 tables.
 
 The search of tune_moe.py, narrowed to what the fp8 kernels take: BLOCK_K dividing the scale
 group (64 or 128), gate_up's BLOCK_N whole groups (128 or 256; the GEMV's also 16..64), no
-PAIRED; at BLOCK_M 64 and 128 also the warp-specialised kernels ("WS": fp8_ws.py's,
+PAIRED; up to BLOCK_M 32 also with "SWAP" (the weight the dot's M side); at BLOCK_M 64 and
+128 also the warp-specialised kernels ("WS": fp8_ws.py's,
 fp8_ws128.py's); per token count each BLOCK_M's gate_up and down candidates timed alone
 (tune_moe.do_bench: CUDA-graph replays, L2 flushed), HALF_TAIL kept where 1% faster, from
 ATOMIC_SUM_MIN_TOKENS the down's ATOMIC_SUM against its top-k sum pass, the BLOCK_M whose
@@ -37,9 +38,9 @@ GROUP = BLOCK[1]
 
 
 def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
-    """GEMM tiles by the fp8 rules whose fp32 accumulators fit 128 registers a thread, and at
-    BLOCK_M 64 fp8_ws.py's warp-specialised kernels (their fixed tiles, a K step and the
-    stages of a ring)."""
+    """GEMM tiles by the fp8 rules whose fp32 accumulators fit 128 registers a thread, up to
+    BLOCK_M 32 also those of a scale group a K step with SWAP, and at BLOCK_M 64 and 128 the
+    warp-specialised kernels (their fixed tiles, a K step and the stages of a ring)."""
     bns = (128, 256) if gemm == "gate_up" else (32, 64, 128, 256)
     accs = 2 if gemm == "gate_up" else 1
     tmas = [{"TMA": 0}] if block_m <= 32 else [{"TMA": 0}, {"TMA": 1}]
@@ -48,6 +49,8 @@ def candidates(block_m: int, gemm: str) -> list[dict[str, int]]:
               "num_stages": s, **tma}
              for bn, bk, w, s in itertools.product(bns, (64, 128), (4, 8), (3, 4))
              for tma in tmas if accs * block_m * bn <= 128 * 32 * w]
+    if block_m <= 32:  # the weight's rows the dot's M side: Hopper's wgmma on few rows
+        tiles += [{**t, "SWAP": 1} for t in tiles if t["BLOCK_K"] == GROUP]
     if block_m in (64, 128):  # fp8_ws.py's, fp8_ws128.py's (a scale group a stage)
         steps = ((64, 6), (128, 3), (128, 4)) if block_m == 64 else ((128, 3), (128, 4))
         tiles += [{"BLOCK_N": FP8_WS_BLOCK[1], "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,

@@ -225,6 +225,12 @@ cases = [
                         "down": gemm_cfg(32, 16, TMA=1)}),
     ((16, 16), "silu", {"BLOCK_M": 32, "gate_up": gemm_cfg(32, 16, TMA=1, HALF_TAIL=1),
                         "down": gemm_cfg(16, 16, HALF_TAIL=1, ATOMIC_SUM=1)}),
+    # SWAP: the weight's rows the dot's M side (with TMA weights, half tiles, atomics)
+    ((16, 16), "silu", {"BLOCK_M": 16, "gate_up": gemm_cfg(16, 16, SWAP=1),
+                        "down": gemm_cfg(32, 16, SWAP=1)}),
+    ((16, 32), "gelu", {"BLOCK_M": 32, "gate_up": gemm_cfg(32, 16, TMA=1, HALF_TAIL=1, SWAP=1),
+                        "down": gemm_cfg(16, 16, TMA=1, HALF_TAIL=1, ATOMIC_SUM=1,
+                                         SWAP=1)}),
     ((32, 16), "silu", {"decode": gemv}),
     ((16, 32), "gelu", {"decode": decode_cfg(32, up_n=64, up_k=2, down_n=2, down_k=4)}),
     ((16, 16), "silu", {"decode": decode_cfg(16, up_n=4, up_k=4, down_n=16, down_k=2)}),
@@ -686,7 +692,7 @@ def test_the_tuners_decode_candidates_obey_the_fp8_rules():
 
 def test_the_tuners_grouped_candidates_obey_the_fp8_rules():
     """tune-moe --fp8's grouped GEMM tiles load: the warp-specialised kernels' at BLOCK_M 64
-    and 128, for both GEMMs."""
+    and 128, SWAP's up to 32, for both GEMMs; SWAP is refused in a bf16 table and beside WS."""
     from benchmarks.tune_moe_fp8 import GROUP, candidates
 
     for bm in (16, 32, 64, 128):
@@ -695,5 +701,11 @@ def test_the_tuners_grouped_candidates_obey_the_fp8_rules():
             for t in tiles:
                 assert not configs.fp8_tile_problems(t, GROUP, gemm == "gate_up"), (bm, t)
             assert any(t.get("WS") for t in tiles) == (bm >= 64), (bm, gemm)
+            assert any(t.get("SWAP") for t in tiles) == (bm <= 32), (bm, gemm)
             configs.validate({"BLOCK_M": bm, "gate_up": candidates(bm, "gate_up")[-1],
                               "down": tiles[-1]}, "the tuner", GROUP)
+    swap = {**candidates(16, "down")[-1], "SWAP": 1}
+    assert configs.fp8_tile_problems({**swap, "WS": 1}, GROUP, False)
+    with pytest.raises(ValueError, match="SWAP in a bf16 table"):
+        configs.validate({"BLOCK_M": 16, "gate_up": candidates(16, "gate_up")[0], "down": swap},
+                         "a table")

@@ -29,7 +29,9 @@ FP8 weights (block-scaled W8A8, fused_moe_fp8.py) have tables of their own, keye
 BLOCK_N is a multiple of it (its epilogue quantizes whole groups); no "PAIRED"; "WS" in
 gate_up or down (the warp-specialised kernels on sm90: fp8_ws.py's at BLOCK_M 64, BLOCK_K 64
 or 128, fp8_ws128.py's at BLOCK_M 128, BLOCK_K 128; BLOCK_N 128, a scale group of 128, no
-HALF_TAIL; the Triton kernel elsewhere). Their
+HALF_TAIL; the Triton kernel elsewhere); "SWAP" in gate_up or down (the Triton kernels with
+the weight's rows the dot's M side and the block's rows its N side, so that blocks of 16 or
+32 rows take Hopper's wgmma, whose M side is 64 a warpgroup). Their
 "decode" entries run decode_moe_fp8.py's kernels, which quantize whole groups a K step: BLOCK_K
 a power-of-two multiple of the group (down's: the group), BLOCK_N a power of two; no
 PREFETCH. Their decode gate_up and down may set "MMA": 1 with a num_stages: the kernels whose
@@ -253,6 +255,8 @@ def fp8_tile_problems(cfg: dict[str, Any], group: int, whole_groups: bool,
         bad.append("sets PAIRED, which has no fp8 kernel")
     if cfg.get("WS"):
         bad += ws_tile_problems(cfg, group, decode)
+    if cfg.get("SWAP") and (decode or cfg.get("WS") or cfg.get("MMA")):
+        bad.append("sets SWAP, which only the Triton grouped GEMMs take")
     if decode and cfg.get("PREFETCH"):
         bad.append("sets PREFETCH, which has no fp8 kernel")
     return bad
@@ -350,6 +354,10 @@ def validate(cfg: dict[str, Any], where: str, group: Optional[int] = None) -> di
         raise ValueError(f"MoE tile config in {where} sets WS where it cannot run: the "
                          "warp-specialised kernel is down's, with BLOCK_M >= 64 (a wgmma "
                          "tile of 64 rows a warpgroup); drop it or re-run "
+                         "python -m benchmarks tune-moe")
+    if group is None and any(cfg[g].get("SWAP") for g in ("gate_up", "down")):
+        raise ValueError(f"MoE tile config in {where} sets SWAP in a bf16 table: only the fp8 "
+                         "grouped GEMMs put the weight on the dot's M side; drop it or re-run "
                          "python -m benchmarks tune-moe")
     if cfg["gate_up"].get("ATOMIC_SUM"):
         raise ValueError(f"MoE tile config in {where} sets ATOMIC_SUM for gate_up: only down "

@@ -48,7 +48,7 @@ def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, exp
                   pid_n, hidden, inter, top_k, stride_xs, stride_we, stride_wn, stride_hs,
                   stride_hg, ACT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, TMA: tl.constexpr):
+                  EVEN_K: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr):
     offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     token = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,8 +64,11 @@ def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, exp
     s_base = ws_ptr + expert.to(tl.int64) * stride_we
     gs_ptrs = s_base + (offs_n // GROUP_N) * stride_wn
     us_ptrs = s_base + ((inter + offs_n) // GROUP_N) * stride_wn
-    acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    # SWAP: the weight's rows the dot's M side and the block's rows its N side ([BLOCK_N, M]
+    # accumulators, transposed after the loop), so that a block of few rows still takes
+    # Hopper's warpgroup MMA, whose M side is at least 64
+    acc_g = tl.zeros((BLOCK_N, M) if SWAP else (M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, M) if SWAP else (M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         kb = k0 // GROUP_K
         a = _row_tile(a_ptrs, row_ok, hidden - k0, BLOCK_K, EVEN_K)
@@ -76,10 +79,17 @@ def _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, exp
         a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         g_s = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
         u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
-        acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        if SWAP:
+            acc_g += tl.dot(g.T, a.T) * g_s[:, None] * a_s[None, :]
+            acc_u += tl.dot(u.T, a.T) * u_s[:, None] * a_s[None, :]
+        else:
+            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    if SWAP:
+        acc_g = acc_g.T
+        acc_u = acc_u.T
     # columns past I hold act(0) * 0 = 0: they never raise a group's amax
     q, scale = quantize_rows(_act(acc_g, ACT) * acc_u, M, BLOCK_N, GROUP_K)
     row = (row0 + offs_m).to(tl.int64)
@@ -96,7 +106,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, b
                     stride_we, stride_wn, stride_hs, stride_hg, ACT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, PDL: tl.constexpr):
+                    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, SWAP: tl.constexpr,
+                    PDL: tl.constexpr):
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, inter, block_expert_ptr, block_rows_ptr,
                                           BLOCK_N, GROUP_M, PDL)
     if expert < 0:
@@ -105,12 +116,12 @@ def _gate_up_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, b
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
                       stride_wn, stride_hs, stride_hg, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                      GROUP_N, GROUP_K, EVEN_K, TMA)
+                      GROUP_N, GROUP_K, EVEN_K, TMA, SWAP)
     else:
         _gate_up_tile(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ptr, expert,
                       pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_xs, stride_we,
                       stride_wn, stride_hs, stride_hg, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N,
-                      GROUP_K, EVEN_K, TMA)
+                      GROUP_K, EVEN_K, TMA, SWAP)
 
 
 @triton.jit
@@ -118,7 +129,7 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
                rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg, stride_we, stride_wn,
                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, ATOMIC_SUM: tl.constexpr):
+               TMA: tl.constexpr, ATOMIC_SUM: tl.constexpr, SWAP: tl.constexpr):
     offs_m, row_ok, pair = _block_pairs(sorted_ptr, row0, rows, M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -132,7 +143,7 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
         b_ptrs = (w2_ptr + expert.to(tl.int64) * hidden * inter
                   + offs_n[None, :].to(tl.int64) * inter + offs_k[:, None])
     bs_ptrs = ws_ptr + expert.to(tl.int64) * stride_we + (offs_n // GROUP_N) * stride_wn
-    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, M) if SWAP else (M, BLOCK_N), dtype=tl.float32)  # as gate_up's
     for k0 in range(0, inter, BLOCK_K):
         kb = k0 // GROUP_K
         a = _row_tile(a_ptrs, row_ok, inter - k0, BLOCK_K, EVEN_K)
@@ -140,9 +151,14 @@ def _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_pt
                          BLOCK_N, BLOCK_K, TMA, EVEN_K)
         a_s = tl.load(as_ptrs + kb * stride_hg, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if SWAP:
+            acc += tl.dot(b.T, a.T) * b_s[:, None] * a_s[None, :]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP:
+        acc = acc.T
     _store_down(acc, y_ptr, topk_weights_ptr, pair, row_ok, offs_n, n_ok, hidden, top_k,
                 ATOMIC_SUM)
 
@@ -153,7 +169,8 @@ def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_
                  stride_hs, stride_hg, stride_we, stride_wn, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                 HALF_TAIL: tl.constexpr, ATOMIC_SUM: tl.constexpr, PDL: tl.constexpr):
+                 HALF_TAIL: tl.constexpr, ATOMIC_SUM: tl.constexpr, SWAP: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_m, pid_n, expert, rows = _tile_of(num_blocks, hidden, block_expert_ptr, block_rows_ptr,
                                           BLOCK_N, GROUP_M, PDL)
     if expert < 0:
@@ -162,12 +179,12 @@ def _down_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
                    pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
                    stride_we, stride_wn, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K,
-                   TMA, ATOMIC_SUM)
+                   TMA, ATOMIC_SUM, SWAP)
     else:
         _down_tile(h_ptr, hs_ptr, w2_ptr, ws_ptr, y_ptr, sorted_ptr, topk_weights_ptr, expert,
                    pid_m * BLOCK_M, rows, pid_n, hidden, inter, top_k, stride_hs, stride_hg,
                    stride_we, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, EVEN_K,
-                   TMA, ATOMIC_SUM)
+                   TMA, ATOMIC_SUM, SWAP)
 
 
 def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any],
@@ -197,7 +214,8 @@ def gate_up(xq, xs, w13, w13_s, blocks, top_k: int, act: str, cfg: dict[str, Any
                           cfg["GROUP_M"], xs.stride(0), w13_s.stride(0), w13_s.stride(1),
                           hs.stride(0), hs.stride(1), ACT=ACT_CODES[act], GROUP_N=block[0],
                           GROUP_K=group, EVEN_K=hidden % cfg["BLOCK_K"] == 0, TMA=tma,
-                          **_launch_opts(cfg, blocks.block_m), **pdl_args(xq.device))
+                          SWAP=bool(cfg.get("SWAP")), **_launch_opts(cfg, blocks.block_m),
+                          **pdl_args(xq.device))
     return h, hs
 
 
@@ -222,7 +240,8 @@ def down(h, hs, w2, w2_s, blocks, topk_weights_P: torch.Tensor, dst: torch.Tenso
                        top_k, cfg["GROUP_M"], hs.stride(0), hs.stride(1), w2_s.stride(0),
                        w2_s.stride(1), GROUP_N=block[0], GROUP_K=block[1],
                        EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, ATOMIC_SUM=atomic,
-                       **_launch_opts(cfg, blocks.block_m), **pdl_args(h.device))
+                       SWAP=bool(cfg.get("SWAP")), **_launch_opts(cfg, blocks.block_m),
+                       **pdl_args(h.device))
     return dst
 
 
