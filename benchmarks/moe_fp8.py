@@ -22,8 +22,9 @@ BLOCK = (128, 128)
 METHOD = """\
 Layer = router + routed experts (tp = 1; DeepSeek-V2-Lite's shared experts left out of every
 column), the experts' weights random bf16, quantized per 128 x 128 block for the FP8 column
-(the triton runner's W8A8 kernels: the rows quantized once per token per 128 columns, gate_up
-writing its output in fp8 with its group scales). FP8 bytes = experts touched (counted from the
+(the triton runner's W8A8 kernels: the rows quantized once per token per 128 columns, in the
+router's top-k launch where the engine's layer does so, gate_up writing its output in fp8 with
+its group scales). FP8 bytes = experts touched (counted from the
 actual routing) x 3 H I x 1 + their float32 block scales; FLOPs = 2 N K 3 H I. FP8 floor =
 max(FP8 bytes / copy bandwidth, FLOPs / FP8 GEMM rate), both measured in the same run (the FP8
 rate: torch._scaled_mm 8192^3 with per-tensor scales). Every time is a CUDA-graph replay of R
@@ -56,8 +57,13 @@ class Fp8Layer:
         self.router = router
 
     def __call__(self, x_NH: torch.Tensor) -> torch.Tensor:
-        ids, w = self.router(x_NH)
-        return self.experts(x_NH, ids, w)
+        """As MoELayer.forward on one rank: the router's top-k launch quantizes the rows
+        where it can (the experts then take them quantized), else the experts do."""
+        n, h = x_NH.shape
+        q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x_NH.device)
+        s = torch.empty(n, -(-h // BLOCK[1]), dtype=torch.float32, device=x_NH.device)
+        ids, w, quantized = self.router.route(x_NH, None, (BLOCK[1], q, s))
+        return self.experts(q, ids, w, s) if quantized else self.experts(x_NH, ids, w)
 
 
 def bench_model(name: str, tokens: list[int], ceil: Ceilings) -> list[dict]:
