@@ -462,7 +462,7 @@ REAL = {"qwen3-30b-a3b": dict(e=128, k=8, h=2048, i=768),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(REAL))
-@pytest.mark.parametrize("n", [1, 2, 16, 64, 512, 8192])
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 256, 512, 8192])
 def test_fp8_runner_matches_the_reference_at_real_shapes_on_gpu(name, n):
     from test_moe_triton import make_spec, rel_err, routing
 
