@@ -123,11 +123,17 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, d: int = 200) -> None:
 def check_quantized_norm(norm_fn) -> None:
     """norm_fn(quant_out) -> (out, total): with quant_out (fp8 [R, D] and float32 [R, D / G],
     G = 64 and 32 here) the launch also stores quantize_groups' codes and scales of its out,
-    bit for bit, and the same out and total as without it."""
+    bit for bit, and the same out and total as without it; float32 rows are refused."""
     from moeserve.kernels.fp8.gemm import quantize_groups
 
     out0, total0 = norm_fn(None)
     rows, d = out0.shape
+    if out0.dtype == torch.float32:
+        q = (torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=out0.device),
+             torch.empty(rows, d // 64, dtype=torch.float32, device=out0.device))
+        with pytest.raises(ValueError, match="16-bit rows only"):
+            norm_fn(q)
+        return
     for group in (64, 32):
         q = (torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=out0.device),
              torch.empty(rows, d // group, dtype=torch.float32, device=out0.device))

@@ -132,9 +132,14 @@ QuantOut = tuple[torch.Tensor, torch.Tensor]  # fp8 [R, D] and float32 [R, D / g
 
 def quant_args(quant_out: Optional[QuantOut], rows: int, d: int, out: torch.Tensor) -> dict:
     """The norm kernels' quantized-output arguments: quant_out's tensors, checked, and its
-    group; stand-ins (QUANT off) without it."""
+    group (16-bit rows only); stand-ins (QUANT off) without it."""
     if quant_out is None:
         return {"QY": out, "QS": out, "QUANT": False, "GROUP": 1}
+    if out.element_size() != 2:
+        # compiled with the quantizer, a float32 row's sum of squares came out an ulp apart
+        # from the launch without it (H200): the norm's rows must be the same either way
+        raise ValueError(f"the norm quantizes 16-bit rows only, not {out.dtype}: quantize "
+                         "them with quantize_groups")
     qy, qs = quant_out
     group = d // qs.shape[1]
     assert qy.shape == (rows, d) and qy.is_contiguous() and qs.is_contiguous()
