@@ -621,8 +621,8 @@ def test_fp8_runner_replays_in_a_cuda_graph(n):
 def test_fp8_engine_with_triton_experts_gives_the_reference_tokens(tmp_path):
     """A small Qwen3-MoE whose projections hold whole 128 x 128 blocks, quantized at load,
     decode graphs and the triton runner against the reference runner (eager): the same greedy
-    tokens (float32 model; the two differ only in the order of float32 sums). The prompts
-    keep at most 24 rows an expert: past that the Hopper defaults take the warp-specialised
+    tokens (float32 model; the two differ only in the order of float32 sums). The prompts,
+    prefilled together, keep at most 24 rows an expert: past that the Hopper defaults take the warp-specialised
     GEMMs, whose float32 sums in another order round some of h's fp8 codes the other way
     (H200, this shape at 130 rows: 2.7e-3 from the reference against 3.7e-7 for the Triton
     kernels), which changes this random model's greedy tokens; check_ws_gemms holds those
@@ -639,7 +639,7 @@ def test_fp8_engine_with_triton_experts_gives_the_reference_tokens(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(m)] for m in (1, 7, 40, 90)]
+    prompts = [[rng.randrange(512) for _ in range(m)] for m in (1, 7, 30, 50)]
     params = [{"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}] * len(prompts)
     flags = dict(load_format="dummy", dtype="float32", device="cuda", quantization="fp8",
                  skip_tokenizer_init=True, max_running_requests=8, max_total_tokens=2048,

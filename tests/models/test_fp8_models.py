@@ -251,7 +251,8 @@ def test_fp8_decode_takes_inputs_quantized_by_the_kernels_before_on_gpu(tmp_path
     """On a GPU a decode step's fp8 projections take their inputs quantized by the kernels
     that made them, with no quantizer launch: qkv_proj's by the input norm, o_proj's by a
     split decode's combine. The decode steps' logits equal, bit for bit, those of the same
-    steps with the quantizer's launches, and both fused paths were taken."""
+    steps with the quantizer's launches, and both fused paths were taken (a bf16 model: the
+    norm quantizes 16-bit rows)."""
     from moeserve.layers import pending
     from moeserve.layers.attention import PagedAttention
     from moeserve.models.decoder import DecoderLayer
@@ -276,7 +277,8 @@ def test_fp8_decode_takes_inputs_quantized_by_the_kernels_before_on_gpu(tmp_path
         if not fused:
             monkeypatch.setattr(DecoderLayer, "_input_quant", lambda self, r: None)
         state = single_process_state(device="cuda")
-        model, plan = load_tiny(tiny_config(fp8_dir, attention_backend="triton"), state)
+        model, plan = load_tiny(tiny_config(fp8_dir, attention_backend="triton",
+                                            dtype="bfloat16"), state)
         runner = TinyRunner(model, state, plan)
         runner.forward(ForwardMode.EXTEND, PROMPTS, range(len(PROMPTS)))
         return [runner.forward(ForwardMode.DECODE, [[t] for t in toks], range(len(PROMPTS)))
