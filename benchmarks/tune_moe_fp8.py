@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from moeserve.kernels.moe.configs import FP8_WS_BLOCK
+from moeserve.kernels.moe.configs import FP8_WS_BLOCK, rows_per_expert
 from benchmarks.tune_moe import (ATOMIC_SUM_MIN_TOKENS, DECODE_MAX_TOKENS, DEVICE, a_or_b,
                                  best_in_graph, best_of, block_ms, graph_us, routed,
                                  with_half_tail)
@@ -112,7 +112,7 @@ def tune_size(n: int, k: int, w: tuple[torch.Tensor, ...], ep: int = 1) -> dict:
             return topk_sum(y, ids, 0, e)
         return run
 
-    per_expert = mine / min(e, mine)
+    per_expert = rows_per_expert(mine, 1, e)  # of this rank's pairs
     # BLOCK_M 64 at every size past the decode path's: where the bf16 rule takes 128 alone
     # (the fp8 gate_up's two accumulators at 128 rows fit only [128, 128] tiles with 8 warps),
     # and where few rows share an expert, since fp8_ws.py's kernels stream the weights faster

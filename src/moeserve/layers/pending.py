@@ -83,11 +83,10 @@ def add_norm_quantized(norm, x: Union[torch.Tensor, Pending], residual: torch.Te
     """add_norm's (norm(x + residual), x + residual), plus whether its launch also quantized
     the norm's rows into quant_out (fp8 [R, D] and float32 [R, D / group]: quantize_groups'
     codes and scales, for an fp8 projection to take as they are): the GPU's add + norm
-    launches do, of a tensor or a TopkRows sum, in 16-bit rows (fused.quant_args); elsewhere
-    add_norm alone."""
+    launches do, of a tensor or a TopkRows sum, in 16-bit rows (fused.quant_args refuses
+    others); elsewhere add_norm alone."""
     ops = K.elementwise(residual.device)
-    if (ops is not None and residual.dim() == 2 and residual.stride(-1) == 1
-            and torch.result_type(residual, norm.weight).itemsize == 2):
+    if ops is not None and residual.dim() == 2 and residual.stride(-1) == 1:
         if isinstance(x, TopkRows):
             return (*ops.topk_add_rms_norm(x.rows, x.topk_ids, x.first_expert, x.num_local,
                                            residual, norm.weight, norm.eps, quant_out), True)

@@ -26,6 +26,7 @@ from torch import nn
 from moeserve.kernels import ops as K
 from moeserve.layers.attention import AttentionBackend, PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.kernels.fp8.reference import empty_groups
 from moeserve.kernels.fp8.tiles import DECODE_GEMM_ROWS
 from moeserve.layers.linear import QKVParallelLinear, RowParallelLinear, input_group
 from moeserve.layers.norm import RMSNorm, ShardedRMSNorm
@@ -126,8 +127,7 @@ class DecoderAttention(nn.Module):
         # fp8 o_proj: its input quantized by the attention's own kernels where they can
         group, quant = input_group(self.o_proj), None
         if group is not None and self.attn.quantizes_output(q_TND, fb, group):
-            quant = (torch.empty(t, n * d, dtype=torch.float8_e4m3fn, device=q_TND.device),
-                     torch.empty(t, n * d // group, dtype=torch.float32, device=q_TND.device))
+            quant = empty_groups(t, n * d, group, q_TND.device)
         o_TND = self.attn(q_TND, k_TKD, v_TKD, fb, kv_stored=kv_write is not None,
                           quant_out=quant)
         return self.o_proj(o_TND.reshape(t, n * d), x_quant=quant)
@@ -234,15 +234,15 @@ class DecoderLayer(nn.Module):
     def _input_quant(self, residual: torch.Tensor
                      ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Where the input norm's GPU launch may also quantize h for an fp8 qkv_proj (the
-        attention's input_group; decode-sized steps, whose projections run the block GEMM):
-        fp8 [T, H] and float32 [T, H / group] for it; else None."""
+        attention's input_group; decode-sized steps, whose projections run the block GEMM;
+        16-bit rows, fused.quant_args): fp8 [T, H] and float32 [T, H / group] for it; else
+        None."""
         group = getattr(self.self_attn, "input_group", lambda: None)()
         t, hidden = residual.shape[0], residual.shape[-1]
         if (group is None or residual.device.type != "cuda" or not 0 < t < DECODE_GEMM_ROWS
-                or hidden % group):
+                or hidden % group or residual.element_size() != 2):
             return None
-        return (torch.empty(t, hidden, dtype=torch.float8_e4m3fn, device=residual.device),
-                torch.empty(t, hidden // group, dtype=torch.float32, device=residual.device))
+        return empty_groups(t, hidden, group, residual.device)
 
 
 # config.json's `architectures` name -> the model class (models/build.py imports them all)

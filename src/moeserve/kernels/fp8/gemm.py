@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8.reference import empty_groups
 from moeserve.kernels.fp8.tiles import (MAX_SPLIT_TILES, MIN_GPU_BLOCK_K, GemmTiles,
                                         SplitWorkspace, gemm_tiles, tile_warps)
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
@@ -117,8 +118,7 @@ def quantize_groups(x_TK: torch.Tensor, group: int,
     t, k = x_TK.shape
     groups = triton.cdiv(k, group)
     if out is None:
-        q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
-        s = torch.empty(t, groups, dtype=torch.float32, device=x_TK.device)
+        q, s = empty_groups(t, k, group, x_TK.device)
     else:
         q, s = out
         assert q.shape == (t, k) and s.shape == (t, groups) and q.stride(-1) == 1

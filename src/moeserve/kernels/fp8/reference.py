@@ -91,6 +91,14 @@ def groups(k: int, group: int) -> int:
     return math.ceil(k / group)
 
 
+def empty_groups(rows: int, k: int, group: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for [rows, k] quantized per `group` columns: fp8 codes [rows, k] and float32
+    scales [rows, groups(k, group)], what quantize_groups writes."""
+    return (torch.empty(rows, k, dtype=FP8, device=device),
+            torch.empty(rows, groups(k, group), dtype=torch.float32, device=device))
+
+
 def fp8_linear(x_TK: torch.Tensor, w_NK: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int], bias: Optional[torch.Tensor] = None,
                x_scale: Optional[torch.Tensor] = None,
