@@ -162,6 +162,30 @@ for q in range(P):
     assert torch.equal(got[fill], y[q * R: q * R + R][fill]) and (got[~fill] == 0).all()
     assert (backs[q][: rank * R] == 0).all() and (backs[q][rank * R + R:] == 0).all()
 
+# the push of the slots' top-k sums from their pair rows (float32: the interpreter rounds bf16
+# its own way): this rank's ids in its window (others -1, some slots empty), each filled
+# slot's sum in k order to its source, this rank's own into `own`; nothing else is written
+first = rank * PER
+win_ids = torch.randint(-1, P * PER, (n, K), dtype=torch.int32)
+win_ids = torch.where((win_ids >= first) & (win_ids < first + PER), win_ids, -1)
+win_ids[::3] = -1  # empty slots
+pairs = torch.randn(n * K, H)
+backs2, own = [torch.zeros(n, H) for _ in range(P)], torch.zeros(n, H)
+E.push_back_sums(pairs, win_ids, first, PER, own, torch.tensor([b.data_ptr() for b in backs2]),
+                 rank, P)
+sums = torch.zeros(n, H)
+for j in range(K):  # topk_sum's order
+    sums = sums + torch.where((win_ids[:, j:j + 1] >= 0), pairs.view(n, K, H)[:, j], 0.0)
+fill = (win_ids >= 0).any(dim=1)
+for q in range(P):
+    block = slice(q * R, q * R + R)
+    to = own[block] if q == rank else backs2[q][rank * R: rank * R + R]
+    assert torch.equal(to[fill[block]], sums[block][fill[block]]), q
+    assert (to[~fill[block]] == 0).all()
+    rest = torch.cat([backs2[q][: rank * R], backs2[q][rank * R + R:]])
+    assert (rest == 0).all() and (q != rank or (backs2[q] == 0).all())
+assert (own[: rank * R] == 0).all() and (own[rank * R + R:] == 0).all()
+
 # the interpreter rounds bf16 stores its own way: compare the fp32 sums
 back = torch.randn(n, H, dtype=torch.bfloat16)
 out_a, out_b = torch.empty(M, H), torch.empty(M, H)

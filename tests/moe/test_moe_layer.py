@@ -228,6 +228,31 @@ def test_wrong_components_are_refused_with_the_flag():
         create_dispatcher(spec, a2a_state, a2a_plan, name="local")
 
 
+@pytest.mark.parametrize("kind", list(HF_CLASSES))
+def test_layer_leaves_the_top_k_sum_to_a_combine_that_sums_it(kind, monkeypatch):
+    """Where the dispatcher's combine takes the experts' unsummed pair rows (sums_topk_rows:
+    nvlink, whose push sums them), the layer lets its experts leave the top-k sum, whatever
+    its caller's pending_ok; never with shared experts, which add to the summed rows; and
+    the layer's output is the same."""
+    spec, plan, state = _single(kind)
+    layer = MoELayer(spec, state, plan)
+    load(layer, full_weights(spec, seed=43))
+    seen = []
+    forward = layer.experts.forward
+
+    def spy(*args, pending_ok=False):
+        seen.append(pending_ok)
+        return forward(*args, pending_ok=pending_ok)
+
+    monkeypatch.setattr(layer.experts, "forward", spy)
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    want = layer(x, exchange_step(5, state, plan))
+    monkeypatch.setattr(type(layer.dispatcher), "sums_topk_rows", True)
+    got = layer(x, exchange_step(5, state, plan))
+    assert seen == [False, not spec.num_shared_experts]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(HF_CLASSES))
 @pytest.mark.parametrize("n", [1, 3, 29])

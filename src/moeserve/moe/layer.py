@@ -101,8 +101,10 @@ class MoELayer(nn.Module):
         if x_scale is not None and self.experts.quant is None:  # kept unquantized
             x_NH = fp8.dequantize_groups(x_NH, x_scale, self.dispatcher.scale_group, x_MH.dtype)
             x_scale = None
-        topk_rows_ok = (pending_ok and self.shared_expert is None
-                        and self.dispatcher.combine_passes)
+        # the experts may leave their top-k sum to the norm after the block (through a
+        # combine that passes their output back) or to a combine that does it itself
+        topk_rows_ok = self.shared_expert is None and (
+            (pending_ok and self.dispatcher.combine_passes) or self.dispatcher.sums_topk_rows)
         y_NH = self.experts(x_NH, tokens.topk_ids_NK, tokens.topk_weights_NK, x_scale,
                             pending_ok=topk_rows_ok)
         if self.shared_on_dispatched:

@@ -260,17 +260,39 @@ def push_rows(x_MH: torch.Tensor, ids_MK: torch.Tensor, weights_MK: torch.Tensor
 
 
 @triton.jit
-def _push_back_kernel(Y, IDS, PEERS, rank, R, H, stride_y, P: tl.constexpr,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _push_back_kernel(Y, IDS, PEERS, OWN, rank, R, H, stride_y, first_expert, num_local,
+                      P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                      SUM_K: tl.constexpr):
     pid = tl.program_id(0)  # destinations fastest, as in push_rows
     p = pid % P
     s = pid // P
     row = p * R + s
     ks = tl.arange(0, KP)
     ids = tl.load(IDS + row * K + ks, mask=ks < K, other=-1)
-    # a filled slot (some id here is this rank's) of another rank: this rank's own results
-    # stay where they are, sum_back reads them from Y
-    if (tl.max(ids, axis=0) >= 0) & (p != rank):
+    filled = tl.max(ids, axis=0) >= 0  # some id here is this rank's
+    if SUM_K:
+        # Y holds the slots' pair rows [P R K, H]: each filled slot's top-k sum (topk_sum's
+        # bits: in fp32 in k order, other ranks' pairs as 0, rounded once), another rank's
+        # into its combine window, this rank's own into OWN, where sum_back reads them
+        if filled:
+            at = (rank * R + s).to(tl.int64) * H
+            if p == rank:
+                dst = OWN + row.to(tl.int64) * H
+            else:
+                dst = tl.cast(tl.load(PEERS + p), tl.pointer_type(OWN.dtype.element_ty)) + at
+            for c in range(0, H, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                for k in tl.static_range(K):
+                    v = tl.load(Y + (row * K + k).to(tl.int64) * stride_y + offs,
+                                mask=offs < H, other=0.0)
+                    local = tl.load(IDS + row * K + k) - first_expert
+                    mine = (local >= 0) & (local < num_local)
+                    acc += tl.where(mine, v.to(tl.float32), 0.0)
+                tl.store(dst + offs, acc.to(OWN.dtype.element_ty), mask=offs < H)
+    elif filled & (p != rank):
+        # another rank's slot: this rank's own results stay where they are, sum_back reads
+        # them from Y
         window = tl.load(PEERS + p)
         dst = tl.cast(window, tl.pointer_type(Y.dtype.element_ty)) + (rank * R + s).to(
             tl.int64) * H
@@ -289,8 +311,29 @@ def push_back(y_NH: torch.Tensor, ids_NK: torch.Tensor, peer_ptrs: torch.Tensor,
     if n == 0:
         return
     assert n % peers == 0 and ids_NK.is_contiguous() and y_NH.stride(1) == 1
-    _push_back_kernel[(n,)](y_NH, ids_NK, peer_ptrs, rank, n // peers, h, y_NH.stride(0),
-                            P=peers, K=k, KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)))
+    _push_back_kernel[(n,)](y_NH, ids_NK, peer_ptrs, y_NH, rank, n // peers, h, y_NH.stride(0),
+                            0, 0, P=peers, K=k, KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)),
+                            SUM_K=False)
+
+
+def push_back_sums(rows_PH: torch.Tensor, ids_NK: torch.Tensor, first_expert: int,
+                   num_local: int, own_NH: torch.Tensor, peer_ptrs: torch.Tensor, rank: int,
+                   peers: int) -> None:
+    """push_back of the slots' top-k sums, taken in the same launch from their pair rows
+    (rows_PH [P R K, H], pair (n, k) at row n K + k; a pair whose expert is outside
+    [first_expert, first_expert + num_local) counts as 0, as fused_moe.topk_sum sums them):
+    another rank's filled slots into [rank, slot] of its combine window, this rank's own
+    into their rows of own_NH [P R, H] (sum_back's y_NH); no [P R, H] sum is written
+    first."""
+    n, k = ids_NK.shape
+    h = own_NH.shape[1]
+    if n == 0:
+        return
+    assert n % peers == 0 and ids_NK.is_contiguous() and own_NH.is_contiguous()
+    assert rows_PH.shape == (n * k, h) and rows_PH.stride(1) == 1 and own_NH.shape[0] == n
+    _push_back_kernel[(n,)](rows_PH, ids_NK, peer_ptrs, own_NH, rank, n // peers, h,
+                            rows_PH.stride(0), first_expert, num_local, P=peers, K=k,
+                            KP=_pow2(k), BLOCK=min(COPY_BLOCK, _pow2(h)), SUM_K=True)
 
 
 @triton.jit

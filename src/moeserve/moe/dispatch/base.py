@@ -52,6 +52,9 @@ class Dispatcher(ABC):
     # True when dispatch hands the experts the caller's rows themselves (x_NH is x_MH)
     passes_rows: ClassVar[bool] = False
     combine_passes: ClassVar[bool] = False  # combine hands the experts' output back as it is
+    # True when combine also takes the experts' unsummed pair rows (a TopkRows, whatever the
+    # caller's pending_ok) and does their top-k sum in a launch of its own
+    sums_topk_rows: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, state: ParallelState, plan: CapacityPlan,
                  dtype: torch.dtype) -> None:
@@ -79,7 +82,7 @@ class Dispatcher(ABC):
         pending_ok: the caller also takes a Pending sum (layers/pending.py) for the norm
         after the block: a dispatcher whose combine ends in an all-reduce may return an
         Unreduced, one that passes y_NH back as it is (combine_passes) passes a TopkRows;
-        the others return the rows."""
+        the others return the rows. y_NH may be a TopkRows where sums_topk_rows."""
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("MoE dispatcher")

@@ -14,7 +14,9 @@ destination, in row order (for a decode step's few rows, dispatch_small does it 
 launch as the stores); push_rows stores each row once into each rank that owns one of its
 experts, with its ids masked to that rank's experts, and -1 ids into the slots nobody fills;
 a barrier. The expert runner reads the recv window in place. Combine: push_back stores each
-filled slot's result into [this rank, slot] of its source's combine window; a barrier;
+filled slot's result into [this rank, slot] of its source's combine window (push_back_sums:
+the slot's top-k sum, taken in the same launch from the experts' unsummed pair rows, where
+the runner leaves them); a barrier;
 sum_back adds a row's results in fp32 in rank order (the same bits on every run), its own
 rank's read from the expert outputs, which never travel.
 
@@ -30,7 +32,7 @@ tests run this dispatcher's layout, slots and sums against the reference dispatc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -38,6 +40,7 @@ from moeserve.batch.buffers import ModelBuffers, PeerExchangeBuffers
 from moeserve.batch.step import StepContext
 from moeserve.kernels.moe import exchange_torch
 from moeserve.kernels.moe.configs import route_blocks
+from moeserve.layers.pending import TopkRows
 from moeserve.moe.dispatch.base import DISPATCHERS, DispatchedTokens, ExchangeDispatcher
 from moeserve.parallel.collectives import all_to_all_fixed, region
 from moeserve.parallel.symmetric import PeerWindow, unreachable_peers
@@ -54,6 +57,7 @@ class PeerHandle:
 @DISPATCHERS.register("nvlink")
 class NVLinkDispatcher(ExchangeDispatcher):
     marker = "a2a.combine"
+    sums_topk_rows = True  # push_back_sums: no top-k sum launch before the exchange
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -151,22 +155,35 @@ class NVLinkDispatcher(ExchangeDispatcher):
         return tokens, PeerHandle(num_tokens=m, capacity=r, slots_MP=slots_MP,
                                   ids_NK=recv_ids_NK)
 
-    def combine(self, y_NH: torch.Tensor, handle: PeerHandle,
+    def combine(self, y_NH: Union[torch.Tensor, TopkRows], handle: PeerHandle,
                 pending_ok: bool = False) -> torch.Tensor:
+        """y_NH: the experts' slot rows [P R, H], or their unsummed pair rows (TopkRows),
+        whose top-k sums the push's launch takes on a GPU (exchange.push_back_sums)."""
         assert self.buffers is not None
         p, r, m = self.axis.size, handle.capacity, handle.num_tokens
-        assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
-        out_MH = y_NH.new_empty(m, self.hidden)
+        rows = y_NH if isinstance(y_NH, TopkRows) else None
+        if rows is not None and self.combine_window is None:
+            y_NH, rows = rows.settle(), None  # the emulated peers take the summed rows
+        if rows is None:
+            assert y_NH.shape == (p * r, self.hidden) and y_NH.dtype == self.dtype
+        dtype = self.dtype
+        out_MH = torch.empty(m, self.hidden, dtype=dtype, device=self.buffers.combine.device)
         if r == 0:
             return out_MH
-        back_NH = region(self.buffers.combine, (p * r, self.hidden), self.dtype)
+        back_NH = region(self.buffers.combine, (p * r, self.hidden), dtype)
         if self.combine_window is not None:
             from moeserve.kernels.moe import exchange
 
-            exchange.push_back(y_NH, handle.ids_NK, self.combine_window.peer_ptrs,
-                               self.axis.rank, p)
+            peers, rank = self.combine_window.peer_ptrs, self.axis.rank
+            if rows is not None:  # this rank's own sums land in y_NH for sum_back
+                assert rows.rows.shape[0] == p * r * self.top_k and rows.rows.dtype == dtype
+                y_NH = torch.empty(p * r, self.hidden, dtype=dtype, device=back_NH.device)
+                exchange.push_back_sums(rows.rows, rows.topk_ids, rows.first_expert,
+                                        rows.num_local, y_NH, peers, rank, p)
+            else:
+                exchange.push_back(y_NH, handle.ids_NK, peers, rank, p)
             self.combine_window.barrier()
-            exchange.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, self.axis.rank)
+            exchange.sum_back(back_NH, y_NH, handle.slots_MP, out_MH, rank)
         else:
             all_to_all_fixed(back_NH.view(p, r, self.hidden),
                              y_NH.contiguous().view(p, r, self.hidden), self.axis)
