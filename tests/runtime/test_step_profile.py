@@ -1,16 +1,19 @@
 """MOESERVE_PROFILE_DIR: every rank writes the host phases of its loop per kind of iteration,
-with MOESERVE_PROFILE_KERNELS the ops of a window of forwards, with MOESERVE_PROFILE_STACKS
+with MOESERVE_PROFILE_KERNELS the ops of a window of forwards (MOESERVE_PROFILE_TRACE: and
+their timeline), with MOESERVE_PROFILE_STACKS
 its loop's sampled stacks per phase; off, the loop writes nothing."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
 from moeserve.runtime.engine import Engine, EngineError
 from moeserve.runtime.host_stacks import HostStacks
-from moeserve.runtime.step_profile import DIR_ENV, KERNELS_ENV, STACKS_ENV, StepProfile
+from moeserve.runtime.step_profile import (DIR_ENV, KERNELS_ENV, STACKS_ENV, TRACE_ENV,
+                                          StepProfile)
 
 FLAGS = dict(load_format="dummy", device="cpu", skip_tokenizer_init=True, max_total_tokens=2048,
              context_length=128, max_running_requests=8, cpu_threads_per_rank=1)
@@ -25,6 +28,7 @@ PROMPTS = [[3, 17, 42, 5], [60, 2, 9], [11, 12, 13, 14, 15]]
 def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeypatch):
     monkeypatch.setenv(DIR_ENV, str(tmp_path))
     monkeypatch.setenv(KERNELS_ENV, "2:3")
+    monkeypatch.setenv(TRACE_ENV, "1")
     with Engine("preset:tiny", **FLAGS, **layout) as e:
         out = e.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     assert all(o["error"] is None for o in out)
@@ -46,6 +50,10 @@ def test_each_rank_writes_its_phases_and_kernel_window(layout, tmp_path, monkeyp
         assert kernels[0].startswith(f"rank {r}: 3 forwards (")
         assert "; host (no GPU) time per forward" in kernels[0]
         assert len(kernels) > 3  # the ops of the window, most expensive first
+        with gzip.open(tmp_path / f"rank{r}_trace.json.gz", "rt") as f:  # the window's timeline
+            events = json.load(f)["traceEvents"]
+        assert any(ev.get("ph") == "X" for ev in events)
+        assert not (tmp_path / f"rank{r}_trace.json").exists()
     assert not list(tmp_path.glob(f"rank{ranks}_*"))
 
 

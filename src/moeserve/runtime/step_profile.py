@@ -14,6 +14,9 @@ Off unless the environment names a folder (the worker processes inherit it):
     MOESERVE_PROFILE_STACKS=1            # the loop thread's Python stack sampled every 1 ms:
                                          # rank{r}_stacks.txt, per phase its most common
                                          # stacks (runtime/host_stacks.py)
+    MOESERVE_PROFILE_TRACE=1             # with a kernel window: also its timeline,
+                                         # rank{r}_trace.json.gz (Chrome trace format:
+                                         # chrome://tracing or ui.perfetto.dev)
 
 or, with the folder set, Engine.profile_kernels(count, skip) at any time: every rank profiles
 the same window, `count` forwards after the next `skip` (tools take a window of a pass that
@@ -30,9 +33,11 @@ one whose waits are near zero by the host.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import statistics
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +48,7 @@ from moeserve.runtime.host_stacks import HostStacks
 DIR_ENV = "MOESERVE_PROFILE_DIR"
 KERNELS_ENV = "MOESERVE_PROFILE_KERNELS"
 STACKS_ENV = "MOESERVE_PROFILE_STACKS"
+TRACE_ENV = "MOESERVE_PROFILE_TRACE"
 
 
 class StepProfile:
@@ -140,6 +146,8 @@ class StepProfile:
     def _write_kernels(self) -> None:
         prof, self.torch_profiler = self.torch_profiler, None
         prof.__exit__(None, None, None)
+        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):
+            self._write_trace(prof)
         steps = max(1, self.window_steps)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.window_kinds.items()))
         head = f"rank {self.rank}: {steps} forwards ({kinds}); "
@@ -153,6 +161,13 @@ class StepProfile:
                      "(self times summed)", f"{'us/forward':>11} {'calls/forward':>13}  name"]
             lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]
         (self.folder / f"rank{self.rank}_kernels.txt").write_text("\n".join(lines) + "\n")
+
+    def _write_trace(self, prof: Any) -> None:
+        plain = self.folder / f"rank{self.rank}_trace.json"
+        prof.export_chrome_trace(str(plain))
+        with plain.open("rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        plain.unlink()
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
