@@ -9,8 +9,7 @@ Legend: N rows, K top-k, P = N K pairs, E local experts, H hidden, I intermediat
               experts together; the top-k sum happens in fp32 registers, then one rounding;
               no atomics, no [P, H] buffer, no separate pass
 
-Pairs of other ranks and ids of -1 read nothing; down stores zeros for a row without a pair
-of this rank's at once (the exchange's unfilled slots, padding rows). Each pair streams its expert's weights once,
+Pairs of other ranks and ids of -1 read nothing. Each pair streams its expert's weights once,
 so two pairs of one expert read it twice: the path wins when the pairs of a step rarely share
 an expert (one row never does: a row's top-k ids are distinct), and loses to the aligned
 grouped GEMMs of fused_moe.py once they often do. kernels/configs.py chooses between them
@@ -147,13 +146,6 @@ def _down_product(acc, w, h, weight):
     return acc + w.to(tl.float32) * hw[:, None, :]
 
 
-@triton.jit
-def _zero_row(out_ptrs, n_ok):
-    """A row none of whose pairs is this rank's (a slot of the exchange nobody filled, a
-    padding row): its zeros, without the K loop, which would cost as much as a full row's."""
-    tl.store(out_ptrs, tl.zeros(out_ptrs.shape, dtype=out_ptrs.dtype.element_ty), mask=n_ok)
-
-
 @triton.jit(do_not_specialize=_ARGS)
 def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter, top_k,
                         first_expert, num_local, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,11 +170,6 @@ def _decode_down_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
                                      num_local, EARLY)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    if tl.max(mine.to(tl.int32), 0) == 0:  # none of the row's pairs is this rank's
-        if EARLY:
-            pdl_gate(PDL)
-        _zero_row(out_ptr + row * hidden + offs_n, n_ok)
-        return
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair[:, None] * inter + offs_k[None, :]
     w_ptrs = (w2_ptr + ((expert[:, None] * hidden + offs_n[None, :]) * inter)[:, :, None]

@@ -50,7 +50,7 @@ from moeserve.kernels.elementwise.act import ACT_CODES, _act
 from moeserve.kernels.fp8.gemm import _sm_count, check_dot_k, split_buffers, split_sum
 from moeserve.kernels.launch.pdl import pdl_args, pdl_gate
 from moeserve.kernels.moe.align_torch import Workspace, take
-from moeserve.kernels.moe.decode_moe import _ARGS, _down_row, _zero_row
+from moeserve.kernels.moe.decode_moe import _ARGS, _down_row
 from moeserve.kernels.moe.fp8_tiles import (check_tiles, quantize_act, quantize_input,
                                             quantized_groups)
 
@@ -174,10 +174,6 @@ def _decode_down_kernel(h_ptr, w2_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, hi
                                      num_local, True)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    if tl.max(mine.to(tl.int32), 0) == 0:  # none of the row's pairs is this rank's
-        pdl_gate(PDL)
-        _zero_row(out_ptr + row * hidden + offs_n, n_ok)
-        return
     gs = tl.arange(0, GROUPS)
     ks = gs[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, G] of a step
     step = GROUPS * GROUP_K
