@@ -33,11 +33,9 @@ one whose waits are near zero by the host.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import statistics
-import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -146,8 +144,8 @@ class StepProfile:
     def _write_kernels(self) -> None:
         prof, self.torch_profiler = self.torch_profiler, None
         prof.__exit__(None, None, None)
-        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):
-            self._write_trace(prof)
+        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):  # (torch gzips a .gz path)
+            prof.export_chrome_trace(str(self.folder / f"rank{self.rank}_trace.json.gz"))
         steps = max(1, self.window_steps)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.window_kinds.items()))
         head = f"rank {self.rank}: {steps} forwards ({kinds}); "
@@ -161,13 +159,6 @@ class StepProfile:
                      "(self times summed)", f"{'us/forward':>11} {'calls/forward':>13}  name"]
             lines += [f"{us:11.1f} {calls:13.1f}  {name[:120]}" for us, calls, name in rows[:60]]
         (self.folder / f"rank{self.rank}_kernels.txt").write_text("\n".join(lines) + "\n")
-
-    def _write_trace(self, prof: Any) -> None:
-        plain = self.folder / f"rank{self.rank}_trace.json"
-        prof.export_chrome_trace(str(plain))
-        with plain.open("rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        plain.unlink()
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
